@@ -1,0 +1,244 @@
+"""The circuit IR: typed values, op nodes, and the immutable `Circuit` DAG that layers emit.
+
+A `Circuit` is plain data (frozen pydantic models) that prints as a program, round-trips through
+versioned JSON and has a stable `fingerprint()`. Passes reach its graph only through
+`topo_order()`, `users()` and `producer()`; the networkx graph behind them is built once, lazily.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from typing import Any, Literal, Union
+
+import networkx as nx
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+ROW = "n"  # the row symbol: the batch width a program is specialised for
+
+Dim = Union[int, str]
+Kind = Literal["input", "param", "state", "temp", "output"]
+
+# dtype names as torch spells them; the short forms are for printing only
+DTYPES: dict[str, str] = {
+    "float32": "f32", "float16": "f16", "bfloat16": "bf16",
+    "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "b8",
+}
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1,
+}
+
+
+class CircuitError(Exception):
+    """A malformed circuit or a failed circuit rule; names the node, the op and the shapes."""
+
+    def __init__(self, message: str, *, node: str | None = None, op: str | None = None,
+                 shapes: str | None = None) -> None:
+        self.node, self.op, self.shapes, self.detail = node, op, shapes, message
+        where = f"node {node!r}" + (f" (op {op})" if op else "") if node else (f"op {op}" if op else "")
+        text = f"{where}: {message}" if where else message
+        if shapes:
+            text += f" [{shapes}]"
+        super().__init__(text)
+
+
+class TensorSpec(BaseModel):
+    """The dtype and shape of a tensor; a shape entry is an int or a declared symbol (`n`)."""
+
+    model_config = ConfigDict(frozen=True)
+    dtype: str
+    shape: tuple[Dim, ...]
+
+    def __str__(self) -> str:
+        return f"{DTYPES.get(self.dtype, self.dtype)}[{','.join(str(d) for d in self.shape)}]"
+
+    def concrete(self, env: dict[str, int]) -> tuple[int, ...]:
+        """The shape with every symbol replaced by its value in `env`."""
+        return tuple(d if isinstance(d, int) else env[d] for d in self.shape)
+
+    def nbytes(self, env: dict[str, int]) -> int:
+        numel = 1
+        for d in self.concrete(env):
+            numel *= d
+        return numel * DTYPE_BYTES[self.dtype]
+
+
+class Value(BaseModel):
+    """A named tensor of the circuit. A state value is one version of a storage owned outside."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...]
+    kind: Kind
+    storage: str | None = None  # state values: the root state all versions share
+    version: int = 0
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(dtype=self.dtype, shape=self.shape)
+
+
+class Node(BaseModel):
+    """One op application: input and output value names, and attrs its op's attrs model checks."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any] = Field(default_factory=dict)
+
+
+class Circuit(BaseModel):
+    """An immutable DAG of nodes over values, with row-symbol bounds and named outputs."""
+
+    model_config = ConfigDict(frozen=True)
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    symbols: dict[str, tuple[int, int]]  # symbol -> inclusive (low, high) bounds
+    values: tuple[Value, ...]
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]
+
+    # ---- lookups (built once; the model is frozen so they never go stale) ----
+    @cached_property
+    def _values(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    @cached_property
+    def _nodes(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def _producers(self) -> dict[str, str]:
+        return {out: n.name for n in self.nodes for out in n.outputs}
+
+    @cached_property
+    def _users(self) -> dict[str, tuple[str, ...]]:
+        users: dict[str, list[str]] = {}
+        for n in self.nodes:
+            for v in dict.fromkeys(n.inputs):
+                users.setdefault(v, []).append(n.name)
+        return {v: tuple(u) for v, u in users.items()}
+
+    @cached_property
+    def graph(self) -> nx.DiGraph:
+        """Node-level DAG: data edges, plus anti-edges that order each state read before the
+        write of that state's next version (so topological order respects in-place mutation)."""
+        g = nx.DiGraph()
+        g.add_nodes_from(n.name for n in self.nodes)
+        for n in self.nodes:
+            for v in n.inputs:
+                p = self._producers.get(v)
+                if p is not None:
+                    g.add_edge(p, n.name, kind="data", value=v)
+        for writer, version in self.state_writes():
+            for reader in self._users.get(version, ()):
+                if reader != writer:
+                    g.add_edge(reader, writer, kind="anti", value=version)
+        return g
+
+    def value(self, name: str) -> Value:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise CircuitError(f"no value named {name!r}") from None
+
+    def has_value(self, name: str) -> bool:
+        return name in self._values
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise CircuitError(f"no node named {name!r}") from None
+
+    def producer(self, value: str) -> Node | None:
+        """The node that writes `value`, or None for inputs, params and root states."""
+        p = self._producers.get(value)
+        return self._nodes[p] if p is not None else None
+
+    def users(self, value: str) -> tuple[Node, ...]:
+        """The nodes that read `value`, in circuit order."""
+        return tuple(self._nodes[u] for u in self._users.get(value, ()))
+
+    def topo_order(self) -> tuple[Node, ...]:
+        """Nodes in a deterministic topological order (ties broken by circuit order)."""
+        index = {n.name: i for i, n in enumerate(self.nodes)}
+        order = nx.lexicographical_topological_sort(self.graph, key=lambda name: index[name])
+        return tuple(self._nodes[name] for name in order)
+
+    def state_writes(self) -> list[tuple[str, str]]:
+        """(writer node, state version it consumes) for each node that writes a new version."""
+        writes = []
+        for n in self.nodes:
+            for out in n.outputs:
+                v = self._values.get(out)
+                if v is None or v.kind != "state" or v.version == 0:
+                    continue
+                prev = next((i for i in n.inputs if (iv := self._values.get(i)) is not None
+                             and iv.kind == "state" and iv.storage == v.storage), None)
+                if prev is not None:
+                    writes.append((n.name, prev))
+        return writes
+
+    def inputs_of_kind(self, kind: Kind) -> tuple[Value, ...]:
+        return tuple(v for v in self.values if v.kind == kind)
+
+    @property
+    def max_width(self) -> int:
+        return self.symbols[ROW][1]
+
+    # ---- printing and serialisation ----
+    def __str__(self) -> str:
+        bounds = ", ".join(f"{lo} <= {s} <= {hi}" for s, (lo, hi) in self.symbols.items())
+        lines = [f"circuit {self.name} ({bounds})"]
+        for kind in ("input", "param", "state"):
+            for v in self.values:
+                if v.kind == kind and (kind != "state" or v.version == 0):
+                    lines.append(f"  {kind} {v.name}: {v.spec}")
+        for n in self.nodes:
+            outs = ", ".join(f"{o}: {self._values[o].spec}" if o in self._values else o
+                             for o in n.outputs)
+            attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in sorted(n.attrs.items()))
+            attrs = f" {{{attrs}}}" if attrs else ""
+            label = "" if n.outputs and n.outputs[0].startswith(n.name) else f"  # {n.name}"
+            lines.append(f"  {outs} = {n.op}({', '.join(n.inputs)}){attrs}{label}")
+        lines.append(f"  return {', '.join(self.outputs)}")
+        return "\n".join(lines)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Circuit":
+        data = json.loads(text)
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise CircuitError(f"circuit JSON schema_version {version!r}; this build reads "
+                               f"{SCHEMA_VERSION}")
+        return cls.model_validate(data)
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON: stable across processes, the compiled-program cache key."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def replace(self, *, nodes: tuple[Node, ...] | list[Node] | None = None,
+                values: tuple[Value, ...] | list[Value] | None = None,
+                outputs: tuple[str, ...] | None = None) -> "Circuit":
+        """A new circuit with some fields replaced (passes build their results with this)."""
+        return Circuit(name=self.name, symbols=dict(self.symbols),
+                       values=tuple(self.values if values is None else values),
+                       nodes=tuple(self.nodes if nodes is None else nodes),
+                       outputs=tuple(self.outputs if outputs is None else outputs))
+
+
+def _fmt_attr(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_fmt_attr(x) for x in v) + "]"
+    return str(v)

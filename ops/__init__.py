@@ -1,0 +1,5 @@
+"""The op vocabulary: importing this package registers every op (see ops.registry)."""
+from ops import attention, basic, sampling  # noqa: F401  (registration side effects)
+from ops.registry import REGISTRY, Cost, CostContext, KernelBinding, OpDef, get_op
+
+__all__ = ["REGISTRY", "Cost", "CostContext", "KernelBinding", "OpDef", "get_op"]

@@ -1,0 +1,274 @@
+"""Token and paged-KV ops: embedding, embed_write, rope, kv_write, rope_kv_write, decode_attention.
+
+KV pools are states of shape [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's row r
+lives at block_tables[i, r // block_size], offset r % block_size. Step offsets are attrs, so a
+k-step chain needs no integer arithmetic ops: step j writes row live_rows + j at position + j.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from circuit.ir import ROW, TensorSpec
+from ops.registry import (FUSED, GATHER, WRITES_STATE, Cost, OpDef, check, dim_eq, elt, rank,
+                          register, same_dtype)
+
+INDEX_DTYPES = ("int32", "int64")
+
+
+class TokenError(ValueError):
+    """A token id outside [0, vocab): named with its row."""
+
+
+class RopeAttrs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    head_dim: int
+    theta: float = 10000.0
+    pos_offset: int = 0
+
+
+class KvWriteAttrs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    row_offset: int = 0
+
+
+class RopeKvWriteAttrs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    head_dim: int
+    theta: float = 10000.0
+    pos_offset: int = 0
+    row_offset: int = 0
+
+
+class AttentionAttrs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    scale: float | None = None  # default 1/sqrt(head_dim)
+    row_offset: int = 0
+
+
+def _index(spec: TensorSpec, what: str) -> None:
+    check(spec.dtype in INDEX_DTYPES, lambda: f"{what} must be int32 or int64, got {spec}")
+
+
+# ---- embedding ----
+def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of `table`; a negative id (an all-masked draft, -1) gives a zero row, by policy."""
+    vocab = table.shape[0]
+    if ids.numel() and int(ids.max()) >= vocab:
+        row = int((ids >= vocab).nonzero()[0, 0])
+        raise TokenError(f"token id {int(ids[row])} at row {row} is outside the vocabulary "
+                         f"[0, {vocab})")
+    out = table[ids.clamp(min=0).long()]
+    return out.masked_fill((ids < 0).unsqueeze(-1), 0)
+
+
+def _infer_embedding(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    table, ids = ins
+    rank(table, 2, "embedding table [vocab, hidden]")
+    rank(ids, 1, "token ids")
+    _index(ids, "token ids")
+    return [TensorSpec(dtype=table.dtype, shape=(ids.shape[0], table.shape[1]))]
+
+
+def _embedding_cost(ins, outs, a, ctx, env) -> Cost:
+    row_bytes = outs[-1].nbytes(env)  # only the gathered rows of the table are read
+    return Cost(row_bytes + ins[-1].nbytes(env), outs[-1].nbytes(env), 0)
+
+
+register(OpDef(
+    name="embedding", inputs=("table", "ids"), outputs=("out",), infer=_infer_embedding,
+    reference=lambda t, a: (embedding_ref(t[0], t[1]),), cost=_embedding_cost,
+    tags=frozenset({GATHER}),
+))
+
+
+def _infer_embed_write(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    target, table, ids = ins
+    (emb,) = _infer_embedding([table, ids], a)
+    check(target.dtype == emb.dtype and target.shape == emb.shape,
+          lambda: f"embed target {target} must be {emb}")
+    return [target]
+
+
+def _embed_write(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
+    target, table, ids = t
+    target.copy_(embedding_ref(table, ids))
+    return (target,)
+
+
+register(OpDef(
+    name="embed_write", inputs=("target", "table", "ids"), outputs=("target",),
+    infer=_infer_embed_write, reference=_embed_write, mutates={0: 0},
+    cost=lambda ins, outs, a, ctx, env: Cost(2 * outs[0].nbytes(env), outs[0].nbytes(env), 0),
+    tags=frozenset({GATHER, WRITES_STATE}),
+))
+
+
+# ---- rope ----
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
+             pos_offset: int) -> torch.Tensor:
+    """HF rotate-half RoPE over x [n, heads * head_dim], computed in fp32, cast once."""
+    n = x.shape[0]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device).float() / head_dim))
+    angle = (positions.float() + pos_offset).unsqueeze(-1) * inv_freq  # [n, D/2]
+    cos, sin = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)     # [n, 1, D/2]
+    xf = x.float().view(n, -1, head_dim)
+    x1, x2 = xf[..., : head_dim // 2], xf[..., head_dim // 2:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.view(n, -1).to(x.dtype)
+
+
+def _infer_rope(ins: list[TensorSpec], a: RopeAttrs) -> list[TensorSpec]:
+    x, pos = ins
+    rank(x, 2, "rope input [n, heads * head_dim]")
+    rank(pos, 1, "positions")
+    _index(pos, "positions")
+    dim_eq(pos.shape[0], x.shape[0], "rope rows")
+    check(a.head_dim % 2 == 0 and isinstance(x.shape[1], int) and x.shape[1] % a.head_dim == 0,
+          lambda: f"rope head_dim {a.head_dim} must be even and divide {x}")
+    return [x]
+
+
+register(OpDef(
+    name="rope", inputs=("x", "positions"), outputs=("out",), attrs=RopeAttrs, infer=_infer_rope,
+    reference=lambda t, a: (rope_ref(t[0], t[1], a.head_dim, a.theta, a.pos_offset),),
+    inplace={0: 0},
+))
+
+
+# ---- paged KV ----
+def _check_paged(cache: TensorSpec, tables: TensorSpec, live: TensorSpec, rows) -> None:
+    rank(cache, 4, "KV cache [num_blocks, block_size, kv_heads, head_dim]")
+    rank(tables, 2, "block tables [n, max_blocks]")
+    rank(live, 1, "live rows [n]")
+    check(tables.dtype == "int32" and live.dtype == "int32",
+          lambda: f"block tables and live rows must be int32, got {tables}, {live}")
+    dim_eq(tables.shape[0], rows, "block table rows")
+    dim_eq(live.shape[0], rows, "live row count rows")
+
+
+def _infer_kv_write(ins: list[TensorSpec], a: KvWriteAttrs) -> list[TensorSpec]:
+    kc, vc, k, v, tables, live = ins[:6]
+    same_dtype(kc, vc, k, v)
+    check(kc.shape == vc.shape, lambda: f"K and V caches differ: {kc} vs {vc}")
+    _check_paged(kc, tables, live, k.shape[0])
+    rank(k, 2, "k [n, kv_heads * head_dim]")
+    check(k.shape == v.shape, lambda: f"k and v differ: {k} vs {v}")
+    dim_eq(k.shape[1], kc.shape[2] * kc.shape[3], f"k width vs cache heads*head_dim ({k}, {kc})")
+    if len(ins) > 6:
+        check(ins[6].dtype == "int32" and ins[6].shape == (k.shape[0],),
+              lambda: f"active must be int32[{k.shape[0]}], got {ins[6]}")
+    return [kc, vc]
+
+
+def kv_write_ref(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 tables: torch.Tensor, live: torch.Tensor, active: torch.Tensor | None,
+                 row_offset: int) -> None:
+    block_size, heads, dim = kc.shape[1:]
+    rows = live.long() + row_offset
+    blocks = tables.long().gather(1, (rows // block_size).unsqueeze(1)).squeeze(1)
+    keep = torch.ones_like(rows, dtype=torch.bool) if active is None else active != 0
+    blocks, offs = blocks[keep], (rows % block_size)[keep]
+    kc[blocks, offs] = k[keep].view(-1, heads, dim)
+    vc[blocks, offs] = v[keep].view(-1, heads, dim)
+
+
+def _kv_write(t: list, a: KvWriteAttrs) -> tuple[torch.Tensor, torch.Tensor]:
+    kc, vc, k, v, tables, live = t[:6]
+    kv_write_ref(kc, vc, k, v, tables, live, t[6] if len(t) > 6 else None, a.row_offset)
+    return kc, vc
+
+
+def _kv_write_cost(ins, outs, a, ctx, env) -> Cost:
+    k, v = ins[2], ins[3]
+    return Cost(k.nbytes(env) + v.nbytes(env), k.nbytes(env) + v.nbytes(env), 0)
+
+
+register(OpDef(
+    name="kv_write", inputs=("k_cache", "v_cache", "k", "v", "block_tables", "live_rows", "active"),
+    outputs=("k_cache", "v_cache"), num_required=6, attrs=KvWriteAttrs, infer=_infer_kv_write,
+    reference=_kv_write, cost=_kv_write_cost, mutates={0: 0, 1: 1},
+    tags=frozenset({WRITES_STATE}),
+))
+
+
+def _infer_rope_kv_write(ins: list[TensorSpec], a: RopeKvWriteAttrs) -> list[TensorSpec]:
+    q, k, v, pos, kc, vc, tables, live = ins[:8]
+    (q_out,) = _infer_rope([q, pos], RopeAttrs(head_dim=a.head_dim))
+    _infer_rope([k, pos], RopeAttrs(head_dim=a.head_dim))
+    caches = _infer_kv_write([kc, vc, k, v, tables, live, *ins[8:]], KvWriteAttrs())
+    return [q_out, *caches]
+
+
+def _rope_kv_write(t: list, a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
+    q, k, v, pos, kc, vc, tables, live = t[:8]
+    q_rot = rope_ref(q, pos, a.head_dim, a.theta, a.pos_offset)
+    k_rot = rope_ref(k, pos, a.head_dim, a.theta, a.pos_offset)
+    kv_write_ref(kc, vc, k_rot, v, tables, live, t[8] if len(t) > 8 else None, a.row_offset)
+    return q_rot, kc, vc
+
+
+register(OpDef(
+    name="rope_kv_write",
+    inputs=("q", "k", "v", "positions", "k_cache", "v_cache", "block_tables", "live_rows", "active"),
+    outputs=("q_out", "k_cache", "v_cache"), num_required=8, attrs=RopeKvWriteAttrs,
+    infer=_infer_rope_kv_write, reference=_rope_kv_write, mutates={1: 4, 2: 5},
+    cost=lambda ins, outs, a, ctx, env: Cost(
+        sum(s.nbytes(env) for s in ins[:4]), outs[0].nbytes(env) + 2 * ins[1].nbytes(env), 0),
+    tags=frozenset({WRITES_STATE, FUSED}),
+))
+
+
+# ---- attention ----
+def _infer_attention(ins: list[TensorSpec], a: AttentionAttrs) -> list[TensorSpec]:
+    q, kc, vc, tables, live = ins
+    same_dtype(q, kc, vc)
+    check(kc.shape == vc.shape, lambda: f"K and V caches differ: {kc} vs {vc}")
+    _check_paged(kc, tables, live, q.shape[0])
+    rank(q, 2, "q [n, heads * head_dim]")
+    kv_heads, dim = kc.shape[2], kc.shape[3]
+    check(isinstance(q.shape[1], int) and q.shape[1] % (kv_heads * dim) == 0,
+          lambda: f"q width must be a multiple of kv_heads*head_dim ({q} vs cache {kc})")
+    return [q]
+
+
+def decode_attention_ref(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                         tables: torch.Tensor, live: torch.Tensor, scale: float | None,
+                         row_offset: int) -> torch.Tensor:
+    """Attention of each row's query over its own live KV rows only, gathered through its table."""
+    block_size, kv_heads, dim = kc.shape[1:]
+    heads = q.shape[1] // dim
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        length = int(live[i]) + row_offset + 1
+        rows = torch.arange(length, device=q.device)
+        blocks = tables[i, rows // block_size].long()
+        keys = kc[blocks, rows % block_size].float()    # [L, kv_heads, D]
+        vals = vc[blocks, rows % block_size].float()
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        vals = vals.repeat_interleave(heads // kv_heads, dim=1)
+        qi = q[i].float().view(heads, dim)
+        scores = torch.einsum("hd,lhd->hl", qi, keys) * scale
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals).reshape(-1).to(q.dtype)
+    return out
+
+
+def _attention_cost(ins, outs, a, ctx, env) -> Cost:
+    q, kc = ins[0], ins[1]
+    n = env[ROW] if q.shape[0] == ROW else int(q.shape[0])
+    kv_row_bytes = 2 * kc.shape[2] * kc.shape[3] * elt(kc.dtype)
+    live_rows = n * (ctx.kv_rows + a.row_offset + 1)
+    small = sum(s.nbytes(env) for s in (ins[0], ins[3], ins[4]))
+    heads = int(q.shape[1]) // int(kc.shape[3])
+    return Cost(small + live_rows * kv_row_bytes, outs[0].nbytes(env),
+                4 * live_rows * heads * int(kc.shape[3]))
+
+
+register(OpDef(
+    name="decode_attention", inputs=("q", "k_cache", "v_cache", "block_tables", "live_rows"),
+    outputs=("out",), attrs=AttentionAttrs, infer=_infer_attention, cost=_attention_cost,
+    reference=lambda t, a: (decode_attention_ref(*t, a.scale, a.row_offset),),
+))

@@ -1,0 +1,147 @@
+"""The dense MTP head (DeepSeek-V3 layout, Llama decoder block) and the k-step draft chain.
+
+`emit_draft_chain(head, k, ...)` unrolls k draft steps into one circuit over n rows: step 0 reads
+the target's hidden state, step j > 0 the drafter's own hidden from step j - 1, and step j writes
+drafter-KV row live_rows + j at position positions + j.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from circuit.builder import CircuitBuilder
+from circuit.ir import ROW, Circuit
+from ops.layers.config import MTP_PARAM_SHAPES, MtpConfig
+from ops.sampling import mask_words
+
+GATE_UP = "mlp.gate_up_proj.weight"  # the one derived param: gate rows, then up rows
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """The paged drafter-KV pool a chain writes: shapes only, the pool itself is a state."""
+
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.block_size * self.max_blocks_per_seq
+
+
+@dataclass(frozen=True)
+class StepIO:
+    """What one emitted draft step hands to the next."""
+
+    hidden: str
+    token: str
+    logprob: str
+    k_cache: str
+    v_cache: str
+
+
+class MtpHead:
+    """One MTP layer: emits a draft step through a builder, binds checkpoint weights to params."""
+
+    def __init__(self, config: MtpConfig, dtype: str = "float32") -> None:
+        self.config, self.dtype = config, dtype
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = dict(MTP_PARAM_SHAPES(self.config))
+        gate = shapes.pop("mlp.gate_proj.weight")
+        shapes.pop("mlp.up_proj.weight")
+        shapes[GATE_UP] = (2 * gate[0], gate[1])
+        return shapes
+
+    def declare_params(self, b: CircuitBuilder) -> None:
+        for name, shape in self.param_shapes().items():
+            b.param(name, self.dtype, shape)
+
+    def bind(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors (canonical names) -> the circuit's params, in the head's dtype."""
+        dt = getattr(torch, self.dtype)
+        params = {k: w.to(dt).contiguous() for k, w in weights.items()
+                  if k not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+        params[GATE_UP] = torch.cat([weights["mlp.gate_proj.weight"],
+                                     weights["mlp.up_proj.weight"]]).to(dt).contiguous()
+        return {k: params[k] for k in self.param_shapes()}
+
+    def emit_step(self, b: CircuitBuilder, step: int, token: str, hidden: str, positions: str,
+                  tables: str, live: str, k_cache: str, v_cache: str,
+                  bitmask: str | None = None) -> StepIO:
+        c = self.config
+        eps = {"eps": c.rms_norm_eps}
+        rope = {"head_dim": c.head_dim, "theta": c.rope_theta, "pos_offset": step}
+        emb = b.op1("embedding", ["embed_tokens.weight", token])
+        x = b.op1("concat", [b.op1("rmsnorm", [emb, "enorm.weight"], eps, name="enorm"),
+                             b.op1("rmsnorm", [hidden, "hnorm.weight"], eps, name="hnorm")])
+        x = b.op1("linear", [x, "eh_proj.weight"], name="eh_proj")
+        a = b.op1("rmsnorm", [x, "input_layernorm.weight"], eps, name="input_layernorm")
+        q = b.op1("linear", [a, "self_attn.q_proj.weight"], name="q_proj")
+        k = b.op1("linear", [a, "self_attn.k_proj.weight"], name="k_proj")
+        v = b.op1("linear", [a, "self_attn.v_proj.weight"], name="v_proj")
+        q = b.op1("rope", [q, positions], rope, name="rope_q")
+        k = b.op1("rope", [k, positions], rope, name="rope_k")
+        k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live],
+                                {"row_offset": step})
+        o = b.op1("decode_attention", [q, k_cache, v_cache, tables, live], {"row_offset": step},
+                  name="attention")
+        x = b.op1("add", [x, b.op1("linear", [o, "self_attn.o_proj.weight"], name="o_proj")],
+                  name="attn_residual")
+        m = b.op1("rmsnorm", [x, "post_attention_layernorm.weight"], eps,
+                  name="post_attention_layernorm")
+        g = b.op1("silu_mul", [b.op1("linear", [m, GATE_UP], name="gate_up_proj")])
+        x = b.op1("add", [x, b.op1("linear", [g, "mlp.down_proj.weight"], name="down_proj")],
+                  name="mlp_residual")
+        y = b.op1("rmsnorm", [x, "shared_head.norm.weight"], eps, name="shared_head_norm")
+        logits = b.op1("linear", [y, "shared_head.head.weight"], name="lm_head")
+        tok, lp = b.op("argmax_logprob", [logits, bitmask])
+        return StepIO(hidden=x, token=tok, logprob=lp, k_cache=k_cache, v_cache=v_cache)
+
+
+def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLayout,
+                     bitmask: bool = False, embed_target: bool = False,
+                     name: str = "mtp_draft_chain") -> Circuit:
+    """The k-step draft chain over n rows.
+
+    Inputs: tokens i32[n] (each row's last token), hidden [n, H] (the target's last hidden,
+    after its final norm), positions i32[n] (the position of `tokens`), block_tables i32[n, M],
+    live_rows i32[n] (drafter-KV rows each sequence holds before this chain), optionally
+    bitmask i32[n, ceil(V/32)] (the same mask at every draft position). States: k_cache and
+    v_cache [num_blocks, block_size, kv_heads, head_dim], optionally embed_target [n, H].
+    Outputs: drafts i32[n, k], confidences f32[n, k] (top-1 log-probabilities), hidden_out [n, H].
+    """
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    c, dt = head.config, head.dtype
+    b = CircuitBuilder(name, max_width=max_width)
+    tokens = b.input("tokens", "int32", (ROW,))
+    hidden = b.input("hidden", dt, (ROW, c.hidden_size))
+    positions = b.input("positions", "int32", (ROW,))
+    tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq))
+    live = b.input("live_rows", "int32", (ROW,))
+    mask = b.input("bitmask", "int32", (ROW, mask_words(c.vocab_size))) if bitmask else None
+    cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
+    k_cache, v_cache = b.state("k_cache", dt, cache_shape), b.state("v_cache", dt, cache_shape)
+    target = b.state("embed_target", dt, (ROW, c.hidden_size)) if embed_target else None
+    head.declare_params(b)
+
+    token, tokens_out, logprobs = tokens, [], []
+    for j in range(num_drafts):
+        with b.scope(f"s{j}"):
+            io = head.emit_step(b, j, token, hidden, positions, tables, live, k_cache, v_cache,
+                                mask)
+        hidden, token, k_cache, v_cache = io.hidden, io.token, io.k_cache, io.v_cache
+        tokens_out.append(io.token)
+        logprobs.append(io.logprob)
+    b.output(b.op1("stack", tokens_out, name="drafts"), "drafts")
+    b.output(b.op1("stack", logprobs, name="confidences"), "confidences")
+    b.output(hidden, "hidden_out")
+    b.output(k_cache)
+    b.output(v_cache)
+    if target is not None:
+        # only the last draft's embedding goes to the host buffer (the deferred draft)
+        b.output(b.op1("embed_write", [target, "embed_tokens.weight", token]))
+    return b.build()

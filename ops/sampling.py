@@ -1,0 +1,96 @@
+"""The vocabulary reduction: top-1 token and its log-probability, optionally under a bitmask.
+
+Policy (FAULTS 14-16): token v is allowed iff bit v & 31 of word v >> 5 of the row's int32 mask is
+set; non-finite logits are never allowed. Ties go to the lowest id. A row with nothing allowed
+gives token -1 and log-probability -inf: reported, never a garbage id.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel
+
+from circuit.ir import TensorSpec
+from ops.basic import _infer_linear
+from ops.registry import FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, register
+
+
+def mask_words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, W] int32 words -> [n, vocab] bool."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int64)
+    expanded = (bitmask.long().unsqueeze(-1) >> bits) & 1  # the sign bit is just bit 31
+    return expanded.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def argmax_logprob_ref(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.float()
+    allowed = torch.isfinite(x)
+    if bitmask is not None:
+        allowed &= allowed_tokens(bitmask, x.shape[1])
+    masked = x.masked_fill(~allowed, float("-inf"))
+    best = masked.max(dim=-1).values
+    # lowest id among the maxima: argmax of a boolean picks the first True
+    token = (masked == best.unsqueeze(-1)).to(torch.int8).argmax(dim=-1).to(torch.int32)
+    logprob = best - torch.logsumexp(masked, dim=-1)
+    none = ~allowed.any(dim=-1)
+    token = token.masked_fill(none, -1)
+    logprob = logprob.masked_fill(none, float("-inf"))
+    return token, logprob
+
+
+def _check_mask(logits_or_x: TensorSpec, vocab: int, mask: TensorSpec) -> None:
+    check(mask.dtype == "int32", lambda: f"bitmask must be int32, got {mask}")
+    check(len(mask.shape) == 2 and mask.shape[0] == logits_or_x.shape[0],
+          lambda: f"bitmask must be [rows, words], got {mask} for {logits_or_x}")
+    check(mask.shape[1] == mask_words(vocab),
+          lambda: f"bitmask has {mask.shape[1]} words a row; vocab {vocab} needs "
+                  f"ceil({vocab}/32) = {mask_words(vocab)}")
+
+
+def _outs(rows) -> list[TensorSpec]:
+    return [TensorSpec(dtype="int32", shape=(rows,)), TensorSpec(dtype="float32", shape=(rows,))]
+
+
+def _infer_argmax(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    logits = ins[0]
+    check(len(logits.shape) == 2 and isinstance(logits.shape[1], int),
+          lambda: f"logits must be [n, vocab], got {logits}")
+    check(logits.dtype in ("float32", "float16", "bfloat16"), lambda: f"logits {logits} not float")
+    if len(ins) > 1:
+        _check_mask(logits, int(logits.shape[1]), ins[1])
+    return _outs(logits.shape[0])
+
+
+register(OpDef(
+    name="argmax_logprob", inputs=("logits", "bitmask"), outputs=("token", "logprob"),
+    num_required=1, infer=_infer_argmax,
+    reference=lambda t, a: argmax_logprob_ref(t[0], t[1] if len(t) > 1 else None),
+    tags=frozenset({REDUCTION}),
+))
+
+
+def _infer_linear_argmax(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    (logits,) = _infer_linear(ins[:2], a)
+    if len(ins) > 2:
+        _check_mask(logits, int(logits.shape[1]), ins[2])
+    return _outs(logits.shape[0])
+
+
+def _linear_argmax(t: list, a: BaseModel) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.nn.functional.linear(t[0], t[1])  # as the unfused pair, so CPU is bitwise equal
+    return argmax_logprob_ref(logits, t[2] if len(t) > 2 else None)
+
+
+def _linear_argmax_cost(ins, outs, a, ctx, env) -> Cost:
+    n, k = ins[0].concrete(env)
+    return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
+
+
+register(OpDef(
+    name="linear_argmax_logprob", inputs=("x", "weight", "bitmask"), outputs=("token", "logprob"),
+    num_required=2, infer=_infer_linear_argmax, reference=_linear_argmax,
+    cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, FUSED}),
+))

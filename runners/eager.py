@@ -1,0 +1,82 @@
+"""`EagerRunner`: the oracle. Interprets a circuit node by node with the ops' torch references,
+at any width, on CPU or CUDA, freeing each value after its last use. A failing node is re-raised
+as a `RunError` "while running node N (op, input shapes)"."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from circuit.ir import ROW, Circuit, Node
+from ops.registry import get_op
+from runners.binding import check_inputs, check_params, check_states, state_view
+
+
+class RunError(RuntimeError):
+    """A node failed while running; the original error is the cause."""
+
+
+def last_uses(order: tuple[Node, ...], keep: set[str]) -> dict[int, list[str]]:
+    """Step index -> values whose last reader is that step (values in `keep` are never freed)."""
+    last: dict[str, int] = {}
+    for i, node in enumerate(order):
+        for v in node.inputs:
+            last[v] = i
+        for v in node.outputs:
+            last.setdefault(v, i)  # written but never read: free right after
+    freed: dict[int, list[str]] = {}
+    for v, i in last.items():
+        if v not in keep:
+            freed.setdefault(i, []).append(v)
+    return freed
+
+
+def describe(node: Node, tensors: list) -> str:
+    shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}"
+                       if isinstance(t, torch.Tensor) else repr(t) for t in tensors)
+    return f"node {node.name!r} ({node.op}; inputs {shapes})"
+
+
+class EagerRunner:
+    """Binds params and states once; `run(inputs)` returns the circuit's non-state outputs.
+
+    States are mutated in place (a state with a row dim is bound at max width; a call at
+    width n touches its first n rows). Returned tensors are fresh: later calls never overwrite them.
+    """
+
+    def __init__(self, circuit: Circuit, params: Mapping[str, torch.Tensor],
+                 states: Mapping[str, torch.Tensor]) -> None:
+        check_params(circuit, params)
+        check_states(circuit, states)
+        self.circuit, self.params, self.states = circuit, dict(params), dict(states)
+        self.order = circuit.topo_order()
+        keep = set(circuit.outputs)
+        self._free = last_uses(self.order, keep)
+        self._attrs = [get_op(n.op).parse_attrs(n.attrs) for n in self.order]
+        self.outputs = tuple(o for o in circuit.outputs if circuit.value(o).kind != "state")
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        width = check_inputs(self.circuit, inputs)
+        env: dict[str, torch.Tensor] = {**self.params, **inputs}
+        for name, t in self.states.items():
+            env[name] = state_view(self.circuit, name, t, width)
+        for i, (node, attrs) in enumerate(zip(self.order, self._attrs)):
+            args = [env[x] for x in node.inputs]
+            try:
+                outs = get_op(node.op).reference(args, attrs)
+            except Exception as e:
+                raise RunError(f"while running {describe(node, args)} at width {width}: "
+                               f"{type(e).__name__}: {e}") from e
+            for name, t in zip(node.outputs, outs):
+                self._check_out(node, name, t, width)
+                env[name] = t
+            for name in self._free.get(i, ()):
+                env.pop(name, None)
+        return {o: env[o] for o in self.outputs}
+
+    def _check_out(self, node: Node, name: str, t: torch.Tensor, width: int) -> None:
+        want = self.circuit.value(name).spec.concrete({ROW: width})
+        if tuple(t.shape) != want:  # an op whose reference disagrees with its own shape rule
+            raise RunError(f"while running node {node.name!r} ({node.op}): output {name!r} has "
+                           f"shape {tuple(t.shape)}, its shape rule says {want}")
+

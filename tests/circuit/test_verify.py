@@ -1,0 +1,170 @@
+"""One test per verifier failure class; each error names the node, the op and the shapes."""
+import pytest
+
+from circuit import CircuitBuilder, CircuitError, Node, Value, verify
+from circuit.ir import Circuit
+
+
+def small() -> Circuit:
+    b = CircuitBuilder("small", max_width=8)
+    x = b.input("x", "float32", ("n", 4))
+    w = b.param("w", "float32", (3, 4))
+    kc = b.state("kc", "float32", (5, 2, 1, 3))
+    t = b.input("tables", "int32", ("n", 2))
+    live = b.input("live", "int32", ("n",))
+    y = b.op1("linear", [x, w], name="proj")
+    z = b.op1("add", [y, y], name="double")
+    kc1, vc1 = b.op("kv_write", [kc, b.state("vc", "float32", (5, 2, 1, 3)), z, z, t, live])
+    b.output(z, "z")
+    b.output(kc1)
+    b.output(vc1)
+    return b.build()
+
+
+def edit_node(c: Circuit, name: str, **update) -> Circuit:
+    return c.replace(nodes=[n.model_copy(update=update) if n.name == name else n for n in c.nodes])
+
+
+def edit_value(c: Circuit, name: str, **update) -> Circuit:
+    return c.replace(values=[v.model_copy(update=update) if v.name == name else v for v in c.values])
+
+
+def test_small_is_valid():
+    verify(small())
+
+
+def fails(c: Circuit, *fragments: str) -> CircuitError:
+    with pytest.raises(CircuitError) as e:
+        verify(c)
+    for f in fragments:
+        assert f in str(e.value), (f, str(e.value))
+    return e.value
+
+
+def test_cycle_is_named():
+    c = small()
+    # proj reads double's output: proj -> double -> proj
+    c = edit_node(c, "proj", inputs=("z", "w"))
+    c = edit_value(c, "x", shape=("n", 4))
+    c2 = edit_value(c, "proj", shape=("n", 3))
+    # make shapes consistent so only the cycle is wrong: z is [n,3], linear needs [n,4] -> widen w
+    c2 = edit_value(c2, "w", shape=(3, 3))
+    e = fails(c2, "cycle", "proj", "double")
+    assert e.node in ("proj", "double")
+
+
+def test_undefined_input():
+    fails(edit_node(small(), "double", inputs=("proj", "nope")), "'nope'", "double", "add")
+
+
+def test_value_defined_twice():
+    c = small()
+    c = c.replace(nodes=list(c.nodes) + [Node(name="again", op="add", inputs=("proj", "proj"),
+                                             outputs=("z",))])
+    fails(c, "defined twice", "again")
+
+
+def test_value_declared_twice():
+    c = small()
+    fails(c.replace(values=list(c.values) + [c.value("proj")]), "declared twice", "proj")
+
+
+def test_unknown_op():
+    fails(edit_node(small(), "double", op="frobnicate"), "unknown op 'frobnicate'", "double")
+
+
+def test_wrong_arity():
+    fails(edit_node(small(), "double", inputs=("proj",)), "takes 2 inputs", "double", "add")
+
+
+def test_invalid_attrs():
+    fails(edit_node(small(), "double", attrs={"alpha": 2}), "invalid attrs", "double", "add")
+    fails(edit_node(small(), "kv_write", attrs={"row_offset": "x"}), "invalid attrs", "kv_write")
+
+
+def test_shape_mismatch_names_shapes():
+    e = fails(edit_value(small(), "w", shape=(3, 5)), "linear in-features", "proj", "f32[n,4]",
+              "f32[3,5]")
+    assert e.op == "linear"
+
+
+def test_row_symbol_against_fixed_dim():
+    fails(edit_value(small(), "x", shape=(8, 4)), "recorded as f32[n,3]", "f32[8,3]")
+
+
+def test_recorded_shape_differs_from_rule():
+    fails(edit_value(small(), "proj", shape=("n", 7)), "recorded as f32[n,7]", "gives f32[n,3]")
+
+
+def test_dtype_mismatch_asks_for_cast():
+    fails(edit_value(small(), "w", dtype="bfloat16"), "dtypes differ", "cast", "bf16[3,4]")
+
+
+def test_unbound_symbol():
+    fails(edit_value(small(), "x", shape=("m", 4)), "unbound symbol 'm'")
+
+
+def test_output_not_produced():
+    c = small()
+    c = c.replace(values=list(c.values) + [Value(name="ghost", dtype="float32", shape=("n",),
+                                                  kind="output")],
+                  outputs=c.outputs + ("ghost",))
+    fails(c, "'ghost'", "not produced")
+
+
+def test_output_names_no_value():
+    fails(small().replace(outputs=("z", "nowhere")), "'nowhere'", "names no value")
+
+
+def test_state_read_after_later_version_written():
+    b = CircuitBuilder("stale", max_width=4)
+    kc, vc = b.state("kc", "float32", (5, 2, 1, 3)), b.state("vc", "float32", (5, 2, 1, 3))
+    x = b.input("x", "float32", ("n", 3))
+    t, live = b.input("t", "int32", ("n", 2)), b.input("live", "int32", ("n",))
+    kc1, vc1 = b.op("kv_write", [kc, vc, x, x, t, live], name="w1")
+    b.output(kc1)
+    b.output(vc1)
+    c = b.build()
+    # a reader of version 0 that also depends on the write of version 1 must run both before and
+    # after it
+    c = c.replace(
+        values=list(c.values) + [Value(name="q", dtype="float32", shape=("n", 3), kind="temp"),
+                                 Value(name="o", dtype="float32", shape=("n", 3), kind="output")],
+        nodes=list(c.nodes) + [
+            Node(name="after", op="decode_attention", inputs=("x", "kc@1", "vc@1", "t", "live"),
+                 outputs=("q",)),
+            Node(name="stale", op="decode_attention", inputs=("q", "kc", "vc", "t", "live"),
+                 outputs=("o",))],
+        outputs=c.outputs + ("o",))
+    e = fails(c, "reads state version", "stale", "'w1' wrote its next version")
+    assert e.node == "stale"
+
+
+def test_state_versions_must_form_a_line():
+    c = small()
+    kv = c.node("kv_write")
+    c = c.replace(values=list(c.values) + [
+        Value(name="kc@1b", dtype="float32", shape=(5, 2, 1, 3), kind="state", storage="kc", version=1),
+        Value(name="vc@1b", dtype="float32", shape=(5, 2, 1, 3), kind="state", storage="vc", version=1)],
+        nodes=list(c.nodes) + [kv.model_copy(update={"name": "fork", "outputs": ("kc@1b", "vc@1b")})])
+    fails(c, "written by two nodes")
+
+
+def test_in_place_write_of_an_input_is_refused():
+    c = small()
+    fails(edit_node(c, "double", outputs=("x",)), "writes input 'x'", "clobber")
+
+
+def test_eh_proj_input_must_be_twice_hidden():
+    b = CircuitBuilder("eh", max_width=4)
+    e, h = b.input("e", "float32", ("n", 8)), b.input("h", "float32", ("n", 8))
+    w = b.param("eh_proj.weight", "float32", (8, 12))  # should be [8, 16]
+    cat = b.op1("concat", [e, h])
+    with pytest.raises(CircuitError, match=r"eh_proj.*linear in-features.*16 != 12"):
+        b.op1("linear", [cat, w], name="eh_proj")
+
+
+def test_bad_symbol_bounds():
+    c = small()
+    fails(Circuit(name="c", symbols={"n": (0, 8)}, values=c.values, nodes=c.nodes,
+                  outputs=c.outputs), "bounds [0, 8]")
