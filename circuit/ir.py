@@ -30,7 +30,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-class CircuitError(Exception):
+class CircuitError(ValueError):
     """A malformed circuit or a failed circuit rule; names the node, the op and the shapes."""
 
     def __init__(self, message: str, *, node: str | None = None, op: str | None = None,
@@ -89,6 +89,7 @@ class Node(BaseModel):
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attrs: dict[str, Any] = Field(default_factory=dict)
+    fused: tuple[str, ...] = ()  # the original nodes a fusion pass replaced with this one
 
 
 class Circuit(BaseModel):
@@ -204,7 +205,10 @@ class Circuit(BaseModel):
                              for o in n.outputs)
             attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in sorted(n.attrs.items()))
             attrs = f" {{{attrs}}}" if attrs else ""
-            label = "" if n.outputs and n.outputs[0].startswith(n.name) else f"  # {n.name}"
+            if n.fused:
+                label = f"  # fused {' + '.join(n.fused)}"
+            else:
+                label = "" if n.outputs and n.outputs[0].startswith(n.name) else f"  # {n.name}"
             lines.append(f"  {outs} = {n.op}({', '.join(n.inputs)}){attrs}{label}")
         lines.append(f"  return {', '.join(self.outputs)}")
         return "\n".join(lines)

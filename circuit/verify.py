@@ -63,11 +63,13 @@ def _check_definitions(c: Circuit) -> set[str]:
                                    "versions may be written (an in-place write of an input would "
                                    "clobber the caller's buffer)", node=n.name, op=n.op)
             produced[out] = n.name
-    for v in c.values:
-        if v.kind in ("temp", "output") or (v.kind == "state" and v.version > 0):
-            if v.name not in produced:
-                if v.kind == "output":
-                    raise CircuitError(f"output {v.name!r} is not produced by any node")
+    for n in c.nodes:
+        for x in n.inputs:
+            v = c.value(x) if c.has_value(x) else None
+            if v is not None and x not in produced and (
+                    v.kind in ("temp", "output") or (v.kind == "state" and v.version > 0)):
+                raise CircuitError(f"input {x!r} ({v.kind}) is never produced: no node defines it",
+                                   node=n.name, op=n.op)
     return set(produced)
 
 

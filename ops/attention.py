@@ -134,7 +134,6 @@ def _infer_rope(ins: list[TensorSpec], a: RopeAttrs) -> list[TensorSpec]:
 register(OpDef(
     name="rope", inputs=("x", "positions"), outputs=("out",), attrs=RopeAttrs, infer=_infer_rope,
     reference=lambda t, a: (rope_ref(t[0], t[1], a.head_dim, a.theta, a.pos_offset),),
-    inplace={0: 0},
 ))
 
 

@@ -52,7 +52,8 @@ class CostContext:
 
 @dataclass(frozen=True)
 class KernelBinding:
-    """A kernel for an op: `launch(inputs, outputs, attrs)` writes into preallocated outputs.
+    """A kernel for an op: `launch(inputs, outputs, workspace, attrs)` writes into preallocated
+    outputs (destination passing; absent optional inputs are simply not in `inputs`).
 
     `applies(device, in_specs, attrs)` says when it may be chosen; `workspace(in_specs, env,
     attrs)` gives scratch shapes (dtype, shape) the planner preallocates, passed after outputs.

@@ -57,6 +57,12 @@ def test_undefined_input():
     fails(edit_node(small(), "double", inputs=("proj", "nope")), "'nope'", "double", "add")
 
 
+def test_temp_read_but_never_produced():
+    c = small()
+    c = c.replace(nodes=[n for n in c.nodes if n.name != "proj"])
+    fails(c, "'proj'", "never produced", "double")
+
+
 def test_value_defined_twice():
     c = small()
     c = c.replace(nodes=list(c.nodes) + [Node(name="again", op="add", inputs=("proj", "proj"),

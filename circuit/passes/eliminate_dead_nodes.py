@@ -1,0 +1,15 @@
+"""eliminate_dead_nodes: drop every node none of whose outputs reaches a circuit output."""
+from __future__ import annotations
+
+from circuit.ir import Circuit
+from circuit.passes.rewrite import rewrite
+
+
+def eliminate_dead_nodes(c: Circuit) -> Circuit:
+    live_values = set(c.outputs)
+    live_nodes: set[str] = set()
+    for node in reversed(c.topo_order()):
+        if any(o in live_values for o in node.outputs):
+            live_nodes.add(node.name)
+            live_values.update(node.inputs)
+    return rewrite(c, {n.name: None for n in c.nodes if n.name not in live_nodes})

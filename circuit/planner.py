@@ -1,0 +1,106 @@
+"""`compile_draft(circuit, params, widths, device, options) -> CompiledDraft`: verify, run the pass
+pipeline, and build one n-row `Program` per requested width. The result serves exactly those
+widths and reports itself as plain data (`report()`); runners execute it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from circuit.ir import Circuit, CircuitError
+from circuit.passes import DEFAULT_PIPELINE, run_passes
+from circuit.program import Program, build_program
+from circuit.report import PlanReport, node_infos, width_report
+from circuit.verify import verify
+
+
+class CompileOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    pipeline: tuple[str, ...] = DEFAULT_PIPELINE
+    verify_passes: bool = True        # verify after every pass (cheap at these sizes)
+    kv_rows: int = 100                # live drafter-KV rows a sequence holds, for the cost model
+    bandwidth_gbps: float = 4800.0    # for the floor time; pass the bandwidth you measured
+    alignment: int = 256              # arena offsets (bytes)
+    kernels: tuple[str, ...] | None = None  # allow only these kernels (None: any that applies)
+
+
+class PlanError(CircuitError):
+    """A compile request that cannot be planned (widths, params, device)."""
+
+
+@dataclass
+class CompiledDraft:
+    """One circuit compiled for a set of widths on one device; params are bound, states are not."""
+
+    source: Circuit                   # the circuit as emitted
+    circuit: Circuit                  # after the pass pipeline
+    programs: dict[int, Program]
+    params: dict[str, torch.Tensor]
+    device: str
+    options: CompileOptions
+    _report: PlanReport | None = field(default=None, repr=False)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sorted(self.programs))
+
+    @property
+    def max_width(self) -> int:
+        return max(self.programs)
+
+    @property
+    def arena_bytes(self) -> int:
+        """One arena serves every width: it is sized for the largest plan."""
+        return max(p.arena_bytes for p in self.programs.values())
+
+    def serves(self, n: int) -> bool:
+        return n in self.programs
+
+    def program(self, n: int) -> Program:
+        if n not in self.programs:
+            raise PlanError(f"width {n} is not compiled; compiled widths: {list(self.widths)}")
+        return self.programs[n]
+
+    def report(self) -> PlanReport:
+        if self._report is None:
+            self._report = PlanReport(
+                circuit=self.circuit.name, fingerprint=self.source.fingerprint(),
+                device=self.device, options=self.options.model_dump(mode="json"),
+                pipeline=list(self.options.pipeline), num_nodes_before=len(self.source.nodes),
+                num_nodes_after=len(self.circuit.nodes), arena_bytes=self.arena_bytes,
+                nodes=node_infos(self.circuit),
+                widths=[width_report(self.programs[w], self.options.bandwidth_gbps)
+                        for w in self.widths])
+        return self._report
+
+
+def device_kind(device: str | torch.device) -> str:
+    return torch.device(device).type
+
+
+def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: Sequence[int],
+                  device: str | torch.device = "cpu",
+                  options: CompileOptions | None = None) -> CompiledDraft:
+    from runners.binding import check_params  # the same check every runner applies
+
+    options = options or CompileOptions()
+    verify(circuit)
+    lo, hi = circuit.symbols["n"]
+    bad = [w for w in widths if not isinstance(w, int) or not lo <= w <= hi]
+    if bad or not widths:
+        raise PlanError(f"widths {bad or list(widths)} are outside the circuit's bounds "
+                        f"{lo} <= n <= {hi}" if bad else "no widths to compile")
+    check_params(circuit, params)
+    kind = device_kind(device)
+    for name, t in params.items():
+        if t.device.type not in (kind, "meta"):  # meta: shapes-only plans (`circuit plan`)
+            raise PlanError(f"param {name!r} is on {t.device}, the draft compiles for {device}")
+    fused = run_passes(circuit, options.pipeline, check=options.verify_passes)
+    allowed = set(options.kernels) if options.kernels is not None else None
+    programs = {w: build_program(fused, w, kind, kv_rows=options.kv_rows,
+                                 alignment=options.alignment, kernels=allowed)
+                for w in sorted(set(widths))}
+    return CompiledDraft(source=circuit, circuit=fused, programs=programs, params=dict(params),
+                         device=str(device), options=options)

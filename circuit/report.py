@@ -1,0 +1,98 @@
+"""The plan report: the versioned, plain-data view of a compiled draft that the CLI, the
+visualisation and tests read. Built only from programs; nothing downstream recomputes analysis.
+Same circuit, param shapes and options give byte-identical JSON (no clocks, sorted keys)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from circuit.ir import Circuit
+from circuit.program import Launch, Program
+
+REPORT_SCHEMA_VERSION = 1
+
+
+class NodeInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    name: str
+    op: str
+    step: int | None
+    attrs: dict[str, Any]
+    inputs: list[str]
+    outputs: list[str]
+    shapes: dict[str, str]  # value -> printed spec, for every input and output
+    fused: list[str]
+
+
+class WidthReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    width: int
+    launches: int
+    launches_per_step: float
+    fused_groups: list[dict[str, Any]]  # node, op, kernel, fused (the original nodes)
+    arena_bytes: int  # this width's own plan; the shared arena is the plan's max
+    lower_bound_bytes: int
+    naive_bytes: int
+    strategy: str
+    bytes_moved: int
+    flops: int
+    floor_us: float
+    capture_ms: float | None = None  # filled by a graph runner when it captures
+    graph_pool_bytes: int | None = None
+    schedule: list[Launch]
+    buffers: list[dict[str, Any]]
+
+
+class PlanReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    schema_version: int = REPORT_SCHEMA_VERSION
+    circuit: str
+    fingerprint: str
+    device: str
+    options: dict[str, Any]
+    pipeline: list[str]
+    num_nodes_before: int
+    num_nodes_after: int
+    arena_bytes: int
+    nodes: list[NodeInfo]
+    widths: list[WidthReport]
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PlanReport":
+        data = json.loads(text)
+        if data.get("schema_version") != REPORT_SCHEMA_VERSION:
+            raise ValueError(f"plan report schema_version {data.get('schema_version')!r}; this "
+                             f"build reads {REPORT_SCHEMA_VERSION}")
+        return cls.model_validate(data)
+
+    def width(self, n: int) -> WidthReport:
+        return next(w for w in self.widths if w.width == n)
+
+
+def node_infos(c: Circuit) -> list[NodeInfo]:
+    from circuit.program import step_of
+    return [NodeInfo(name=n.name, op=n.op, step=step_of(n.name), attrs=dict(n.attrs),
+                     inputs=list(n.inputs), outputs=list(n.outputs),
+                     shapes={v: str(c.value(v).spec) for v in (*n.inputs, *n.outputs)},
+                     fused=list(n.fused))
+            for n in c.topo_order()]
+
+
+def width_report(p: Program, bandwidth_gbps: float) -> WidthReport:
+    steps = {x.step for x in p.launches if x.step is not None}
+    in_steps = sum(1 for x in p.launches if x.step is not None)
+    return WidthReport(
+        width=p.width, launches=len(p.launches),
+        launches_per_step=round(in_steps / len(steps), 3) if steps else float(len(p.launches)),
+        fused_groups=[{"node": x.node, "op": x.op, "kernel": x.kernel, "fused": list(x.fused)}
+                      for x in p.launches if x.fused],
+        arena_bytes=p.arena_bytes, lower_bound_bytes=p.lower_bound_bytes,
+        naive_bytes=p.naive_bytes, strategy=p.strategy, bytes_moved=p.bytes_moved,
+        flops=sum(x.flops for x in p.launches),
+        floor_us=round(p.bytes_moved / (bandwidth_gbps * 1e3), 4),
+        schedule=list(p.launches), buffers=[b.model_dump() for b in p.buffers])

@@ -1,0 +1,313 @@
+"""Load and write Hugging Face-layout checkpoints (config.json + safetensors) of an MTP draft head
+and its Llama target. Only the tensors needed are read; every failure is a `CheckpointError`
+subclass whose message names the tensor and the file (config faults are `ConfigError`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ops.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
+
+__all__ = [
+    "CheckpointError", "MissingConfigError", "MissingMtpLayerError", "MissingTensorError",
+    "TensorShapeError", "CorruptFileError", "UnexpectedTensorError", "ConfigError",
+    "read_config", "load_mtp_weights", "load_target_weights", "write_random_checkpoint",
+]
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot give the weights asked for."""
+
+
+class MissingConfigError(CheckpointError):
+    """No config.json and no config passed."""
+
+
+class MissingMtpLayerError(CheckpointError):
+    """The config declares an MTP layer but no `eh_proj` is where one may sit."""
+
+
+class MissingTensorError(CheckpointError):
+    """A needed tensor is in no file (after the documented fallbacks)."""
+
+
+class TensorShapeError(CheckpointError):
+    """A tensor's stored shape is not the one the config implies."""
+
+
+class CorruptFileError(CheckpointError):
+    """A safetensors, index or config file is truncated, malformed, absent or contradicts another."""
+
+
+class UnexpectedTensorError(CheckpointError):
+    """strict=True and the checkpoint holds tensors under the loaded prefix that no parameter uses."""
+
+
+@dataclass(frozen=True)
+class _Inventory:
+    """Which file holds each tensor; built from headers (or the index) without reading data."""
+
+    root: Path
+    files: tuple[Path, ...]
+    where: dict[str, Path]
+
+    def describe(self) -> str:
+        if not self.files:
+            return f"no *.safetensors files in {self.root}"
+        return f"{len(self.files)} safetensors file(s) in {self.root} ({', '.join(f.name for f in self.files)})"
+
+
+def _open(path: Path) -> Any:  # safetensors' handle; its type is not exported
+    try:
+        return safe_open(os.fspath(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CorruptFileError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+
+def _inventory(root: Path) -> _Inventory:
+    index = root / INDEX_NAME
+    if index.is_file():
+        return _inventory_from_index(root, index)
+    files = tuple(sorted(root.glob("*.safetensors")))
+    where: dict[str, Path] = {}
+    for path in files:
+        with _open(path) as handle:
+            keys = list(handle.keys())
+        for key in keys:
+            if key in where:
+                raise CorruptFileError(f"tensor {key!r} is stored twice: in {where[key]} and in {path}")
+            where[key] = path
+    return _Inventory(root, files, where)
+
+
+def _inventory_from_index(root: Path, index: Path) -> _Inventory:
+    # Only the files the index names are read: a directory may hold stale shards beside it.
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e!r}") from e
+    where = {}
+    for key, name in weight_map.items():
+        path = root / str(name)
+        if not path.is_file():
+            raise CorruptFileError(f"{index} maps tensor {key!r} to {path}, which does not exist")
+        where[key] = path
+    return _Inventory(root, tuple(sorted(set(where.values()))), where)
+
+
+def read_config(path: str | os.PathLike) -> MtpConfig:
+    """The `MtpConfig` of a checkpoint directory's config.json."""
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise MissingConfigError(f"{file} not found: a checkpoint needs a config.json, or pass config=")
+    try:
+        d = json.loads(file.read_text())
+    except ValueError as e:
+        raise CorruptFileError(f"{file}: not valid JSON: {e}") from e
+    return MtpConfig.from_hf(d, source=os.fspath(file))
+
+
+def _read(inv: _Inventory, plan: dict[str, str], shapes: dict[str, tuple[int, ...]],
+          dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """plan: result name -> stored name. A stored tensor serving two names is read once and shared."""
+    by_file: dict[Path, dict[str, tuple[int, ...]]] = {}
+    for name, key in plan.items():
+        by_file.setdefault(inv.where[key], {})[key] = shapes[name]
+    loaded: dict[str, torch.Tensor] = {}
+    for path, expected in by_file.items():
+        with _open(path) as handle:
+            for key, shape in expected.items():
+                loaded[key] = _read_one(handle, path, key, shape).to(device=device, dtype=dtype)
+    return {name: loaded[key] for name, key in plan.items()}
+
+
+def _read_one(handle: Any, path: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    # The header gives the shape, so a wrong shape is refused before any data is read.
+    try:
+        actual = tuple(handle.get_slice(key).get_shape())
+        if actual != shape:
+            raise TensorShapeError(f"{path}: tensor {key!r} has shape {list(actual)}, expected {list(shape)}")
+        return handle.get_tensor(key)
+    except SafetensorError as e:
+        raise CorruptFileError(f"{path}: cannot read tensor {key!r} (truncated or corrupt?): {e}") from e
+
+
+def _first_present(inv: _Inventory, what: str, candidates: list[str]) -> str:
+    for key in candidates:
+        if key in inv.where:
+            return key
+    raise MissingTensorError(f"{what}: none of {candidates} found in {inv.describe()}")
+
+
+def _mtp_prefix(inv: _Inventory, config: MtpConfig) -> str:
+    """The MTP layer's key prefix: `model.layers.{L}.` (DeepSeek-V3 layout) if it holds `eh_proj`,
+    else `model.layers.0.` (an exported draft holding only its own layer). A target layer never
+    carries `eh_proj`, so the marker cannot mistake a decoder layer for the MTP layer."""
+    if config.num_nextn_predict_layers < 1:
+        raise MissingMtpLayerError(
+            f"config declares num_nextn_predict_layers=0: no MTP layer to load from {inv.root}")
+    looked = [f"model.layers.{config.num_hidden_layers}.eh_proj.weight", "model.layers.0.eh_proj.weight"]
+    looked = list(dict.fromkeys(looked))  # one key when num_hidden_layers == 0
+    for key in looked:
+        if key in inv.where:
+            return key.removesuffix("eh_proj.weight")
+    raise MissingMtpLayerError(
+        f"config declares num_nextn_predict_layers={config.num_nextn_predict_layers} but no MTP layer "
+        f"was found: looked for {looked} in {inv.describe()}"
+    )
+
+
+def _reject_extras(inv: _Inventory, extras: list[str], where: str) -> None:
+    if extras:
+        shown = ", ".join(f"{k!r} ({inv.where[k].name})" for k in extras[:8])
+        more = f" and {len(extras) - 8} more" if len(extras) > 8 else ""
+        raise UnexpectedTensorError(
+            f"strict load from {inv.root}: {len(extras)} unknown tensor(s) {where}: {shown}{more}")
+
+
+def load_mtp_weights(
+    path: str | os.PathLike, config: MtpConfig | None = None, *, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", strict: bool = False,
+) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
+    """The first MTP layer's weights under their canonical names (see `MTP_PARAM_SHAPES`).
+
+    `config` overrides config.json. Fallbacks: `embed_tokens` absent at the layer -> the target's
+    `model.embed_tokens.weight`; `shared_head.head` absent -> `lm_head.weight`, or when tied the
+    embedding resolved above. Lenient by default: tensors under the MTP prefix that no parameter
+    uses are ignored (real checkpoints carry extras, and the target's layers sit beside the MTP
+    layer); strict=True raises on them. Tensors outside the prefix are never checked here.
+    """
+    root = Path(path)
+    config = config if config is not None else read_config(root)
+    inv = _inventory(root)
+    prefix = _mtp_prefix(inv, config)
+    shapes = MTP_PARAM_SHAPES(config)
+    fallbacks = {"embed_tokens.weight": ["model.embed_tokens.weight"], "shared_head.head.weight": ["lm_head.weight"]}
+    plan: dict[str, str] = {}
+    for name in shapes:
+        if name == "shared_head.head.weight" and config.tie_word_embeddings and prefix + name not in inv.where:
+            plan[name] = plan["embed_tokens.weight"]  # tied: the head is the embedding the layer uses
+            continue
+        plan[name] = _first_present(inv, f"MTP tensor {name!r}", [prefix + name, *fallbacks.get(name, [])])
+    if strict:
+        known = {prefix + name for name in shapes}
+        _reject_extras(inv, sorted(k for k in inv.where if k.startswith(prefix) and k not in known),
+                       f"under the MTP layer prefix {prefix!r}")
+    return config, _read(inv, plan, shapes, dtype, device)
+
+
+def load_target_weights(
+    path: str | os.PathLike, config: MtpConfig | None = None, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", *, strict: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The Llama target's weights under their HF names (see `TARGET_PARAM_SHAPES`).
+
+    Tied embeddings: `lm_head.weight` is the `model.embed_tokens.weight` tensor (a stored copy is
+    not read). strict=True raises on tensors that are neither target nor MTP-layer weights.
+    """
+    root = Path(path)
+    config = config if config is not None else read_config(root)
+    inv = _inventory(root)
+    for layer in range(config.num_hidden_layers):
+        if (marker := f"model.layers.{layer}.eh_proj.weight") in inv.where:
+            # An exported draft keeps its MTP layer at index 0; its decoder block is no target layer.
+            raise MissingTensorError(f"target layer {layer}: {inv.where[marker]} holds {marker!r}, so "
+                                     f"model.layers.{layer} is an MTP layer, not a target layer")
+    shapes = TARGET_PARAM_SHAPES(config)
+    plan = {name: _first_present(inv, f"target tensor {name!r}", [name])
+            for name in shapes if not (name == "lm_head.weight" and config.tie_word_embeddings)}
+    if config.tie_word_embeddings:
+        plan["lm_head.weight"] = plan["model.embed_tokens.weight"]
+    if strict:
+        mtp = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(config.num_nextn_predict_layers))
+        _reject_extras(inv, sorted(k for k in inv.where if k not in shapes and not k.startswith(mtp)),
+                       "outside the target and MTP layers")
+    return _read(inv, plan, shapes, dtype, device)
+
+
+def _checkpoint_shapes(config: MtpConfig, mtp_at_layer0: bool, include_target: bool,
+                       mtp_shares_embed: bool, mtp_shares_head: bool) -> dict[str, tuple[int, ...]]:
+    embed = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    shapes = dict(TARGET_PARAM_SHAPES(config)) if include_target else {}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    mtp = MTP_PARAM_SHAPES(config)
+    if mtp_shares_embed:
+        del mtp["embed_tokens.weight"]
+        shapes = {**embed, **shapes}
+    if mtp_shares_head:
+        del mtp["shared_head.head.weight"]
+        if not config.tie_word_embeddings:
+            shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
+    first = 0 if mtp_at_layer0 else config.num_hidden_layers
+    for i in range(config.num_nextn_predict_layers):
+        shapes.update({f"model.layers.{first + i}.{name}": s for name, s in mtp.items()})
+    return shapes
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen)
+    if name.removesuffix(".weight").endswith("norm"):
+        return 1.0 + 0.1 * t  # RMSNorm gains near 1
+    if name.endswith("embed_tokens.weight"):
+        return t
+    return t / math.sqrt(shape[-1])  # fan-in scaling keeps activations O(1)
+
+
+def _write_shards(root: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, os.fspath(root / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s * len(names) // shards:(s + 1) * len(names) // shards]
+        save_file({k: tensors[k] for k in part}, os.fspath(root / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_random_checkpoint(
+    path: str | os.PathLike, config: MtpConfig = DEFAULT_CONFIG, *, seed: int = 0, mtp_at_layer0: bool = False,
+    include_target: bool = True, dtype: torch.dtype = torch.float32, shards: int = 1,
+    mtp_shares_embed: bool = False, mtp_shares_head: bool = False,
+) -> Path:
+    """Write config.json and random safetensors in the layout `load_*_weights` read; returns the directory.
+
+    Deterministic for (config, flags, seed). The MTP layer sits at `num_hidden_layers`, or at 0
+    with `mtp_at_layer0` (an exported draft; needs include_target=False). `mtp_shares_embed` /
+    `mtp_shares_head` leave the layer's own embed_tokens / shared_head.head out so the loader's
+    fallbacks are used. shards > 1 splits the tensors across files listed by an index json.
+    """
+    if mtp_at_layer0 and include_target:
+        raise ValueError("write_random_checkpoint: mtp_at_layer0=True needs include_target=False "
+                         "(the MTP layer would overwrite the target's layer 0)")
+    shapes = _checkpoint_shapes(config, mtp_at_layer0, include_target, mtp_shares_embed, mtp_shares_head)
+    if not 1 <= shards <= len(shapes):
+        raise ValueError(f"write_random_checkpoint: shards={shards} must be in [1, {len(shapes)}] (the tensor count)")
+    root = Path(path)
+    if (root / CONFIG_NAME).exists() or (root.is_dir() and any(root.glob("*.safetensors"))):
+        raise FileExistsError(f"{root} already holds a checkpoint; refusing to mix files into it")
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: _random_tensor(name, shape, gen).to(dtype) for name, shape in shapes.items()}
+    (root / CONFIG_NAME).write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    _write_shards(root, tensors, shards)
+    return root

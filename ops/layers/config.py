@@ -1,0 +1,209 @@
+"""`MtpConfig`: the shapes of a dense MTP draft head and its Llama target, read from and written to
+Hugging Face `config.json`. Every bad field, and every pair of aliases that disagree, raises a
+`ConfigError` naming the field(s); nothing is picked silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["ConfigError", "MtpConfig", "DEFAULT_CONFIG", "MTP_PARAM_SHAPES", "TARGET_PARAM_SHAPES"]
+
+
+class ConfigError(ValueError):
+    """A config field is missing, mistyped or out of range, or two of its aliases disagree."""
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "num_hidden_layers", "max_position_embeddings",
+)
+# HF LlamaConfig's defaults for fields a config.json may leave out.
+_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "max_position_embeddings": 2048, "num_nextn_predict_layers": 1,
+}
+# Each group names one quantity; every alias present must agree (FAULT 22).
+_ROPE_THETA_ALIASES = ("rope_theta", "rope_parameters.rope_theta", "rope_scaling.rope_theta")
+_NUM_EXPERTS_ALIASES = ("n_routed_experts", "num_experts", "num_local_experts")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """The MTP layer sits at index `num_hidden_layers` (the target's layer count).
+
+    `num_attention_heads * head_dim` need not equal `hidden_size` (q/o projections carry the
+    difference); `num_nextn_predict_layers == 0` describes a target with no MTP layer.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    num_hidden_layers: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    num_nextn_predict_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any], *, source: str = "config") -> MtpConfig:
+        """Read HF config.json field names; `source` (the file) prefixes every error message."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls(**_hf_fields(d))
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Llama config.json dict (plus `num_nextn_predict_layers`) that `from_hf` reads back equal."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            **dataclasses.asdict(self),
+            "rope_scaling": None,
+        }
+
+
+def _hf_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    for name in _REQUIRED:
+        if d.get(name) is None:
+            raise ConfigError(f"config field {name!r} is required but missing")
+    _check_rope_unscaled(d)
+    _agreed(d, _NUM_EXPERTS_ALIASES)  # MoE fields are not in MtpConfig yet; only their agreement is checked
+    heads, hidden = d["num_attention_heads"], d["hidden_size"]
+    head_dim = d.get("head_dim")
+    if head_dim is None:
+        if not _is_int(heads) or not _is_int(hidden) or heads <= 0 or hidden % heads:
+            raise ConfigError(
+                f"config field 'head_dim' is absent and 'hidden_size'={hidden!r} is not divisible "
+                f"by 'num_attention_heads'={heads!r}: give head_dim explicitly"
+            )
+        head_dim = hidden // heads
+    fields = {f.name: d.get(f.name) for f in dataclasses.fields(MtpConfig)}
+    fields = {k: (_DEFAULTS.get(k) if v is None else v) for k, v in fields.items()}
+    if d.get("num_key_value_heads") is None:
+        fields["num_key_value_heads"] = heads  # HF: absent means multi-head attention (no GQA)
+    fields["head_dim"] = head_dim
+    theta = _agreed(d, _ROPE_THETA_ALIASES)
+    fields["rope_theta"] = _DEFAULTS["rope_theta"] if theta is None else theta
+    return fields
+
+
+def _check_rope_unscaled(d: Mapping[str, Any]) -> None:
+    # The rope op implements default RoPE only; ignoring a scaling would silently change drafts.
+    for field in ("rope_parameters", "rope_scaling"):
+        params = d.get(field)
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"config field {field!r} = {params!r}: expected an object or null")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"config field '{field}.rope_type' = {kind!r}: only default RoPE is supported")
+
+
+def _lookup(d: Mapping[str, Any], dotted: str) -> Any:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or cur.get(part) is None:
+            return _MISSING
+        cur = cur[part]
+    return cur
+
+
+def _agreed(d: Mapping[str, Any], aliases: tuple[str, ...]) -> Any:
+    """The one value the present aliases share, or None when none is present."""
+    found = {name: v for name in aliases if (v := _lookup(d, name)) is not _MISSING}
+    values = list(found.values())
+    if any(v != values[0] for v in values[1:]):
+        listed = ", ".join(f"{name}={v!r}" for name, v in found.items())
+        raise ConfigError(f"config aliases disagree: {listed}; make them equal or drop all but one")
+    return values[0] if values else None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(c: MtpConfig) -> None:
+    for name in _POSITIVE_INTS:
+        v = getattr(c, name)
+        if not _is_int(v) or v <= 0:
+            raise ConfigError(f"config field {name!r} = {v!r}: must be a positive int")
+    n = c.num_nextn_predict_layers
+    if not _is_int(n) or n < 0:
+        raise ConfigError(f"config field 'num_nextn_predict_layers' = {n!r}: must be an int >= 0")
+    for name in ("rms_norm_eps", "rope_theta"):
+        v = getattr(c, name)
+        if not (_is_int(v) or isinstance(v, float)) or not v > 0:
+            raise ConfigError(f"config field {name!r} = {v!r}: must be a positive number")
+        object.__setattr__(c, name, float(v))  # 10000 and 10000.0 compare and print the same
+    if not isinstance(c.tie_word_embeddings, bool):
+        raise ConfigError(f"config field 'tie_word_embeddings' = {c.tie_word_embeddings!r}: must be a bool")
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ConfigError(
+            f"config field 'num_key_value_heads' = {c.num_key_value_heads}: must divide "
+            f"'num_attention_heads' = {c.num_attention_heads} (GQA groups)"
+        )
+    if c.head_dim % 2:
+        raise ConfigError(f"config field 'head_dim' = {c.head_dim}: must be even (RoPE rotates pairs)")
+
+
+DEFAULT_CONFIG = MtpConfig(
+    vocab_size=256, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+    num_hidden_layers=2, tie_word_embeddings=False, max_position_embeddings=2048,
+)
+
+
+def _decoder_shapes(c: MtpConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {
+        f"{prefix}input_layernorm.weight": (h,),
+        f"{prefix}self_attn.q_proj.weight": (q, h),
+        f"{prefix}self_attn.k_proj.weight": (kv, h),
+        f"{prefix}self_attn.v_proj.weight": (kv, h),
+        f"{prefix}self_attn.o_proj.weight": (h, q),
+        f"{prefix}post_attention_layernorm.weight": (h,),
+        f"{prefix}mlp.gate_proj.weight": (i, h),
+        f"{prefix}mlp.up_proj.weight": (i, h),
+        f"{prefix}mlp.down_proj.weight": (h, i),
+    }
+
+
+def MTP_PARAM_SHAPES(config: MtpConfig) -> dict[str, tuple[int, ...]]:  # noqa: N802 (the name the design fixes)
+    """Canonical MTP weight names (HF names relative to the MTP layer prefix) -> shapes."""
+    h, v = config.hidden_size, config.vocab_size
+    return {
+        "embed_tokens.weight": (v, h),
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
+        **_decoder_shapes(config, ""),
+        "shared_head.norm.weight": (h,),
+        "shared_head.head.weight": (v, h),
+    }
+
+
+def TARGET_PARAM_SHAPES(config: MtpConfig) -> dict[str, tuple[int, ...]]:  # noqa: N802
+    """HF names -> shapes of the Llama target; `lm_head.weight` is listed even when tied."""
+    h, v = config.hidden_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for layer in range(config.num_hidden_layers):
+        shapes.update(_decoder_shapes(config, f"model.layers.{layer}."))
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (v, h)
+    return shapes

@@ -1,0 +1,157 @@
+"""`ProgramRunner`: runs a compiled draft's n-row programs on one static arena.
+
+Everything a launch touches is bound once at construction: arena views at fixed offsets, static
+input and output buffers sized for the largest width (width n uses their leading rows), params
+and states. `run` copies the call's inputs into the static buffers, runs the launch list and
+returns the static outputs: the next call overwrites them (copy what you keep). The hot path
+allocates no tensors of its own; on CPU a reference op may use temporaries inside itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from circuit.ir import ROW, Circuit
+from circuit.planner import CompiledDraft
+from circuit.program import REFERENCE, Launch, Slot
+from ops.registry import get_op, torch_dtype
+from runners.binding import WidthError, check_inputs, check_states, state_view
+
+LaunchFn = Callable[[list, list, list, Any], None]
+
+
+@dataclass(frozen=True)
+class BoundLaunch:
+    fn: LaunchFn
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    workspace: list[torch.Tensor]
+    attrs: Any
+    node: str
+
+
+def reference_launch(op_name: str) -> LaunchFn:
+    """The op's reference in destination-passing form: compute, then copy into the slots
+    (state writers mutate their bound state in place and return it; nothing to copy)."""
+    reference = get_op(op_name).reference
+
+    def launch(ins: list, outs: list, ws: list, attrs: Any) -> None:
+        for dst, src in zip(outs, reference(ins, attrs)):
+            if dst is not src:
+                dst.copy_(src)
+    return launch
+
+
+def kernel_launch(op_name: str, kernel: str) -> LaunchFn:
+    if kernel == REFERENCE:
+        return reference_launch(op_name)
+    for k in get_op(op_name).kernels:
+        if k.name == kernel:
+            return k.launch
+    raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class ProgramRunner:
+    def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor],
+                 device: str | torch.device | None = None) -> None:
+        circuit = compiled.circuit
+        check_states(circuit, states)
+        self.compiled, self.circuit = compiled, circuit
+        self.device = torch.device(device or compiled.device)
+        self.states = dict(states)
+        # one arena for every width, allocated before any capture so addresses never move
+        self.arena = torch.empty(compiled.arena_bytes, dtype=torch.uint8, device=self.device)
+        self.static_inputs = _static(circuit, "input", self.device)
+        self.static_outputs = _static(circuit, "output", self.device)
+        self._bound = {w: [self._bind(x, w) for x in p.launches]
+                       for w, p in compiled.programs.items()}
+        self._inputs = {w: {n: _leading(self.static_inputs[n], t.shape_at(w))
+                            for n, t in _specs(circuit, "input").items()}
+                        for w in compiled.programs}
+        self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
+                             if s.where == "output"}
+                         for w, p in compiled.programs.items()}
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return self.compiled.widths
+
+    def serves(self, n: int) -> bool:
+        return self.compiled.serves(n)
+
+    def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
+        """The static input views of width n (a graph runner copies into these)."""
+        return self._inputs[n]
+
+    def output_buffers(self, n: int) -> dict[str, torch.Tensor]:
+        return self._outputs[n]
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validate, copy in, execute; returns the static outputs (overwritten by the next call)."""
+        n = check_inputs(self.circuit, inputs)
+        if n not in self._bound:
+            raise WidthError(f"width {n} has no program; compiled widths: {list(self.widths)}")
+        for name, dst in self._inputs[n].items():
+            dst.copy_(inputs[name], non_blocking=True)
+        self.execute(n)
+        return self._outputs[n]
+
+    def execute(self, n: int) -> None:
+        """The launch list of width n over the bound buffers: no checks, no copies, no allocation."""
+        for x in self._bound[n]:
+            x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
+
+    # ---- binding ----
+    def _bind(self, launch: Launch, width: int) -> BoundLaunch:
+        op = get_op(launch.op)
+        return BoundLaunch(fn=kernel_launch(launch.op, launch.kernel),
+                           inputs=[self._view(s, width) for s in launch.inputs],
+                           outputs=[self._view(s, width) for s in launch.outputs],
+                           workspace=[self._view(s, width) for s in launch.workspace],
+                           attrs=op.parse_attrs(launch.attrs), node=launch.node)
+
+    def _view(self, s: Slot, width: int) -> torch.Tensor:
+        dtype = torch_dtype(s.dtype)
+        if s.where == "arena":
+            nbytes = _numel(s.shape) * torch.empty((), dtype=dtype).element_size()
+            return self.arena[s.offset:s.offset + nbytes].view(dtype).view(s.shape)
+        if s.where == "param":
+            return self.compiled.params[s.name]
+        if s.where == "state":
+            return state_view(self.circuit, s.name, self.states[s.name], width)
+        return _leading((self.static_inputs if s.where == "input" else self.static_outputs)[s.name],
+                        s.shape)
+
+
+def _leading(buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The leading elements of a max-width buffer as a tensor of `shape` (rows are dim 0)."""
+    return buf.view(-1)[:_numel(shape)].view(shape)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    dtype_name: str
+    shape: tuple
+
+    def shape_at(self, width: int) -> tuple[int, ...]:
+        return tuple(width if d == ROW else d for d in self.shape)
+
+
+def _specs(c: Circuit, kind: str) -> dict[str, _Spec]:
+    return {v.name: _Spec(v.dtype, v.shape) for v in c.values if v.kind == kind}
+
+
+def _static(c: Circuit, kind: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """Static buffers at the max width; every width's views are their leading elements."""
+    return {name: torch.empty(s.shape_at(c.max_width), dtype=torch_dtype(s.dtype_name),
+                              device=device)
+            for name, s in _specs(c, kind).items()}

@@ -1,0 +1,110 @@
+"""Public test helpers for draft runners: random weights and batches for the MTP chain, runner
+comparison against the eager oracle, arena poisoning, and the `cuda` pytest marker.
+
+Host engines use these in their own test suites; the project's tests use them too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ops.layers.config import MTP_PARAM_SHAPES, MtpConfig
+from ops.layers.mtp import KvLayout
+
+
+def cuda_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # a CPU build may raise on CUDA queries
+        return False
+
+
+def random_mtp_weights(config: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Canonical-name MTP weights scaled so activations stay O(1): norms near 1, projections
+    1/sqrt(fan_in), embeddings unit normal."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in MTP_PARAM_SHAPES(config).items():
+        t = torch.randn(shape, generator=g)
+        if len(shape) == 1:
+            t = 1 + 0.1 * t
+        elif "embed" not in name:
+            t = t / math.sqrt(shape[-1])
+        out[name] = t.to(dtype=dtype, device=device)
+    return out
+
+
+@dataclass
+class DraftBatch:
+    """One call's inputs for the draft chain and the KV pool state they refer to."""
+
+    inputs: dict[str, torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    lives: list[int]
+
+    def states(self) -> dict[str, torch.Tensor]:
+        return {"k_cache": self.k_cache, "v_cache": self.v_cache}
+
+    def clone_states(self) -> dict[str, torch.Tensor]:
+        return {"k_cache": self.k_cache.clone(), "v_cache": self.v_cache.clone()}
+
+
+def random_draft_batch(config: MtpConfig, kv: KvLayout, width: int, *, seed: int = 0,
+                       num_drafts: int = 4, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu", reserved_blocks: int = 1,
+                       bitmask: bool = False) -> DraftBatch:
+    """Random live lengths (ending mid-block, spanning several blocks), disjoint scattered blocks
+    per sequence, random KV contents (never zeros), random tokens, hiddens and positions.
+    Blocks below `reserved_blocks` are never handed to a sequence (a runner's scratch)."""
+    g = torch.Generator().manual_seed(seed)
+    room = kv.max_rows - num_drafts
+    lives = [int(x) for x in torch.randint(0, max(room, 1), (width,), generator=g)]
+    need = [math.ceil((live + num_drafts) / kv.block_size) for live in lives]
+    free = (torch.randperm(kv.num_blocks - reserved_blocks, generator=g) + reserved_blocks).tolist()
+    if sum(need) > len(free):
+        raise ValueError(f"pool of {kv.num_blocks} blocks cannot hold {width} random sequences")
+    tables = torch.full((width, kv.max_blocks_per_seq), -1, dtype=torch.int32)  # tails: garbage
+    for i, count in enumerate(need):
+        tables[i, :count] = torch.tensor([free.pop() for _ in range(count)], dtype=torch.int32)
+    shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    inputs = {
+        "tokens": torch.randint(0, config.vocab_size, (width,), generator=g, dtype=torch.int32),
+        "hidden": torch.randn(width, config.hidden_size, generator=g).to(dtype),
+        "positions": torch.tensor(lives, dtype=torch.int32) + torch.randint(
+            0, 50, (width,), generator=g, dtype=torch.int32),
+        "block_tables": tables,
+        "live_rows": torch.tensor(lives, dtype=torch.int32),
+    }
+    if bitmask:
+        words = (config.vocab_size + 31) // 32
+        inputs["bitmask"] = torch.randint(-2**31, 2**31 - 1, (width, words), generator=g,
+                                          dtype=torch.int64).to(torch.int32)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    return DraftBatch(inputs, k_cache.to(device), v_cache.to(device), lives)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) or a huge value (ints), so an element nothing writes shows."""
+    if t.dtype == torch.uint8:
+        return t.fill_(0xFF)  # every float view of 0xFF bytes is a NaN
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def assert_outputs_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+                         *, exact: bool = True, atol: float = 1e-5) -> None:
+    for name, w in want.items():
+        g = got[name]
+        if exact or not w.is_floating_point():
+            assert torch.equal(g.cpu(), w.cpu()), f"output {name!r} differs:\n{g}\nvs\n{w}"
+        else:
+            torch.testing.assert_close(g.cpu(), w.cpu(), atol=atol, rtol=atol,
+                                       msg=lambda m: f"output {name!r}: {m}")

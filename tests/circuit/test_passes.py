@@ -1,0 +1,118 @@
+"""Each pass, text in and text out on a small example; the pipeline verifies after every pass."""
+import pytest
+
+from circuit import CircuitBuilder, CircuitError
+from circuit.passes import PassError, run_passes
+from circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
+from circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
+from circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
+from circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
+
+
+def body(c) -> str:
+    """The printed circuit without its declarations."""
+    return "\n".join(l for l in str(c).splitlines() if " = " in l or l.lstrip().startswith("return"))
+
+
+def block():
+    b = CircuitBuilder("block", max_width=4)
+    x = b.input("x", "float32", ("n", 8))
+    pos = b.input("pos", "int32", ("n",))
+    tables, live = b.input("tables", "int32", ("n", 2)), b.input("live", "int32", ("n",))
+    kc, vc = b.state("kc", "float32", (4, 4, 1, 4)), b.state("vc", "float32", (4, 4, 1, 4))
+    w, wn = b.param("w", "float32", (8, 8)), b.param("wn", "float32", (8,))
+    wq, wk = b.param("wq", "float32", (8, 8)), b.param("wk", "float32", (4, 8))
+    wgu, head = b.param("wgu", "float32", (8, 8)), b.param("head", "float32", (40, 8))
+    wv = b.param("wv", "float32", (4, 8))
+    h = b.op1("add", [x, b.op1("linear", [x, w], name="proj")], name="res")
+    m = b.op1("rmsnorm", [h, wn], name="norm")
+    q = b.op1("rope", [b.op1("linear", [m, wq], name="q"), pos], {"head_dim": 4}, name="rq")
+    k = b.op1("rope", [b.op1("linear", [m, wk], name="k"), pos], {"head_dim": 4}, name="rk")
+    v = b.op1("linear", [m, wv], name="v")
+    kc, vc = b.op("kv_write", [kc, vc, k, v, tables, live], name="kvw")
+    o = b.op1("decode_attention", [q, kc, vc, tables, live], name="attn")
+    g = b.op1("silu_mul", [b.op1("linear", [m, wgu], name="gu")], name="act")
+    b.op1("add", [g, g], name="unused")
+    tok, lp = b.op("argmax_logprob", [b.op1("linear", [o, head], name="logits")], name="top1")
+    b.output(tok, "token")
+    b.output(lp, "logprob")
+    b.output(kc)
+    b.output(vc)
+    return b.build()
+
+
+def test_eliminate_dead_nodes():
+    out = eliminate_dead_nodes(block())
+    assert "unused" not in body(out) and "act" not in body(out) and "gu" not in body(out)
+    assert "kvw" in body(out)  # a state write feeding an output is live
+
+
+def test_fuse_add_rmsnorm():
+    out = fuse_add_rmsnorm(block())
+    assert ("  res: f32[n,8], norm: f32[n,8] = add_rmsnorm(x, proj, wn)  "
+            "# fused res + norm") in body(out)
+    assert " = rmsnorm(" not in body(out)
+
+
+def test_fuse_lm_head_argmax():
+    out = fuse_lm_head_argmax(block())
+    assert ("  token: i32[n], logprob: f32[n] = linear_argmax_logprob(attn, head)  "
+            "# fused logits + top1") in body(out)
+    assert "logits:" not in body(out)
+
+
+def test_fuse_rope_kv_write():
+    out = fuse_rope_kv_write(block())
+    assert ("  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rope_kv_write(q, k, v, pos, "
+            "kc, vc, tables, live) {head_dim=4}  "
+            "# fused rq + rk + kvw") in body(out)
+    assert " = rope(" not in body(out)
+
+
+def test_rope_kv_write_not_fused_when_rotated_k_is_also_v():
+    b = CircuitBuilder("kk", max_width=2)
+    x, pos = b.input("x", "float32", ("n", 4)), b.input("pos", "int32", ("n",))
+    t, live = b.input("t", "int32", ("n", 1)), b.input("live", "int32", ("n",))
+    kc, vc = b.state("kc", "float32", (2, 4, 1, 4)), b.state("vc", "float32", (2, 4, 1, 4))
+    q = b.op1("rope", [x, pos], {"head_dim": 4}, name="rq")
+    k = b.op1("rope", [x, pos], {"head_dim": 4}, name="rk")
+    kc, vc = b.op("kv_write", [kc, vc, k, k, t, live], name="kvw")
+    b.output(b.op1("decode_attention", [q, kc, vc, t, live]), "o")
+    c = b.build()
+    assert run_passes(c, ["fuse_rope_kv_write"]) == c
+
+
+def test_fuse_linear_silu_mul():
+    out = fuse_linear_silu_mul(block())
+    assert "  act: f32[n,4] = linear_silu_mul(m, wgu)" not in body(out)  # m is named norm
+    assert "  act: f32[n,4] = linear_silu_mul(norm, wgu)  # fused gu + act" in body(out)
+
+
+def test_whole_pipeline_text():
+    out = run_passes(block())
+    assert body(out) == "\n".join([
+        "  proj: f32[n,8] = linear(x, w)",
+        "  res: f32[n,8], norm: f32[n,8] = add_rmsnorm(x, proj, wn)  # fused res + norm",
+        "  q: f32[n,8] = linear(norm, wq)",
+        "  k: f32[n,4] = linear(norm, wk)",
+        "  v: f32[n,4] = linear(norm, wv)",
+        "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rope_kv_write(q, k, v, pos, kc, vc, "
+        "tables, live) {head_dim=4}  # fused rq + rk + kvw",
+        "  attn: f32[n,8] = decode_attention(rq, kc@1, vc@1, tables, live)",
+        "  token: i32[n], logprob: f32[n] = linear_argmax_logprob(attn, head)  # fused logits + top1",
+        "  return token, logprob, kc@1, vc@1",
+    ])
+
+
+def test_pipeline_names_the_failing_pass(monkeypatch):
+    import circuit.passes as passes
+
+    def break_it(c):
+        return c.replace(outputs=("nothing",))
+    monkeypatch.setitem(passes.PASSES, "break_it", break_it)
+    with pytest.raises(PassError, match=r"pass 'break_it', #2 of the pipeline \(after "
+                                        r"eliminate_dead_nodes\)"):
+        run_passes(block(), ["eliminate_dead_nodes", "break_it"])
+    with pytest.raises(CircuitError, match="unknown pass"):
+        run_passes(block(), ["no_such_pass"])

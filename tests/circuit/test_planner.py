@@ -1,0 +1,145 @@
+"""The planner: program == eager at every width, memory-plan invariants on the real circuit,
+arena poisoning, deterministic plan JSON, width errors, no allocation by the runner."""
+import json
+
+import pytest
+import torch
+
+from circuit.memory import Buffer, Placement, check_placement
+from circuit.planner import CompileOptions, PlanError, compile_draft
+from ops.layers.config import MtpConfig
+from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from runners.binding import WidthError
+from runners.eager import EagerRunner
+from runners.program import ProgramRunner
+from runners.testing import poison_, random_draft_batch, random_mtp_weights
+
+CFG = MtpConfig(vocab_size=211, hidden_size=40, intermediate_size=72, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=10000.0,
+                num_hidden_layers=2, tie_word_embeddings=False, max_position_embeddings=512)
+KV = KvLayout(num_blocks=160, block_size=8, max_blocks_per_seq=6)
+WIDTHS = [*range(1, 9), 16]
+K = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    head = MtpHead(CFG)
+    chain = emit_draft_chain(head, K, max_width=16, kv=KV, bitmask=True)
+    params = head.bind(random_mtp_weights(CFG, seed=3))
+    return chain, params, compile_draft(chain, params, WIDTHS)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_program_equals_eager_bitwise(setup, width):
+    chain, params, compiled = setup
+    batch = random_draft_batch(CFG, KV, width, seed=width, num_drafts=K, bitmask=True)
+    eager_states, program_states = batch.clone_states(), batch.clone_states()
+    want = EagerRunner(chain, params, eager_states).run(batch.inputs)
+    runner = ProgramRunner(compiled, program_states)
+    poison_(runner.arena)
+    got = runner.run(batch.inputs)
+    for name in ("drafts", "confidences", "hidden_out"):
+        assert torch.equal(got[name], want[name]), name
+    for name in ("k_cache", "v_cache"):  # the same KV rows written, nothing else touched
+        assert torch.equal(program_states[name], eager_states[name]), name
+
+
+def test_poisoned_arena_before_every_call_changes_nothing(setup):
+    _, _, compiled = setup
+    batch = random_draft_batch(CFG, KV, 5, seed=11, num_drafts=K, bitmask=True)
+    first = {k: v.clone() for k, v in ProgramRunner(compiled, batch.clone_states()).run(batch.inputs).items()}
+    for fill in (0, 0xFF, 0x7F):
+        runner = ProgramRunner(compiled, batch.clone_states())
+        runner.arena.fill_(fill)
+        for buf in runner.static_outputs.values():
+            poison_(buf)
+        got = runner.run(batch.inputs)
+        for k, v in first.items():
+            assert torch.equal(got[k], v), (fill, k)
+
+
+def test_memory_plan_invariants_on_the_real_circuit(setup):
+    _, _, compiled = setup
+    for w, p in compiled.programs.items():
+        buffers = [Buffer(b.name, b.size_bytes, b.first, b.last) for b in p.buffers]
+        check_placement(buffers, Placement(offsets={b.name: b.offset for b in p.buffers},
+                                           arena_bytes=p.arena_bytes,
+                                           lower_bound_bytes=p.lower_bound_bytes,
+                                           naive_bytes=p.naive_bytes, strategy=p.strategy,
+                                           alignment=256))
+        assert p.lower_bound_bytes <= p.arena_bytes <= compiled.arena_bytes
+        assert p.arena_bytes <= 1.1 * p.lower_bound_bytes + 256 * len(buffers)
+        pinned = {s.name for x in p.launches for s in (*x.inputs, *x.outputs) if s.where != "arena"}
+        assert not pinned & {b.name for b in p.buffers}  # params, states, inputs, outputs pinned
+        assert all(s.offset + 1 <= compiled.arena_bytes for x in p.launches
+                   for s in (*x.inputs, *x.outputs) if s.where == "arena")
+
+
+def test_in_place_reuse_happens(setup):
+    _, _, compiled = setup
+    shared = [b for b in compiled.programs[4].buffers if len(b.values) > 1]
+    assert shared, "no in-place reuse planned"
+
+
+def test_fused_groups_are_recorded(setup):
+    _, _, compiled = setup
+    report = compiled.report().width(4)
+    ops = {g["op"] for g in report.fused_groups}
+    assert ops == {"add_rmsnorm", "linear_argmax_logprob", "rope_kv_write", "linear_silu_mul"}
+    assert report.launches < len(setup[0].nodes)
+
+
+def test_report_json_is_byte_identical(setup):
+    chain, params, compiled = setup
+    again = compile_draft(chain, {k: v.clone() for k, v in params.items()}, WIDTHS)
+    assert again.report().to_json() == compiled.report().to_json()
+    data = json.loads(compiled.report().to_json())
+    assert data["schema_version"] == 1 and [w["width"] for w in data["widths"]] == WIDTHS
+
+
+def test_widths_outside_bounds_are_refused(setup):
+    chain, params, compiled = setup
+    for bad in ([0], [-1], [17]):
+        with pytest.raises(PlanError, match="outside the circuit's bounds"):
+            compile_draft(chain, params, bad)
+    runner = ProgramRunner(compiled, random_draft_batch(CFG, KV, 1, num_drafts=K).states())
+    batch = random_draft_batch(CFG, KV, 9, seed=1, num_drafts=K, bitmask=True)
+    with pytest.raises(WidthError, match="width 9 has no program"):
+        runner.run(batch.inputs)
+    assert not compiled.serves(9) and compiled.serves(16)
+
+
+def test_run_path_allocates_nothing_of_its_own(setup, monkeypatch):
+    _, _, compiled = setup
+    batch = random_draft_batch(CFG, KV, 3, seed=2, num_drafts=K, bitmask=True)
+    runner = ProgramRunner(compiled, batch.clone_states())
+    out1 = runner.run(batch.inputs)
+    ptrs = {k: v.data_ptr() for k, v in out1.items()}
+    import sys
+
+    def refuse(real):
+        def wrapper(*a, **k):
+            if sys._getframe(1).f_code.co_filename.endswith("runners/program.py"):
+                pytest.fail(f"{real.__name__} called in the run path")
+            return real(*a, **k)
+        return wrapper
+    for fn in ("empty", "zeros", "empty_like", "zeros_like", "full", "ones", "tensor"):
+        monkeypatch.setattr(torch, fn, refuse(getattr(torch, fn)))
+    out2 = runner.run(batch.inputs)
+    monkeypatch.undo()
+    assert {k: v.data_ptr() for k, v in out2.items()} == ptrs  # static outputs, overwritten
+    statics = {b.data_ptr() for b in runner.static_outputs.values()}
+    assert set(ptrs.values()) <= statics
+
+
+def test_compile_time_and_arena_ratio_default_chain():
+    from ops.layers.config import DEFAULT_CONFIG
+    head = MtpHead(DEFAULT_CONFIG, "bfloat16")
+    chain = emit_draft_chain(head, 4, max_width=64, kv=KvLayout(64 * 64 + 1, 16, 64))
+    params = {k: torch.empty(s, device="meta", dtype=torch.bfloat16)
+              for k, s in head.param_shapes().items()}
+    compiled = compile_draft(chain, params, list(range(1, 65)), options=CompileOptions())
+    assert compiled.widths == tuple(range(1, 65))
+    ratios = [p.arena_bytes / p.lower_bound_bytes for p in compiled.programs.values()]
+    assert max(ratios) <= 1.1
