@@ -1,0 +1,80 @@
+"""Helpers shared by the kernel launchers: interpreter detection, PDL launch options, input checks.
+
+Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `KernelInputError`, `check`,
+`describe`, `check_operand`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class KernelInputError(ValueError):
+    """A launcher was handed a tensor of the wrong shape, dtype, layout or device."""
+
+
+def check(cond: bool, message: Callable[[], str]) -> None:
+    """Raise KernelInputError(message()) unless cond; the message is built only on failure."""
+    if not cond:
+        raise KernelInputError(message())
+
+
+def describe(name: str, t: torch.Tensor) -> str:
+    """'name: [3, 72] float16 stride (72, 1) on cpu', for error messages."""
+    return f"{name}: {list(t.shape)} {str(t.dtype).removeprefix('torch.')} stride {t.stride()} on {t.device}"
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_is_hopper_plus(index: int) -> bool:
+    try:
+        return torch.cuda.get_device_capability(index)[0] >= 9
+    except Exception:  # a CPU build or a broken driver: no PDL
+        return False
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch needs a CUDA tensor on sm90+ and a compiled (not interpreted) kernel."""
+    if interpreting() or t.device.type != "cuda":
+        return False
+    index = t.device.index
+    if index is None:
+        try:
+            index = torch.cuda.current_device()
+        except Exception:
+            return False
+    return _device_is_hopper_plus(index)
+
+
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """Extra kwargs for `kernel[grid](...)`: {"launch_pdl": True} only where PDL is supported.
+
+    A kernel launched this way must call `tl.extra.cuda.gdc_wait()` before it reads anything a
+    previous kernel wrote; launchers pass `USE_PDL=bool(launch_kwargs(t))` for that.
+    """
+    return {"launch_pdl": True} if pdl_supported(t) else {}
+
+
+def check_operand(
+    name: str,
+    t: torch.Tensor,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> None:
+    """Shape, dtype, device and unit innermost stride: what every launcher asks of a row operand."""
+    check(tuple(t.shape) == tuple(shape), lambda: f"{describe(name, t)}: expected shape {list(shape)}")
+    check(t.dtype in dtypes, lambda: f"{describe(name, t)}: expected dtype in {[str(d) for d in dtypes]}")
+    check(t.device == device, lambda: f"{describe(name, t)}: expected device {device}")
+    check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1,
+          lambda: f"{describe(name, t)}: the innermost dimension must be contiguous")

@@ -1,0 +1,242 @@
+"""Top-1 token and its log-probability per row, optionally under an int32 token bitmask.
+
+Contract: token = lowest id of the largest allowed finite logit, logprob = max - logsumexp over the
+allowed finite logits (fp32); a row with nothing allowed gets token -1 and logprob -inf.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+import torch
+
+from kernels._common import KernelInputError, check, describe, launch_kwargs
+
+# Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
+CHUNK = 2048  # vocab entries per step of the per-row loop in argmax_logprob
+CHUNK_NUM_WARPS = 8
+LINEAR_BLOCK_M = 64  # rows per tile of the fused lm head; n <= 64 streams the weight exactly once
+LINEAR_BLOCK_V = 128  # vocab entries per chunk of the fused lm head = one partial per (row, chunk)
+LINEAR_BLOCK_K = 64
+LINEAR_NUM_WARPS = 8  # 4 spills the [64, 128] fp32 tile on sm90
+LINEAR_NUM_STAGES = 4
+MERGE_BLOCK = 1024  # chunk partials merged per step of the merge kernel's serial loop
+MERGE_NUM_WARPS = 4
+_MAX_VOCAB = 1 << 24  # token ids travel through the fp32 workspace; exact below 2**24
+_NO_TOKEN = tl.constexpr(2147483647)  # above every real id, so min() over candidates ignores it
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _top1_reduce(val, tok, weight, ok, AXIS: tl.constexpr):
+    """(max val, lowest tok at that max, sum weight * exp(val - max)) over the ok lanes along AXIS.
+
+    With no ok lane: (-inf, _NO_TOKEN, 0). Logits enter with weight 1; chunk partials with their sum.
+    """
+    v = tl.where(ok, val, float("-inf"))
+    m = tl.max(v, axis=AXIS)
+    m_b = tl.expand_dims(m, AXIS)
+    best = tl.min(tl.where(ok & (v == m_b), tok, _NO_TOKEN), axis=AXIS)
+    # where() before the sum: for an all-masked lane set, v - m_b is NaN and must not leak
+    s = tl.sum(tl.where(ok, weight * tl.exp(v - m_b), 0.0), axis=AXIS)
+    return m, best, s
+
+
+@triton.jit
+def _top1_merge(m_run, tok_run, s_run, m, tok, s):
+    """Fold the next (later, higher-id) partial into the running one; ties keep the earlier id."""
+    m_new = tl.maximum(m_run, m)
+    empty = m_new == float("-inf")  # both empty: exp(-inf - -inf) would be NaN
+    s_new = tl.where(empty, 0.0, s_run * tl.exp(m_run - m_new) + s * tl.exp(m - m_new))
+    tok_new = tl.where(m > m_run, tok, tok_run)
+    return m_new, tok_new, s_new
+
+
+@triton.jit
+def _top1_finish(m, tok, s, token_ptr, logprob_ptr, row):
+    empty = m == float("-inf")
+    # max - logsumexp = max - (max + log s) = -log s; s >= 1 because the max term is exp(0)
+    tl.store(token_ptr + row, tl.where(empty, -1, tok))
+    tl.store(logprob_ptr + row, tl.where(empty, float("-inf"), -tl.log(s)))
+
+
+@triton.jit
+def _allowed(x, idx, in_vocab, mask_row_ptr, HAS_MASK: tl.constexpr):
+    """in the vocab, finite (NaN and +-Inf never win) and, with a mask, its bit set."""
+    ok = in_vocab & (tl.abs(x) < float("inf"))
+    if HAS_MASK:
+        word = tl.load(mask_row_ptr + (idx >> 5), mask=in_vocab, other=0)
+        # arithmetic >> sign-extends bit 31, but & 1 keeps only the shifted-down bit itself
+        ok = ok & (((word >> (idx & 31)) & 1) != 0)
+    return ok
+
+
+@triton.jit
+def _argmax_logprob_kernel(
+    logits_ptr, mask_ptr, token_ptr, logprob_ptr,
+    V, stride_logits, stride_mask,
+    HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # one program per row, chunks folded serially in vocab order
+    row = tl.program_id(0).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    m_run = tl.full([], float("-inf"), tl.float32)
+    tok_run = tl.full([], _NO_TOKEN, tl.int32)
+    s_run = tl.zeros([], tl.float32)
+    for start in range(0, V, CHUNK):
+        idx = start + tl.arange(0, CHUNK)
+        in_vocab = idx < V
+        x = tl.load(logits_ptr + row * stride_logits + idx, mask=in_vocab, other=0.0).to(tl.float32)
+        ok = _allowed(x, idx, in_vocab, mask_ptr + row * stride_mask, HAS_MASK)
+        m, tok, s = _top1_reduce(x, idx, 1.0, ok, 0)
+        m_run, tok_run, s_run = _top1_merge(m_run, tok_run, s_run, m, tok, s)
+    _top1_finish(m_run, tok_run, s_run, token_ptr, logprob_ptr, row)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _linear_partials_kernel(
+    x_ptr, w_ptr, mask_ptr, ws_ptr,
+    n, V, K, stride_x, stride_w, stride_mask,
+    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # axis 0 (fastest scheduled) walks row tiles, so the tiles of one weight chunk run together
+    # and share it through L2; with n <= BLOCK_M the weight is read from memory once.
+    pid_m = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < n
+    col_ok = cols < V
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)  # logits tile [rows, vocab], fp32
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        xt = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+        wt = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk < K)[:, None], other=0.0)
+        # ieee: fp32 inputs must not be rounded to tf32; no effect on fp16 / bf16 inputs
+        acc = tl.dot(xt, wt, acc, input_precision="ieee")
+    idx = tl.broadcast_to(cols[None, :], [BLOCK_M, BLOCK_V])
+    # rows past n must not read the bitmask either: its tensor has only n rows
+    mask_rows = mask_ptr + rows.to(tl.int64)[:, None] * stride_mask
+    ok = _allowed(acc, idx, row_ok[:, None] & col_ok[None, :], mask_rows, HAS_MASK)
+    m, tok, s = _top1_reduce(acc, idx, 1.0, ok, 1)
+    tok = tl.where(m == float("-inf"), -1, tok)  # keep _NO_TOKEN out of the fp32 workspace
+    # workspace [n, num_chunks, 3] fp32: (max, token as an exact float, sum exp(logit - max))
+    part = ws_ptr + (rows.to(tl.int64) * num_chunks + chunk) * 3
+    tl.store(part, m, mask=row_ok)
+    tl.store(part + 1, tok.to(tl.float32), mask=row_ok)
+    tl.store(part + 2, s, mask=row_ok)
+
+
+@triton.jit
+def _merge_partials_kernel(
+    ws_ptr, token_ptr, logprob_ptr, num_chunks,
+    MERGE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # one program per row; blocks of chunk partials folded serially in chunk order
+    row = tl.program_id(0).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    m_run = tl.full([], float("-inf"), tl.float32)
+    tok_run = tl.full([], _NO_TOKEN, tl.int32)
+    s_run = tl.zeros([], tl.float32)
+    for c0 in range(0, num_chunks, MERGE_BLOCK):
+        c = c0 + tl.arange(0, MERGE_BLOCK)
+        valid = c < num_chunks
+        part = ws_ptr + (row * num_chunks + c) * 3
+        m = tl.load(part, mask=valid, other=float("-inf"))
+        tok = tl.load(part + 1, mask=valid, other=-1.0).to(tl.int32)
+        s = tl.load(part + 2, mask=valid, other=0.0)
+        # chunks hold ascending id ranges, so the lowest token among the max chunks is the answer
+        m, tok, s = _top1_reduce(m, tok, s, valid & (m > float("-inf")), 0)
+        m_run, tok_run, s_run = _top1_merge(m_run, tok_run, s_run, m, tok, s)
+    _top1_finish(m_run, tok_run, s_run, token_ptr, logprob_ptr, row)
+
+
+def _check_outputs(n: int, device: torch.device, token_out: torch.Tensor, logprob_out: torch.Tensor) -> None:
+    for name, t, dtype in (("token_out", token_out, torch.int32), ("logprob_out", logprob_out, torch.float32)):
+        check(t.shape == (n,) and t.dtype == dtype and t.is_contiguous() and t.device == device,
+              lambda: f"{name} must be {dtype} [{n}] contiguous on {device}; got {describe(name, t)}")
+
+
+def _check_bitmask(bitmask: torch.Tensor | None, n: int, V: int, device: torch.device) -> None:
+    if bitmask is None:
+        return
+    words = triton.cdiv(V, 32)
+    got = describe("bitmask", bitmask)
+    check(bitmask.dtype == torch.int32, lambda: f"bitmask must be int32; got {got}")
+    check(bitmask.dim() == 2 and bitmask.shape[0] == n, lambda: f"bitmask must be [{n}, {words}]; got {got}")
+    check(bitmask.shape[1] == words,
+          lambda: f"bitmask must have ceil({V}/32) = {words} words a row, got {bitmask.shape[1]}: {got}")
+    check(bitmask.stride(1) == 1 and bitmask.device == device,
+          lambda: f"bitmask rows must be contiguous on {device}; got {got}")
+
+
+def argmax_logprob(logits: torch.Tensor, token_out: torch.Tensor, logprob_out: torch.Tensor,
+                   bitmask: torch.Tensor | None = None) -> None:
+    """logits [n, V] fp32/fp16/bf16 with contiguous rows; writes token_out int32 [n], logprob_out fp32 [n]."""
+    check(logits.dim() == 2 and logits.dtype in _DTYPES and logits.stride(1) == 1,
+          lambda: f"logits must be [n, V] fp32/fp16/bf16 with contiguous rows; got {describe('logits', logits)}")
+    n, V = logits.shape
+    _check_outputs(n, logits.device, token_out, logprob_out)
+    _check_bitmask(bitmask, n, V, logits.device)
+    if n == 0:
+        return
+    kw = launch_kwargs(logits)
+    _argmax_logprob_kernel[(n,)](
+        logits, bitmask if bitmask is not None else token_out, token_out, logprob_out,
+        V, logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,
+        HAS_MASK=bitmask is not None, CHUNK=CHUNK, USE_PDL=bool(kw),
+        num_warps=CHUNK_NUM_WARPS, **kw,
+    )
+
+
+def linear_argmax_workspace_shape(n: int, V: int) -> tuple[int, int, int]:
+    """Shape of the fp32 workspace of linear_argmax_logprob: one (max, token, sumexp) per (row, chunk)."""
+    return (n, triton.cdiv(V, LINEAR_BLOCK_V), 3)
+
+
+def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torch.Tensor,
+                          logprob_out: torch.Tensor, bitmask: torch.Tensor | None = None,
+                          workspace: torch.Tensor | None = None) -> None:
+    """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype."""
+    check(x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1,
+          lambda: f"x must be [n, K] fp32/fp16/bf16 with contiguous rows; got {describe('x', x)}")
+    n, K = x.shape
+    check(weight.dim() == 2 and weight.shape[1] == K and weight.dtype == x.dtype and weight.stride(1) == 1
+          and weight.device == x.device,
+          lambda: f"weight must be [V, {K}] {x.dtype} with contiguous rows on {x.device}; "
+                  f"got {describe('weight', weight)}")
+    V = weight.shape[0]
+    if V >= _MAX_VOCAB:
+        raise KernelInputError(f"weight: vocab {V} must be below {_MAX_VOCAB} (token ids pass through fp32)")
+    _check_outputs(n, x.device, token_out, logprob_out)
+    _check_bitmask(bitmask, n, V, x.device)
+    shape = linear_argmax_workspace_shape(n, V)
+    if workspace is None:
+        workspace = torch.empty(shape, dtype=torch.float32, device=x.device)
+    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32 and workspace.is_contiguous()
+          and workspace.device == x.device,
+          lambda: f"workspace must be float32 {list(shape)} contiguous on {x.device}; "
+                  f"got {describe('workspace', workspace)}")
+    if n == 0:
+        return
+    kw = launch_kwargs(x)
+    if shape[1] > 0:  # V == 0 has no chunks: the merge alone reports every row empty
+        _linear_partials_kernel[(triton.cdiv(n, LINEAR_BLOCK_M), shape[1])](
+            x, weight, bitmask if bitmask is not None else token_out, workspace,
+            n, V, K, x.stride(0), weight.stride(0), bitmask.stride(0) if bitmask is not None else 0,
+            HAS_MASK=bitmask is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_V=LINEAR_BLOCK_V,
+            BLOCK_K=LINEAR_BLOCK_K, USE_PDL=bool(kw),
+            num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
+        )
+    _merge_partials_kernel[(n,)](
+        workspace, token_out, logprob_out, shape[1],
+        MERGE_BLOCK=MERGE_BLOCK, USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
+    )

@@ -1,0 +1,194 @@
+"""Paged GQA decode attention: one query row per sequence over its L = live_rows + row_offset + 1 KV rows.
+
+Contract: out[i, h] = softmax(scale * q[i, h] . K[i]^T) V[i] in fp32, cast to q's dtype; only the
+blocks of live rows are read. Fixed-size KV splits merged serially, so a row never depends on n.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+import torch
+
+from kernels._common import check, describe, launch_kwargs
+
+# Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
+SPLIT_ROWS = 256  # KV rows per split program; a multiple of every step size below
+# KV rows per step inside a split = this // (query heads a program serves, padded), so the
+# [heads, rows, head_dim] product tile stays within registers (checked on sm90: no spills to G=16).
+STEP_ROWS_X_HEADS = 32
+SPLIT_NUM_WARPS = 4
+MERGE_NUM_WARPS = 4
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
+    row_offset, capacity, max_splits, qk_scale_log2,
+    stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # program = (sequence, kv head, split); it serves the GROUP query heads that share the kv head
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    # clamp: never past the block table (its tail may be garbage), never below zero rows
+    L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
+    lo = split * SPLIT
+    if lo < L:
+        hi = tl.minimum(lo + SPLIT, L)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        heads = kv_head * GROUP + g
+        head_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 domain
+        l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p V
+        for start in range(lo, hi, BLOCK_N):
+            r = start + tl.arange(0, BLOCK_N)
+            live = r < hi
+            # a dead row's table entry is neither read nor used: its address becomes block 0's
+            blk = tl.load(tables_ptr + seq * stride_table + r // BLOCK_SIZE, mask=live, other=0)
+            blk = tl.where(live, blk, 0).to(tl.int64)
+            slot = (r % BLOCK_SIZE).to(tl.int64)
+            kv_ok = live[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D]
+            v = tl.load(v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale_log2  # [G, BLOCK_N]
+            s = tl.where(live[None, :], s, float("-inf"))
+            # every step holds a live row (start < hi), so m_new is finite
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        # workspace [n, NUM_HEADS, max_splits, HEAD_DIM + 2]: (acc[0:D], m, l) per split
+        part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
+        tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
+        tl.store(part + HEAD_DIM, m, mask=head_ok)
+        tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    ws_ptr, live_ptr, out_ptr,
+    row_offset, capacity, max_splits, stride_out,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # program = (sequence, query head); the live splits are folded serially in split order
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
+    num_splits = tl.cdiv(L, SPLIT)
+    base = ws_ptr + (seq * NUM_HEADS + head) * max_splits * (HEAD_DIM + 2)
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for split in range(0, num_splits):
+        part = base + split * (HEAD_DIM + 2)
+        acc_s = tl.load(part + d, mask=d_ok, other=0.0)
+        m_s = tl.load(part + HEAD_DIM)
+        l_s = tl.load(part + HEAD_DIM + 1)
+        m_new = tl.maximum(m, m_s)  # finite: every live split holds a live row
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_s - m_new)
+        l = l * alpha + l_s * beta
+        acc = acc * alpha + acc_s * beta
+        m = m_new
+    # L == 0 (only a clamped, out-of-contract row) has no splits: it writes zeros, never NaN
+    o = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
+    tl.store(out_ptr + seq * stride_out + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def decode_attention_workspace_shape(n: int, num_heads: int, head_dim: int, max_rows: int,
+                                     split_rows: int = SPLIT_ROWS) -> tuple[int, int, int, int]:
+    """fp32 workspace: per (row, query head, split) the unnormalised acc [head_dim], max and sum.
+
+    max_rows is the block table's capacity, block_tables.shape[1] * block_size.
+    """
+    return (n, num_heads, triton.cdiv(max_rows, split_rows), head_dim + 2)
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  live_rows: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int, row_offset: int) -> None:
+    check(num_heads > 0 and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and head_dim > 0,
+          lambda: f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}, "
+                  f"head_dim {head_dim} positive")
+    check(q.dim() == 2 and q.dtype in _DTYPES and q.shape[1] == num_heads * head_dim and q.stride(1) == 1,
+          lambda: f"q must be [n, {num_heads}*{head_dim}] fp32/fp16/bf16 with contiguous rows; got {describe('q', q)}")
+    n, dev = q.shape[0], q.device
+    check(row_offset >= 0, lambda: f"row_offset must be >= 0; got {row_offset}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check(c.dim() == 4 and c.shape[2] == num_kv_heads and c.shape[3] == head_dim and c.stride(3) == 1
+              and c.dtype == q.dtype and c.device == dev,
+              lambda: f"{name} must be [num_blocks, block_size, {num_kv_heads}, {head_dim}] {q.dtype} on {dev}, "
+                      f"last dim contiguous; got {describe(name, c)}")
+    check(k_cache.shape == v_cache.shape,
+          lambda: f"v_cache must match k_cache {list(k_cache.shape)}; got {describe('v_cache', v_cache)}")
+    block_size = k_cache.shape[1]
+    check(block_size >= 8 and block_size & (block_size - 1) == 0,
+          lambda: f"block_size must be a power of two >= 8; got {describe('k_cache', k_cache)}")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == n and block_tables.shape[1] > 0
+          and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.device == dev,
+          lambda: f"block_tables must be int32 [{n}, max_blocks >= 1] with contiguous rows on {dev}; "
+                  f"got {describe('block_tables', block_tables)}")
+    check(live_rows.shape == (n,) and live_rows.dtype == torch.int32 and live_rows.is_contiguous()
+          and live_rows.device == dev,
+          lambda: f"live_rows must be int32 [{n}] contiguous on {dev}; got {describe('live_rows', live_rows)}")
+    check(out.shape == q.shape and out.dtype == q.dtype and out.stride(1) == 1 and out.device == dev,
+          lambda: f"out must be {q.dtype} {list(q.shape)} with contiguous rows on {dev}; got {describe('out', out)}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, live_rows: torch.Tensor, out: torch.Tensor, *,
+                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float, row_offset: int,
+                     workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS) -> None:
+    """q, out [n, num_heads*head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; no host sync."""
+    _check_inputs(q, k_cache, v_cache, block_tables, live_rows, out, num_heads, num_kv_heads, head_dim, row_offset)
+    n, block_size = q.shape[0], k_cache.shape[1]
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_n = max(1, STEP_ROWS_X_HEADS // group_pad)
+    check(split_rows >= block_n and split_rows % block_n == 0,
+          lambda: f"split_rows must be a positive multiple of {block_n}; got {split_rows}")
+    capacity = block_tables.shape[1] * block_size
+    shape = decode_attention_workspace_shape(n, num_heads, head_dim, capacity, split_rows)
+    if workspace is None:
+        workspace = torch.empty(shape, dtype=torch.float32, device=q.device)
+    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32 and workspace.is_contiguous()
+          and workspace.device == q.device,
+          lambda: f"workspace must be float32 {list(shape)} contiguous on {q.device}; "
+                  f"got {describe('workspace', workspace)}")
+    if n == 0:
+        return
+    kw = launch_kwargs(q)
+    shared = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+                  SPLIT=split_rows, USE_PDL=bool(kw))
+    _split_kernel[(n, num_kv_heads, shape[2])](
+        q, k_cache, v_cache, block_tables, live_rows, workspace,
+        row_offset, capacity, shape[2], scale * _LOG2E,
+        q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        num_warps=SPLIT_NUM_WARPS, **shared, **kw,
+    )
+    _merge_kernel[(n, num_heads)](
+        workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
+        num_warps=MERGE_NUM_WARPS, **shared, **kw,
+    )

@@ -1,0 +1,166 @@
+"""Neox-style rotary embedding of q and k plus the paged KV-cache write, in one launch.
+
+q_out = rope(q); k_cache/v_cache[block_tables[i, r // bs], r % bs] = rope(k)[i], v[i] with
+r = live_rows[i] + row_offset; rows with active[i] == 0 leave the caches untouched. Grid (n, H + Hkv).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    FLOAT_DTYPES, INDEX_DTYPES, check, check_operand, describe, interpreting, launch_kwargs,
+)
+
+
+@triton.jit
+def rope_kv_write_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, live_ptr, tables_ptr, active_ptr,
+    k_cache_ptr, v_cache_ptr, q_out_ptr,
+    stride_q, stride_k, stride_v, stride_q_out, stride_tables,
+    stride_cache_blk, stride_cache_slot, stride_cache_head,
+    stride_vcache_blk, stride_vcache_slot, stride_vcache_head,
+    pos_offset, row_offset, block_size,
+    theta, log2_theta_hi, log2_theta_lo,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # [0, NUM_HEADS) are q heads, [NUM_HEADS, NUM_HEADS + Hkv) are kv heads
+    half: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, BLOCK_HALF)
+    mask = j < half
+
+    # inv_freq[j] = 1 / theta ** (2j / D), rounded as the fp32 reference rounds it: the power,
+    # then the reciprocal (div_rn: Triton's `/` is approximate on the GPU).
+    e = tl.div_rn((2 * j).to(tl.float32), tl.full((BLOCK_HALF,), HEAD_DIM, tl.float32))
+    if LIBDEVICE:
+        power = tl.extra.cuda.libdevice.pow(theta, e)  # __nv_powf, as torch's CUDA pow
+    else:
+        # No libdevice in the interpreter. exp2(e * log2(theta)) would lose ~|arg| ulps to the
+        # rounding of the product, so it is kept as hi + lo (an fma and a split log2(theta)).
+        prod_hi = e * log2_theta_hi
+        prod_lo = tl.fma(e, log2_theta_hi, -prod_hi) + e * log2_theta_lo
+        base = tl.exp2(prod_hi)
+        power = tl.fma(base, prod_lo * 0.6931471805599453, base)
+    inv_freq = tl.div_rn(tl.full((BLOCK_HALF,), 1.0, tl.float32), power)
+
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # q, k, v, positions and the tables come from earlier launches
+    pos = (tl.load(pos_ptr + row) + pos_offset).to(tl.float32)
+    angle = pos * inv_freq
+    if LIBDEVICE:
+        # libdevice sinf/cosf reduce any argument fully (positions reach 1e5), whatever a given
+        # Triton version lowers tl.sin to.
+        cos = tl.extra.cuda.libdevice.cos(angle)
+        sin = tl.extra.cuda.libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+
+    if head < NUM_HEADS:
+        src = q_ptr + row * stride_q + head * HEAD_DIM
+        x1 = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + j, mask=mask, other=0.0).to(tl.float32)
+        dst = q_out_ptr + row * stride_q_out + head * HEAD_DIM
+        tl.store(dst + j, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half + j, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        kv_head = head - NUM_HEADS
+        write = True
+        if HAS_ACTIVE:
+            write = tl.load(active_ptr + row) != 0
+        if write:
+            r = tl.load(live_ptr + row) + row_offset
+            blk = tl.load(tables_ptr + row * stride_tables + r // block_size).to(tl.int64)
+            slot = r % block_size
+            src = k_ptr + row * stride_k + kv_head * HEAD_DIM
+            x1 = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + half + j, mask=mask, other=0.0).to(tl.float32)
+            dst = k_cache_ptr + blk * stride_cache_blk + slot * stride_cache_slot \
+                + kv_head * stride_cache_head
+            tl.store(dst + j, (x1 * cos - x2 * sin).to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + half + j, (x2 * cos + x1 * sin).to(k_cache_ptr.dtype.element_ty),
+                     mask=mask)
+            v_src = v_ptr + row * stride_v + kv_head * HEAD_DIM
+            v_dst = v_cache_ptr + blk * stride_vcache_blk + slot * stride_vcache_slot \
+                + kv_head * stride_vcache_head
+            for part in tl.static_range(2):
+                v = tl.load(v_src + part * half + j, mask=mask, other=0.0)
+                tl.store(v_dst + part * half + j, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    live_rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    theta: float,
+    pos_offset: int,
+    row_offset: int,
+    active: torch.Tensor | None = None,
+) -> None:
+    """q_out = rope(q) and the paged write of rope(k), v; one launch, grid (n, num_heads + num_kv_heads).
+
+    q, q_out [n, H*D]; k, v [n, Hkv*D]; positions [n] int32/int64; live_rows, active [n] int32;
+    block_tables [n, max_blocks] int32; caches [num_blocks, block_size, Hkv, D] with unit last
+    stride. q_out may alias q. Indices are not bounds-checked on the device: padded rows must be
+    inactive (or point at a scratch block).
+    """
+    n = q.shape[0]
+    dev = q.device
+    check(head_dim % 2 == 0 and head_dim > 0, lambda: f"head_dim {head_dim} must be even")
+    check_operand("q", q, (n, num_heads * head_dim), FLOAT_DTYPES, dev)
+    check_operand("q_out", q_out, (n, num_heads * head_dim), FLOAT_DTYPES, dev)
+    check_operand("k", k, (n, num_kv_heads * head_dim), FLOAT_DTYPES, dev)
+    check_operand("v", v, (n, num_kv_heads * head_dim), FLOAT_DTYPES, dev)
+    check_operand("positions", positions, (n,), INDEX_DTYPES, dev)
+    check_operand("live_rows", live_rows, (n,), (torch.int32,), dev)
+    check(block_tables.dim() == 2,
+          lambda: f"{describe('block_tables', block_tables)}: expected [n, max_blocks]")
+    check_operand("block_tables", block_tables, (n, block_tables.shape[1]), (torch.int32,), dev)
+    check(k_cache.dim() == 4,
+          lambda: f"{describe('k_cache', k_cache)}: expected [num_blocks, block_size, Hkv, D]")
+    num_blocks, block_size = k_cache.shape[:2]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    check_operand("k_cache", k_cache, cache_shape, FLOAT_DTYPES, dev)
+    check_operand("v_cache", v_cache, cache_shape, FLOAT_DTYPES, dev)
+    if active is not None:
+        check_operand("active", active, (n,), (torch.int32,), dev)
+    if n == 0:
+        return
+    theta = float(theta)  # an int would reach the kernel as i32
+    log2_theta = math.log2(theta)
+    log2_theta_hi = float(np.float32(log2_theta))  # exact in fp32; the remainder goes in _lo
+    pdl = launch_kwargs(q)
+    rope_kv_write_kernel[(n, num_heads + num_kv_heads)](
+        q, k, v, positions, live_rows, block_tables, active if active is not None else live_rows,
+        k_cache, v_cache, q_out,
+        q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        int(pos_offset), int(row_offset), block_size,
+        theta, log2_theta_hi, log2_theta - log2_theta_hi,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        HAS_ACTIVE=active is not None, LIBDEVICE=not interpreting(), USE_PDL=bool(pdl),
+        num_warps=1 if head_dim <= 128 else 2,
+        **pdl,
+    )

@@ -1,0 +1,201 @@
+"""decode_attention (paged, GQA, split-KV) against a plain torch reference (interpreter on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels._common import KernelInputError
+from kernels.decode_attention import decode_attention, decode_attention_workspace_shape
+
+# the interpreter evaluates both sides of tl.where, so masked-off lanes may warn; they are expected
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _cuda() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+              live_rows: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+              row_offset: int) -> torch.Tensor:
+    """Row i attends to its sequence rows 0..L-1, L = live_rows[i] + row_offset + 1; fp32 softmax."""
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    block_size = k_cache.shape[1]
+    kv_of_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for i in range(q.shape[0]):
+        rows = torch.arange(int(live_rows[i]) + row_offset + 1)
+        blocks = block_tables[i].cpu().long()[rows // block_size]
+        k = k_cache[blocks, rows % block_size].float()[:, kv_of_head]  # [L, Hq, D]
+        v = v_cache[blocks, rows % block_size].float()[:, kv_of_head]
+        qi = q[i].float().view(num_heads, head_dim)
+        p = torch.softmax(scale * torch.einsum("hd,lhd->hl", qi, k), dim=-1)
+        out[i] = torch.einsum("hl,lhd->hd", p, v).reshape(-1).to(q.dtype)
+    return out
+
+
+def make_case(lengths: list[int], *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, tail: int, seed: int, spare_blocks: int = 2) -> dict:
+    """Caches full of NaN except the live rows, shuffled blocks, block-table tails set to `tail`."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    blocks_per_row = [-(-length // block_size) for length in lengths]
+    max_blocks = max(blocks_per_row) + spare_blocks
+    num_blocks = sum(blocks_per_row) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((n, max_blocks), tail, dtype=torch.int32)
+    used = 0
+    for i, (length, count) in enumerate(zip(lengths, blocks_per_row)):
+        block_tables[i, :count] = order[used:used + count].int()
+        used += count
+        rows = torch.arange(length)
+        blocks = block_tables[i].long()[rows // block_size]
+        k_cache[blocks, rows % block_size] = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v_cache[blocks, rows % block_size] = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(n, num_heads * head_dim, generator=gen).to(dtype)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
+
+
+def run(case: dict, live_rows: torch.Tensor, **attrs) -> torch.Tensor:
+    out = torch.full_like(case["q"], float("nan"))  # poisoned: every element must be written
+    decode_attention(case["q"], case["k_cache"], case["v_cache"], case["block_tables"], live_rows, out, **attrs)
+    return out
+
+
+HEADS = [(2, 2, 80), (4, 2, 64), (8, 2, 80)]  # GQA ratios 1, 2, 4; head_dim 80 is not a power of two
+
+
+# each factor at each of its values: dtype x (GQA ratio, head_dim) x (row_offset, block-table tail)
+CASES = [
+    (torch.float32, HEADS[0], 0, -1), (torch.float32, HEADS[1], 2, 10**6), (torch.float32, HEADS[2], 0, 10**6),
+    (torch.float16, HEADS[0], 2, -1), (torch.float16, HEADS[1], 0, 10**6), (torch.float16, HEADS[2], 2, -1),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,row_offset,tail", CASES)
+def test_matches_reference(dtype: torch.dtype, heads: tuple[int, int, int], row_offset: int, tail: int) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    lengths = [max(length, row_offset + 1) for length in [1, 15, 16, 17, 40, 70]]
+    case = make_case(lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=16, dtype=dtype, tail=tail, seed=num_heads + row_offset)
+    live_rows = torch.tensor(lengths, dtype=torch.int32) - row_offset - 1
+    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 scale=head_dim ** -0.5, row_offset=row_offset)
+    # 32-row splits: the 40- and 70-row sequences span 2 and 3 splits, ending mid-split
+    out = run(case, live_rows, split_rows=32, **attrs)
+    ref = reference(**case, live_rows=live_rows, **attrs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_other_block_sizes_and_default_split(block_size: int) -> None:
+    lengths = [1, 9, 33, 50]
+    case = make_case(lengths, num_heads=4, num_kv_heads=1, head_dim=64, block_size=block_size,
+                     dtype=torch.float32, tail=-1, seed=block_size)
+    live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
+    attrs = dict(num_heads=4, num_kv_heads=1, head_dim=64, scale=0.3, row_offset=0)
+    torch.testing.assert_close(run(case, live_rows, **attrs), reference(**case, live_rows=live_rows, **attrs),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_row_does_not_depend_on_batch() -> None:
+    lengths = [40, 3, 17]
+    case = make_case(lengths, num_heads=4, num_kv_heads=2, head_dim=80, block_size=16,
+                     dtype=torch.float32, tail=-1, seed=3)
+    live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
+    attrs = dict(num_heads=4, num_kv_heads=2, head_dim=80, scale=0.1, row_offset=0, split_rows=16)
+    batch = run(case, live_rows, **attrs)
+    alone = run({**case, "q": case["q"][:1].clone(), "block_tables": case["block_tables"][:1].clone()},
+                live_rows[:1].clone(), **attrs)
+    assert torch.equal(alone, batch[:1])
+
+
+def test_workspace_passed_in() -> None:
+    lengths = [20, 5]
+    case = make_case(lengths, num_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                     dtype=torch.float32, tail=-1, seed=4)
+    live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
+    attrs = dict(num_heads=2, num_kv_heads=1, head_dim=64, scale=0.125, row_offset=0)
+    max_rows = case["block_tables"].shape[1] * 16
+    workspace = torch.full(decode_attention_workspace_shape(2, 2, 64, max_rows, split_rows=16), float("nan"))
+    out = run(case, live_rows, workspace=workspace, split_rows=16, **attrs)
+    torch.testing.assert_close(out, reference(**case, live_rows=live_rows, **attrs), atol=1e-5, rtol=1e-5)
+    with pytest.raises(KernelInputError, match="workspace"):
+        run(case, live_rows, workspace=workspace[:, :, :1], split_rows=16, **attrs)
+
+
+def test_zero_live_rows_write_zeros() -> None:
+    # out of contract (L >= 1 by construction), but a padded row must still come out finite
+    case = make_case([4, 4], num_heads=2, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float32, tail=-1, seed=5)
+    live_rows = torch.tensor([3, -1], dtype=torch.int32)
+    out = run(case, live_rows, num_heads=2, num_kv_heads=2, head_dim=64, scale=0.125, row_offset=0)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out[0]).all()
+
+
+def test_rejects_bad_inputs() -> None:
+    case = make_case([4], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                     dtype=torch.float32, tail=-1, seed=6)
+    attrs = dict(num_heads=2, num_kv_heads=1, head_dim=64, scale=0.125, row_offset=0)
+    live_rows = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="block_tables"):
+        run({**case, "block_tables": case["block_tables"].long()}, live_rows, **attrs)
+    with pytest.raises(KernelInputError, match="live_rows"):
+        run(case, live_rows.long(), **attrs)
+    with pytest.raises(KernelInputError, match="k_cache"):
+        run({**case, "k_cache": case["k_cache"].half()}, live_rows, **attrs)
+    with pytest.raises(KernelInputError, match="num_kv_heads"):
+        run(case, live_rows, **{**attrs, "num_kv_heads": 3})
+    with pytest.raises(KernelInputError, match="split_rows"):
+        run(case, live_rows, split_rows=20, **attrs)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+
+
+def to_cuda(case: dict) -> dict:
+    return {name: t.cuda() for name, t in case.items()}
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 8, 128), (16, 4, 80), (32, 8, 128), (16, 1, 64)])
+def test_cuda_bf16_against_fp32_reference(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    lengths = [1, 15, 16, 17, 40, 255, 256, 257, 1000]
+    case = make_case(lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=16, dtype=torch.bfloat16, tail=10**6, seed=num_heads)
+    live_rows = torch.tensor(lengths, dtype=torch.int32) - 3
+    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 scale=head_dim ** -0.5, row_offset=2)
+    out = run(to_cuda(case), live_rows.cuda(), **attrs)
+    ref = reference(**{name: t.float() if t.is_floating_point() else t for name, t in case.items()},
+                    live_rows=live_rows, **attrs)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_width_independence(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim, block_size = 16, 4, 128, 16
+    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim ** -0.5,
+                 row_offset=1)
+    for n in torch.randint(2, 65, (10,), generator=gen).tolist() + [2, 64]:
+        lengths = torch.randint(1, 700, (n,), generator=gen).tolist()
+        case = to_cuda(make_case(lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 block_size=block_size, dtype=dtype, tail=-1, seed=n))
+        live_rows = (torch.tensor(lengths, dtype=torch.int32) - 2).clamp(min=-1).cuda()
+        batch = run(case, live_rows, **attrs)
+        alone = run({**case, "q": case["q"][:1].clone(), "block_tables": case["block_tables"][:1].clone()},
+                    live_rows[:1].clone(), **attrs)
+        assert torch.equal(alone, batch[:1]), n

@@ -1,0 +1,133 @@
+"""rmsnorm / add_rmsnorm kernels against a straightforward HF-order torch reference.
+
+CPU: fp32 and fp16 under the Triton interpreter. cuda: bf16 and width independence.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels._common import KernelInputError
+from kernels.rmsnorm import add_rmsnorm, rmsnorm
+
+
+def _has_cuda() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y.to(x.dtype) * weight
+
+
+def _poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,hidden", [(1, 72), (3, 200), (5, 64)])
+def test_rmsnorm_matches_reference(dtype, n, hidden):
+    gen = torch.Generator().manual_seed(n * 1000 + hidden)
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    out = _poisoned(x)
+    rmsnorm(x, weight, out, 1e-6)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference_rmsnorm(x, weight, 1e-6), **TOL[dtype])
+
+
+def test_rmsnorm_strided_rows():
+    # Rows of a wider buffer: only the innermost dimension needs to be contiguous.
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(3, 100, generator=gen)
+    x = base[:, :72]
+    weight = torch.randn(72, generator=gen)
+    out_base = torch.full((3, 90), float("nan"))
+    out = out_base[:, 5:77]
+    rmsnorm(x, weight, out, 1e-5)
+    torch.testing.assert_close(out, reference_rmsnorm(x, weight, 1e-5), **TOL[torch.float32])
+    assert out_base[:, :5].isnan().all() and out_base[:, 77:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("alias", [None, "x", "residual"])
+def test_add_rmsnorm_matches_reference(dtype, alias):
+    n, hidden = 5, 200
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    residual = torch.randn(n, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    expect_sum = x + residual
+    expect_norm = reference_rmsnorm(expect_sum, weight, 1e-6)
+    sum_out = {"x": x, "residual": residual, None: _poisoned(x)}[alias]
+    norm_out = _poisoned(x)
+    add_rmsnorm(x, residual, weight, sum_out, norm_out, 1e-6)
+    assert torch.equal(sum_out, expect_sum)  # one rounding in x's dtype, as torch
+    assert not norm_out.isnan().any()
+    torch.testing.assert_close(norm_out, expect_norm, **TOL[dtype])
+
+
+def test_rejects_bad_inputs():
+    x = torch.randn(3, 72)
+    with pytest.raises(KernelInputError, match="weight"):
+        rmsnorm(x, torch.randn(70), torch.empty_like(x), 1e-6)
+    with pytest.raises(KernelInputError, match="out"):
+        rmsnorm(x, torch.randn(72), torch.empty(3, 72, dtype=torch.float16), 1e-6)
+    with pytest.raises(KernelInputError, match="x"):
+        rmsnorm(torch.randn(72, 3).t(), torch.randn(72), torch.empty(3, 72), 1e-6)
+    with pytest.raises(KernelInputError, match="residual"):
+        add_rmsnorm(x, torch.randn(3, 71), torch.randn(72), torch.empty_like(x), torch.empty_like(x), 1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("hidden", [72, 200, 4096])
+def test_cuda_bf16_matches_fp32_reference(hidden):
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(37, hidden, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(37, hidden, device="cuda", generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).bfloat16()
+    out = _poisoned(x)
+    rmsnorm(x, weight, out, 1e-6)
+    torch.testing.assert_close(out.float(), reference_rmsnorm(x.float(), weight.float(), 1e-6),
+                               **TOL[torch.bfloat16])
+    sum_out, norm_out = _poisoned(x), _poisoned(x)
+    add_rmsnorm(x, residual, weight, sum_out, norm_out, 1e-6)
+    assert torch.equal(sum_out, x + residual)
+    torch.testing.assert_close(norm_out.float(),
+                               reference_rmsnorm((x + residual).float(), weight.float(), 1e-6),
+                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_width_independence(dtype):
+    hidden = 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    row0 = torch.randn(1, hidden, device="cuda", generator=gen).to(dtype)
+    res0 = torch.randn(1, hidden, device="cuda", generator=gen).to(dtype)
+    weight = torch.randn(hidden, device="cuda", generator=gen).to(dtype)
+    alone, alone_sum, alone_norm = _poisoned(row0), _poisoned(row0), _poisoned(row0)
+    rmsnorm(row0, weight, alone, 1e-6)
+    add_rmsnorm(row0, res0, weight, alone_sum, alone_norm, 1e-6)
+    for n in range(2, 65):
+        x = torch.randn(n, hidden, device="cuda", generator=gen).to(dtype)
+        res = torch.randn(n, hidden, device="cuda", generator=gen).to(dtype)
+        x[0], res[0] = row0[0], res0[0]
+        out, sum_out, norm_out = _poisoned(x), _poisoned(x), _poisoned(x)
+        rmsnorm(x, weight, out, 1e-6)
+        add_rmsnorm(x, res, weight, sum_out, norm_out, 1e-6)
+        assert torch.equal(out[0], alone[0]), n
+        assert torch.equal(norm_out[0], alone_norm[0]), n
+        assert torch.equal(sum_out[0], alone_sum[0]), n
