@@ -24,6 +24,8 @@ class CompileOptions(BaseModel):
     bandwidth_gbps: float = 4800.0    # for the floor time; pass the bandwidth you measured
     alignment: int = 256              # arena offsets (bytes)
     kernels: tuple[str, ...] | None = None  # allow only these kernels (None: any that applies)
+    width_independent: bool = True    # a row's drafts never depend on the batch it shares
+    interpret_kernels: bool = False   # on CPU, choose Triton kernels (TRITON_INTERPRET tests)
 
 
 class PlanError(CircuitError):
@@ -94,13 +96,15 @@ def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: 
                         f"{lo} <= n <= {hi}" if bad else "no widths to compile")
     check_params(circuit, params)
     kind = device_kind(device)
+    select_for = "interpret" if kind == "cpu" and options.interpret_kernels else kind
     for name, t in params.items():
         if t.device.type not in (kind, "meta"):  # meta: shapes-only plans (`circuit plan`)
             raise PlanError(f"param {name!r} is on {t.device}, the draft compiles for {device}")
     fused = run_passes(circuit, options.pipeline, check=options.verify_passes)
     allowed = set(options.kernels) if options.kernels is not None else None
-    programs = {w: build_program(fused, w, kind, kv_rows=options.kv_rows,
-                                 alignment=options.alignment, kernels=allowed)
+    programs = {w: build_program(fused, w, select_for, kv_rows=options.kv_rows,
+                                 alignment=options.alignment, kernels=allowed,
+                                 width_independent=options.width_independent)
                 for w in sorted(set(widths))}
     return CompiledDraft(source=circuit, circuit=fused, programs=programs, params=dict(params),
                          device=str(device), options=options)

@@ -78,12 +78,14 @@ def step_of(node_name: str) -> int | None:
 
 
 def choose_kernel(op: OpDef, ins: list[TensorSpec], attrs: Any, device: str,
-                  allowed: set[str] | None) -> KernelBinding | None:
-    """The first bound kernel that applies (and that the options allow); None: the reference."""
-    for k in op.kernels:
-        if (allowed is None or k.name in allowed) and k.applies(device, ins, attrs):
-            return k
-    return None
+                  allowed: set[str] | None, width_independent: bool = True) -> KernelBinding | None:
+    """The first bound kernel that applies and the options allow; None: the reference.
+    Without width independence, kernels that give it up (cuBLAS) are preferred: they trade it
+    for speed."""
+    kernels = [k for k in op.kernels if (allowed is None or k.name in allowed)
+               and (k.width_independent or not width_independent)]
+    kernels.sort(key=lambda k: k.width_independent)  # stable: bound order within each kind
+    return next((k for k in kernels if k.applies(device, ins, attrs)), None)
 
 
 def _slot(c: Circuit, value: str, env: dict[str, int], offsets: dict[str, int]) -> Slot:
@@ -97,11 +99,13 @@ def _slot(c: Circuit, value: str, env: dict[str, int], offsets: dict[str, int]) 
 
 
 def build_program(c: Circuit, width: int, device: str, *, kv_rows: int = 100,
-                  alignment: int = 256, kernels: set[str] | None = None) -> Program:
+                  alignment: int = 256, kernels: set[str] | None = None,
+                  width_independent: bool = True) -> Program:
     env = {ROW: width}
     order = c.topo_order()
     parsed = [get_op(n.op).parse_attrs(n.attrs) for n in order]
-    chosen = [choose_kernel(get_op(n.op), [c.value(x).spec for x in n.inputs], a, device, kernels)
+    chosen = [choose_kernel(get_op(n.op), [c.value(x).spec for x in n.inputs], a, device, kernels,
+                            width_independent)
               for n, a in zip(order, parsed)]
     workspaces = _workspaces(c, order, parsed, chosen, env)
     groups, buffers = _arena_buffers(c, order, env, workspaces)

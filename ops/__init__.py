@@ -1,5 +1,8 @@
 """The op vocabulary: importing this package registers every op (see ops.registry)."""
 from ops import attention, basic, sampling  # noqa: F401  (registration side effects)
+from ops.bindings import bind_all
 from ops.registry import REGISTRY, Cost, CostContext, KernelBinding, OpDef, get_op
+
+bind_all()
 
 __all__ = ["REGISTRY", "Cost", "CostContext", "KernelBinding", "OpDef", "get_op"]

@@ -85,22 +85,29 @@ register(OpDef(
 
 
 def _infer_embed_write(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
-    target, table, ids = ins
+    target, table, ids = ins[:3]
     (emb,) = _infer_embedding([table, ids], a)
     check(target.dtype == emb.dtype and target.shape == emb.shape,
           lambda: f"embed target {target} must be {emb}")
+    if len(ins) > 3:
+        check(ins[3].dtype == "int32" and ins[3].shape == ids.shape,
+              lambda: f"active must be int32{list(ids.shape)}, got {ins[3]}")
     return [target]
 
 
 def _embed_write(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
-    target, table, ids = t
-    target.copy_(embedding_ref(table, ids))
+    """Rows whose `active` is 0 (inert padding) keep what the host buffer held."""
+    target, table, ids = t[:3]
+    emb = embedding_ref(table, ids)
+    if len(t) > 3:
+        emb = torch.where(t[3].bool().unsqueeze(-1), emb, target)
+    target.copy_(emb)
     return (target,)
 
 
 register(OpDef(
-    name="embed_write", inputs=("target", "table", "ids"), outputs=("target",),
-    infer=_infer_embed_write, reference=_embed_write, mutates={0: 0},
+    name="embed_write", inputs=("target", "table", "ids", "active"), outputs=("target",),
+    num_required=3, infer=_infer_embed_write, reference=_embed_write, mutates={0: 0},
     cost=lambda ins, outs, a, ctx, env: Cost(2 * outs[0].nbytes(env), outs[0].nbytes(env), 0),
     tags=frozenset({GATHER, WRITES_STATE}),
 ))

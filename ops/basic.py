@@ -161,9 +161,19 @@ def _linear_cost(ins, outs, a, ctx, env) -> Cost:
     return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
 
 
+def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T one row at a time: a BLAS picks its kernel by the row count, so a batched product
+    would give a row different bits at different widths. Row by row, a sequence drafts the same
+    alone as inside any batch (what padding, splitting and per-sequence fallback rely on)."""
+    out = x.new_empty(x.shape[0], w.shape[0])
+    for i in range(x.shape[0]):
+        torch.mv(w, x[i], out=out[i])
+    return out
+
+
 register(OpDef(
     name="linear", inputs=("x", "weight"), outputs=("out",), infer=_infer_linear,
-    reference=lambda t, a: (F.linear(t[0], t[1]),), cost=_linear_cost, tags=frozenset({MATMUL}),
+    reference=lambda t, a: (linear_ref(t[0], t[1]),), cost=_linear_cost, tags=frozenset({MATMUL}),
 ))
 
 
@@ -175,6 +185,6 @@ register(OpDef(
     name="linear_silu_mul", inputs=("x", "gate_up_weight"), outputs=("out",),
     infer=_infer_linear_silu_mul, cost=_linear_cost,
     # the composition of the two references, so CPU programs match eager bitwise
-    reference=lambda t, a: _silu_mul([F.linear(t[0], t[1])], a),
+    reference=lambda t, a: _silu_mul([linear_ref(t[0], t[1])], a),
     tags=frozenset({MATMUL, FUSED}),
 ))

@@ -63,6 +63,7 @@ class KernelBinding:
     launch: Callable[..., None]
     applies: Callable[[str, Sequence[TensorSpec], Any], bool]
     workspace: Callable[..., list[tuple[str, tuple[int, ...]]]] | None = None
+    width_independent: bool = True  # a row's bits never depend on the other rows in the launch
 
 
 @dataclass

@@ -7,10 +7,10 @@ gives token -1 and log-probability -inf: reported, never a garbage id.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from circuit.ir import TensorSpec
-from ops.basic import _infer_linear
+from ops.basic import _infer_linear, linear_ref
 from ops.registry import FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, register
 
 
@@ -80,7 +80,7 @@ def _infer_linear_argmax(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec
 
 
 def _linear_argmax(t: list, a: BaseModel) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.nn.functional.linear(t[0], t[1])  # as the unfused pair, so CPU is bitwise equal
+    logits = linear_ref(t[0], t[1])  # as the unfused pair, so CPU is bitwise equal
     return argmax_logprob_ref(logits, t[2] if len(t) > 2 else None)
 
 
@@ -93,4 +93,54 @@ register(OpDef(
     name="linear_argmax_logprob", inputs=("x", "weight", "bitmask"), outputs=("token", "logprob"),
     num_required=2, infer=_infer_linear_argmax, reference=_linear_argmax,
     cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, FUSED}),
+))
+
+
+# ---- the confidence stop, per row and on the device ----
+def _infer_gate(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    active, logprob, log_tau = ins
+    check(active.dtype == "int32" and logprob.dtype == "float32" and log_tau.dtype == "float32",
+          lambda: f"confidence_gate takes int32 active, float32 logprob and log_tau; got "
+                  f"{active}, {logprob}, {log_tau}")
+    check(active.shape == logprob.shape == log_tau.shape and len(active.shape) == 1,
+          lambda: f"confidence_gate operands must all be [n]: {active}, {logprob}, {log_tau}")
+    return [active]
+
+
+def confidence_gate_ref(active: torch.Tensor, logprob: torch.Tensor,
+                        log_tau: torch.Tensor) -> torch.Tensor:
+    """A row stays active unless this draft's top-1 log-probability is below log(tau).
+    NaN compares false, so an unmeasured confidence never stops a chain."""
+    return (active.bool() & ~(logprob < log_tau)).to(torch.int32)
+
+
+register(OpDef(
+    name="confidence_gate", inputs=("active", "logprob", "log_tau"), outputs=("active",),
+    infer=_infer_gate, reference=lambda t, a: (confidence_gate_ref(*t),),
+))
+
+
+class KeepAttrs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    fill: int = -1
+
+
+def _infer_keep(ins: list[TensorSpec], a: KeepAttrs) -> list[TensorSpec]:
+    token = ins[0]
+    check(all(s.dtype == "int32" and s.shape == token.shape and len(s.shape) == 1 for s in ins),
+          lambda: f"keep_if_active operands must be int32[n]: {', '.join(map(str, ins))}")
+    return [token]
+
+
+def _keep(t: list, a: KeepAttrs) -> tuple[torch.Tensor]:
+    token, active = t[0], t[1]
+    fallback = t[2] if len(t) > 2 else torch.full_like(token, a.fill)
+    return (torch.where(active.bool(), token, fallback),)
+
+
+register(OpDef(
+    # rows still drafting keep this step's token; stopped (or inert) rows keep the fallback,
+    # or `fill` (-1: "no draft here") without one
+    name="keep_if_active", inputs=("token", "active", "fallback"), outputs=("out",),
+    num_required=2, attrs=KeepAttrs, infer=_infer_keep, reference=_keep,
 ))

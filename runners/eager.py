@@ -55,7 +55,9 @@ class EagerRunner:
         self._attrs = [get_op(n.op).parse_attrs(n.attrs) for n in self.order]
         self.outputs = tuple(o for o in circuit.outputs if circuit.value(o).kind != "state")
 
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(self, inputs: Mapping[str, torch.Tensor],
+            keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """`keep` names intermediates to return too (tests read logits to find near ties)."""
         width = check_inputs(self.circuit, inputs)
         env: dict[str, torch.Tensor] = {**self.params, **inputs}
         for name, t in self.states.items():
@@ -71,8 +73,9 @@ class EagerRunner:
                 self._check_out(node, name, t, width)
                 env[name] = t
             for name in self._free.get(i, ()):
-                env.pop(name, None)
-        return {o: env[o] for o in self.outputs}
+                if name not in keep:
+                    env.pop(name, None)
+        return {o: env[o] for o in (*self.outputs, *keep)}
 
     def _check_out(self, node: Node, name: str, t: torch.Tensor, width: int) -> None:
         want = self.circuit.value(name).spec.concrete({ROW: width})

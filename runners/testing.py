@@ -81,6 +81,7 @@ def random_draft_batch(config: MtpConfig, kv: KvLayout, width: int, *, seed: int
             0, 50, (width,), generator=g, dtype=torch.int32),
         "block_tables": tables,
         "live_rows": torch.tensor(lives, dtype=torch.int32),
+        "active": torch.ones(width, dtype=torch.int32),
     }
     if bitmask:
         words = (config.vocab_size + 31) // 32
@@ -108,3 +109,54 @@ def assert_outputs_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, tor
         else:
             torch.testing.assert_close(g.cpu(), w.cpu(), atol=atol, rtol=atol,
                                        msg=lambda m: f"output {name!r}: {m}")
+
+
+# ---- graph-capture helpers (used by the project's GPU tests; public for host engines) ----
+try:
+    import pytest as _pytest
+
+    #: mark a test as needing a GPU: selected by `-m cuda`, skipped where there is none
+    cuda = _pytest.mark.cuda
+    requires_cuda = _pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+except ImportError:  # pytest is a test extra; the helpers below do not need it
+    cuda = requires_cuda = None  # type: ignore[assignment]
+
+
+def compare_drafts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+                   want_logits_gap: torch.Tensor | None = None, *, conf_atol: float = 2e-2) -> int:
+    """Drafts equal step by step; once a row's reference top-2 gap at a step is below 1e-3
+    (a near tie any rounding may flip), that row's later drafts are not compared. Returns
+    the number of (row, step) pairs compared."""
+    g, w = got["drafts"].cpu(), want["drafts"].cpu()
+    compared = 0
+    for i in range(w.shape[0]):
+        for j in range(w.shape[1]):
+            if want_logits_gap is not None and float(want_logits_gap[i, j]) < 1e-3:
+                break
+            assert int(g[i, j]) == int(w[i, j]), f"row {i} step {j}: {g[i].tolist()} vs {w[i].tolist()}"
+            assert abs(float(got["confidences"][i, j]) - float(want["confidences"][i, j])) <= conf_atol
+            compared += 1
+    return compared
+
+
+def assert_no_allocation(fn, *args, repeats: int = 3) -> None:
+    """`fn(*args)` allocates no device memory (the caching allocator's counters stay put)."""
+    torch.cuda.synchronize()
+    fn(*args)  # any lazy first-call work happens here
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    for _ in range(repeats):
+        fn(*args)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    for key in ("allocation.all.allocated", "segment.all.allocated"):
+        assert after.get(key, 0) == before.get(key, 0), f"{key}: {before.get(key)} -> {after.get(key)}"
+
+
+def poison_runner(runner) -> None:
+    """NaN/huge-fill a program or graph runner's arena and static outputs before a run, so any
+    element the run does not write shows."""
+    program = getattr(runner, "program", runner)
+    poison_(program.arena)
+    for buf in program.static_outputs.values():
+        poison_(buf)

@@ -69,7 +69,7 @@ class MtpHead:
         return {k: params[k] for k in self.param_shapes()}
 
     def emit_step(self, b: CircuitBuilder, step: int, token: str, hidden: str, positions: str,
-                  tables: str, live: str, k_cache: str, v_cache: str,
+                  tables: str, live: str, k_cache: str, v_cache: str, active: str,
                   bitmask: str | None = None) -> StepIO:
         c = self.config
         eps = {"eps": c.rms_norm_eps}
@@ -84,7 +84,8 @@ class MtpHead:
         v = b.op1("linear", [a, "self_attn.v_proj.weight"], name="v_proj")
         q = b.op1("rope", [q, positions], rope, name="rope_q")
         k = b.op1("rope", [k, positions], rope, name="rope_k")
-        k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live],
+        # rows that stopped (or are inert padding) write no drafter-KV row
+        k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live, active],
                                 {"row_offset": step})
         o = b.op1("decode_attention", [q, k_cache, v_cache, tables, live], {"row_offset": step},
                   name="attention")
@@ -103,15 +104,19 @@ class MtpHead:
 
 def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLayout,
                      bitmask: bool = False, embed_target: bool = False,
-                     name: str = "mtp_draft_chain") -> Circuit:
+                     confidence_stop: bool = False, name: str = "mtp_draft_chain") -> Circuit:
     """The k-step draft chain over n rows.
 
     Inputs: tokens i32[n] (each row's last token), hidden [n, H] (the target's last hidden,
     after its final norm), positions i32[n] (the position of `tokens`), block_tables i32[n, M],
-    live_rows i32[n] (drafter-KV rows each sequence holds before this chain), optionally
-    bitmask i32[n, ceil(V/32)] (the same mask at every draft position). States: k_cache and
-    v_cache [num_blocks, block_size, kv_heads, head_dim], optionally embed_target [n, H].
-    Outputs: drafts i32[n, k], confidences f32[n, k] (top-1 log-probabilities), hidden_out [n, H].
+    live_rows i32[n] (drafter-KV rows each sequence holds before this chain), active i32[n]
+    (1: draft this row; 0: an inert row that writes no KV and drafts -1), optionally
+    bitmask i32[n, ceil(V/32)] (the same mask at every draft position) and log_tau f32[n]
+    (confidence stop: a row stops after the first draft whose log-probability is below it;
+    NaN never stops). States: k_cache and v_cache [num_blocks, block_size, kv_heads, head_dim],
+    optionally embed_target [n, H] (the embedding of each row's last kept draft).
+    Outputs: drafts i32[n, k] (-1 after a row stopped), confidences f32[n, k] (top-1
+    log-probabilities), hidden_out [n, H] (the drafter's hidden after the last step).
     """
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
@@ -122,26 +127,32 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
     positions = b.input("positions", "int32", (ROW,))
     tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq))
     live = b.input("live_rows", "int32", (ROW,))
+    active = b.input("active", "int32", (ROW,))
     mask = b.input("bitmask", "int32", (ROW, mask_words(c.vocab_size))) if bitmask else None
+    log_tau = b.input("log_tau", "float32", (ROW,)) if confidence_stop else None
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
     k_cache, v_cache = b.state("k_cache", dt, cache_shape), b.state("v_cache", dt, cache_shape)
     target = b.state("embed_target", dt, (ROW, c.hidden_size)) if embed_target else None
     head.declare_params(b)
 
-    token, tokens_out, logprobs = tokens, [], []
+    token, kept, logprobs, last, drafting = tokens, [], [], None, active
     for j in range(num_drafts):
         with b.scope(f"s{j}"):
             io = head.emit_step(b, j, token, hidden, positions, tables, live, k_cache, v_cache,
-                                mask)
+                                active, mask)
+            kept.append(b.op1("keep_if_active", [io.token, active], name="draft"))
+            last = b.op1("keep_if_active", [io.token, active, last], name="last_kept") \
+                if last is not None else kept[-1]
+            if log_tau is not None and j + 1 < num_drafts:
+                active = b.op1("confidence_gate", [active, io.logprob, log_tau])
         hidden, token, k_cache, v_cache = io.hidden, io.token, io.k_cache, io.v_cache
-        tokens_out.append(io.token)
         logprobs.append(io.logprob)
-    b.output(b.op1("stack", tokens_out, name="drafts"), "drafts")
+    b.output(b.op1("stack", kept, name="drafts"), "drafts")
     b.output(b.op1("stack", logprobs, name="confidences"), "confidences")
     b.output(hidden, "hidden_out")
     b.output(k_cache)
     b.output(v_cache)
     if target is not None:
-        # only the last draft's embedding goes to the host buffer (the deferred draft)
-        b.output(b.op1("embed_write", [target, "embed_tokens.weight", token]))
+        # only the last kept draft's embedding goes to the host buffer (the deferred draft)
+        b.output(b.op1("embed_write", [target, "embed_tokens.weight", last, drafting]))
     return b.build()

@@ -23,7 +23,7 @@ def test_prints_one_line_per_node():
     assert len(body) == len(c.nodes)
     assert "  s0.embedding: f32[n,128] = embedding(embed_tokens.weight, tokens)" in text
     assert ("k_cache@1: f32[32,16,2,32], v_cache@1: f32[32,16,2,32] = kv_write(k_cache, v_cache, "
-            "s0.rope_k, s0.v_proj, block_tables, live_rows) {row_offset=0}") in text
+            "s0.rope_k, s0.v_proj, block_tables, live_rows, active) {row_offset=0}") in text
     assert text.splitlines()[0] == "circuit mtp_draft_chain (1 <= n <= 8)"
 
 

@@ -100,7 +100,8 @@ def test_eager_chain_matches_independent_reference(width):
     hidden = torch.randn(width, CFG.hidden_size, generator=g)
     positions = torch.tensor(lives, dtype=torch.int32) + 3
     out = runner.run({"tokens": tokens, "hidden": hidden, "positions": positions,
-                      "block_tables": tables, "live_rows": torch.tensor(lives, dtype=torch.int32)})
+                      "block_tables": tables, "live_rows": torch.tensor(lives, dtype=torch.int32),
+                      "active": torch.ones(width, dtype=torch.int32)})
     assert out["drafts"].shape == (width, k) and out["drafts"].dtype == torch.int32
     for i in range(width):
         drafts, confs = reference_chain(weights, CFG, k, int(tokens[i]), hidden[i],
@@ -112,3 +113,40 @@ def test_eager_chain_matches_independent_reference(width):
             blk, off = tables[i, r // KV.block_size], r % KV.block_size
             torch.testing.assert_close(kc[blk, off], seq_keys[i][r].view_as(kc[blk, off]),
                                        atol=1e-5, rtol=1e-5)
+
+
+def _stop_setup(log_tau: float, width: int = 3):
+    from runners.testing import random_draft_batch
+    head = MtpHead(CFG)
+    chain = emit_draft_chain(head, 4, max_width=8, kv=KV, confidence_stop=True, embed_target=True)
+    batch = random_draft_batch(CFG, KV, width, seed=4, num_drafts=4)
+    batch.inputs["log_tau"] = torch.full((width,), log_tau)
+    states = {**batch.clone_states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
+    out = EagerRunner(chain, head.bind(random_weights(CFG, 7)), states).run(batch.inputs)
+    return batch, states, out
+
+
+def test_confidence_stop_keeps_the_first_low_draft_and_writes_no_more_kv():
+    batch, states, out = _stop_setup(0.0)  # tau = 1: every draft is below it
+    assert (out["drafts"][:, 0] >= 0).all() and (out["drafts"][:, 1:] == -1).all()
+    for i, live in enumerate(batch.lives):
+        tables = batch.inputs["block_tables"][i]
+        for r in range(live, live + 4):
+            blk, off = tables[r // KV.block_size], r % KV.block_size
+            written = not torch.equal(states["k_cache"][blk, off], batch.k_cache[blk, off])
+            assert written == (r == live), (i, r)  # only the first draft's row
+    emb = random_weights(CFG, 7)["embed_tokens.weight"][out["drafts"][:, 0].long()]
+    assert torch.equal(states["embed_target"][:3], emb)  # the last *kept* draft's embedding
+
+
+def test_no_stop_threshold_equals_the_plain_chain():
+    _, _, out = _stop_setup(float("-inf"))
+    assert (out["drafts"] >= 0).all()
+
+
+def test_nan_confidence_never_stops():
+    from ops.sampling import confidence_gate_ref
+    active = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
+    logprob = torch.tensor([float("nan"), -5.0, -0.1, -0.1])
+    got = confidence_gate_ref(active, logprob, torch.full((4,), -1.0))
+    assert got.tolist() == [1, 0, 1, 0]

@@ -32,7 +32,7 @@ EXAMPLES = {
     "linear": ([S("float32", ROW, 6), S("float32", 5, 6)], {}),
     "linear_silu_mul": ([S("float32", ROW, 6), S("float32", 10, 6)], {}),
     "embedding": ([S("float32", 11, 6), S("int32", ROW)], {}),
-    "embed_write": ([S("float32", ROW, 6), S("float32", 11, 6), S("int32", ROW)], {}),
+    "embed_write": ([S("float32", ROW, 6), S("float32", 11, 6), S("int32", ROW), S("int32", ROW)], {}),
     "rope": ([S("float32", ROW, 2 * D), S("int32", ROW)], {"head_dim": D, "pos_offset": 1}),
     "kv_write": ([S("float32", NB, BS, HKV, D), S("float32", NB, BS, HKV, D),
                   S("float32", ROW, HKV * D), S("float32", ROW, HKV * D), S("int32", ROW, 3),
@@ -44,11 +44,13 @@ EXAMPLES = {
     "decode_attention": ([S("float32", ROW, 2 * HKV * D), S("float32", NB, BS, HKV, D),
                           S("float32", NB, BS, HKV, D), S("int32", ROW, 3), S("int32", ROW)],
                          {"row_offset": 1}),
+    "confidence_gate": ([S("int32", ROW), S("float32", ROW), S("float32", ROW)], {}),
+    "keep_if_active": ([S("int32", ROW), S("int32", ROW), S("int32", ROW)], {}),
     "argmax_logprob": ([S("float32", ROW, 70), S("int32", ROW, 3)], {}),
     "linear_argmax_logprob": ([S("float32", ROW, 6), S("float32", 70, 6), S("int32", ROW, 3)], {}),
 }
 # inputs that must hold valid values, by (op, input name)
-INDEX_INPUTS = {"ids": 11, "positions": 50, "live_rows": 5}
+INDEX_INPUTS = {"ids": 11, "positions": 50, "live_rows": 5, "active": 2}
 
 
 def make_input(op, i, spec, n, g):

@@ -1,0 +1,129 @@
+"""`GraphRunner`: one CUDA graph per width of a compiled draft, all in one memory pool.
+
+The lifecycle reads in the constructor: bind the program runner (arena and static buffers are
+allocated before any capture, so no address moves), make every static input row inert, then for
+each width, largest first, warm up and capture. A width whose capture fails is not served (the
+reason is logged and counted; `strict=True` raises instead) and the others keep working.
+Every CUDA call is behind `cuda_available()`, so importing this on a CPU-only torch is safe.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from circuit.planner import CompiledDraft
+from runners.binding import WidthError, check_inputs
+from runners.padding import fill_neutral
+from runners.program import ProgramRunner
+from runners.testing import cuda_available
+
+log = logging.getLogger(__name__)
+
+
+class CaptureError(RuntimeError):
+    """Capturing a width failed (raised only with strict=True; otherwise counted)."""
+
+
+@dataclass
+class CaptureStats:
+    capture_ms: dict[int, float] = field(default_factory=dict)
+    pool_bytes: dict[int, int] = field(default_factory=dict)  # graph-pool growth per width
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+def _progress(done: int, total: int, width: int) -> None:
+    if sys.stderr.isatty() or os.environ.get("CIRCUIT_PROGRESS"):
+        bar = "#" * (20 * done // total)
+        print(f"\rcapturing widths [{bar:<20}] {done}/{total} (n={width})", end="",
+              file=sys.stderr, flush=done == total)
+        if done == total:
+            print(file=sys.stderr)
+
+
+class GraphRunner:
+    def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
+                 scratch_block: int = 0, strict: bool = False, warmup: int = 2,
+                 fail_widths: frozenset[int] = frozenset()) -> None:
+        """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback)."""
+        if not cuda_available():
+            raise CaptureError("GraphRunner needs a CUDA device; use ProgramRunner on CPU")
+        self.program = ProgramRunner(compiled, states)
+        self.compiled, self.strict, self.scratch_block = compiled, strict, scratch_block
+        self.stats = CaptureStats()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        fill_neutral(self.program.static_inputs, 0, scratch_block)  # warm-up writes no KV
+        widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
+        for i, w in enumerate(widths):
+            self._capture(w, warmup, fail=w in fail_widths)
+            _progress(i + 1, len(widths), w)
+        self._debug = int(os.environ.get("CIRCUIT_DEBUG", "0"))
+        self._ptrs = {n: t.data_ptr() for n, t in self.program.static_inputs.items()}
+
+    def _capture(self, w: int, warmup: int, fail: bool) -> None:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
+                for _ in range(warmup):
+                    self.program.execute(w)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                if fail:
+                    torch.cuda.synchronize()  # a sync inside capture: what a bad op would do
+                self.program.execute(w)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - any failure makes this one width unserved
+            torch.cuda.synchronize()
+            self.stats.failures[w] = f"{type(e).__name__}: {e}"
+            log.warning("capture of width %d failed; it will not be served: %s", w, e)
+            if self.strict:
+                raise CaptureError(f"capture of width {w} failed: {e}") from e
+            return
+        self.graphs[w] = graph
+        self.stats.capture_ms[w] = (time.perf_counter() - start) * 1e3
+        self.stats.pool_bytes[w] = torch.cuda.memory_reserved() - before
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sorted(self.graphs))
+
+    def serves(self, n: int) -> bool:
+        return n in self.graphs
+
+    def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
+        return self.program.input_buffers(n)
+
+    def output_buffers(self, n: int) -> dict[str, torch.Tensor]:
+        return self.program.output_buffers(n)
+
+    @property
+    def static_inputs(self) -> dict[str, torch.Tensor]:
+        return self.program.static_inputs
+
+    def execute(self, n: int) -> None:
+        """Replay width n over whatever the static inputs hold."""
+        if self._debug and any(t.data_ptr() != self._ptrs[k]
+                               for k, t in self.program.static_inputs.items()):
+            raise CaptureError("a static input buffer was rebound; copy into it instead")
+        self.graphs[n].replay()
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy in, replay, return the static outputs (overwritten by the next replay)."""
+        n = check_inputs(self.compiled.circuit, inputs)
+        if n not in self.graphs:
+            raise WidthError(f"width {n} is not captured; captured: {list(self.widths)}")
+        for name, dst in self.program.input_buffers(n).items():
+            dst.copy_(inputs[name], non_blocking=True)
+        self.execute(n)
+        return self.program.output_buffers(n)

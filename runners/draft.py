@@ -1,0 +1,154 @@
+"""The draft runner: `serves(n)`, `widths`, `max_width`, `run(n, inputs)`.
+
+`CircuitDraftRunner` runs a compiled draft on CUDA graphs (GPU) or the program runner (CPU).
+Every width 1..max_width is served by exactly one plan, chosen once by cost: its own program,
+padding to a larger program (the extra rows inert), or a split into served widths (13 = 8 + 4 +
+1). A width nothing serves (beyond max_width, or refused by the policy) gives serves(n) False,
+never a silent slow path. Outputs are the runner's buffers: the next run overwrites them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol
+
+import torch
+
+from circuit.ir import ROW
+from circuit.planner import CompiledDraft
+from runners.binding import WidthError, check_inputs, root_states
+from runners.padding import fill_neutral
+from runners.program import ProgramRunner
+
+
+class DraftRunner(Protocol):
+    widths: tuple[int, ...]
+    max_width: int
+
+    def serves(self, n: int) -> bool: ...
+
+    def run(self, n: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class WidthPlan:
+    """How width n runs: parts of (program width, live rows), in row order."""
+
+    kind: Literal["own", "pad", "split"]
+    parts: tuple[tuple[int, int], ...]
+    cost_us: float
+
+
+@dataclass(frozen=True)
+class WidthPolicy:
+    allow_padding: bool = True
+    allow_split: bool = True
+    replay_overhead_us: float = 6.0  # per program launch (graph replay) on top of its floor
+
+
+def plan_widths(costs: Mapping[int, float], max_width: int, policy: WidthPolicy) -> dict[int, WidthPlan]:
+    """For every n in 1..max_width the cheapest way to run it from the programs in `costs`
+    (width -> floor us). Padding goes to the smallest program at least as wide. A split is a sum
+    of whole programs (never a padded part: a padded part's inert rows would overwrite the
+    rows of row-dim states another part already placed), the cheapest found by dynamic
+    programming, parts widest first."""
+    widths = sorted(costs)
+    unit = {w: costs[w] + policy.replay_overhead_us for w in widths}
+    exact: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for n in range(1, max_width + 1):
+        sums = [(exact[n - w][0] + unit[w], tuple(sorted((w, *exact[n - w][1]), reverse=True)))
+                for w in widths if w <= n and (n - w) in exact]
+        if sums:
+            exact[n] = min(sums, key=lambda s: (s[0], len(s[1])))
+    best: dict[int, WidthPlan] = {}
+    for n in range(1, max_width + 1):
+        if n in unit:
+            best[n] = WidthPlan("own", ((n, n),), unit[n])
+            continue
+        options: list[WidthPlan] = []
+        wider = [w for w in widths if w > n]
+        if policy.allow_padding and wider:
+            options.append(WidthPlan("pad", ((wider[0], n),), unit[wider[0]]))
+        if policy.allow_split and n in exact:
+            cost, parts = exact[n]
+            options.append(WidthPlan("split", tuple((w, w) for w in parts), cost))
+        if options:
+            best[n] = min(options, key=lambda p: (p.cost_us, len(p.parts)))
+    return best
+
+
+class CircuitDraftRunner:
+    """A compiled draft behind the DraftRunner protocol (graphs on CUDA, programs on CPU)."""
+
+    def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
+                 scratch_block: int = 0, policy: WidthPolicy = WidthPolicy(),
+                 backend: object | None = None) -> None:
+        self.compiled, self.scratch_block = compiled, scratch_block
+        if backend is None:
+            if torch.device(compiled.device).type == "cuda":
+                from runners.cudagraph import GraphRunner
+                backend = GraphRunner(compiled, states, scratch_block=scratch_block)
+            else:
+                backend = ProgramRunner(compiled, states)
+        self.backend = backend
+        self.states = dict(states)
+        report = compiled.report()
+        costs = {w.width: w.floor_us for w in report.widths if backend.serves(w.width)}
+        self.plans = plan_widths(costs, compiled.max_width, policy) if costs else {}
+        self._row_states = [n for n, v in root_states(compiled.circuit).items()
+                            if v.shape and v.shape[0] == ROW]
+        out = backend.output_buffers(compiled.max_width)
+        # split results are gathered here: one buffer per output at the max width
+        self._gathered = {k: torch.empty_like(v) for k, v in out.items()}
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sorted(self.plans))
+
+    @property
+    def max_width(self) -> int:
+        return max(self.plans, default=0)
+
+    def serves(self, n: int) -> bool:
+        return n in self.plans
+
+    def plan(self, n: int) -> WidthPlan:
+        if n not in self.plans:
+            raise WidthError(f"width {n} is not served (served: 1..{self.max_width} by policy "
+                             f"{sorted(set(p.kind for p in self.plans.values()))})")
+        return self.plans[n]
+
+    def run(self, n: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        plan = self.plan(n)
+        if check_inputs(self.compiled.circuit, inputs) != n:
+            raise WidthError(f"run({n}) was given inputs of another width")
+        if plan.kind == "split":
+            return self._run_split(plan, inputs)
+        (w, rows), = plan.parts
+        return self._run_part(w, rows, 0, inputs)
+
+    def _run_part(self, w: int, rows: int, start: int,
+                  inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        buffers = self.backend.input_buffers(w)
+        for name, dst in buffers.items():
+            dst[:rows].copy_(inputs[name][start:start + rows], non_blocking=True)
+        if rows < w:
+            fill_neutral(buffers, rows, self.scratch_block)
+        self.backend.execute(w)
+        return {k: v[:rows] for k, v in self.backend.output_buffers(w).items()}
+
+    def _run_split(self, plan: WidthPlan, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        starts, offset = [], 0
+        for w, rows in plan.parts:
+            starts.append(offset)
+            offset += rows
+        # highest offset first: a part writes row-dim states at rows 0..w-1, which are then
+        # moved to their place before a lower part can overwrite them
+        for (w, rows), start in sorted(zip(plan.parts, starts), key=lambda p: -p[1]):
+            out = self._run_part(w, rows, start, inputs)
+            for k, v in out.items():
+                self._gathered[k][start:start + rows].copy_(v)
+            if start:
+                for name in self._row_states:
+                    state = self.states[name]
+                    state[start:start + rows].copy_(state[:rows])
+        return {k: v[:offset] for k, v in self._gathered.items()}
