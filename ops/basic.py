@@ -147,13 +147,23 @@ register(OpDef(
 
 
 # ---- matmul ----
+class LinearAttrs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    out_dtype: str | None = None  # e.g. float32 logits from bf16 weights; None: the input's
+
+    def model_post_init(self, _: object) -> None:
+        if self.out_dtype is not None and self.out_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"out_dtype must be a float dtype, got {self.out_dtype!r}")
+
+
 def _infer_linear(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
     x, w = ins
     same_dtype(x, w)
     rank(x, 2, "linear input")
     rank(w, 2, "linear weight [out, in]")
     dim_eq(x.shape[1], w.shape[1], f"linear in-features ({x} @ weight {w}^T)")
-    return [TensorSpec(dtype=x.dtype, shape=(x.shape[0], w.shape[0]))]
+    out_dtype = getattr(a, "out_dtype", None) or x.dtype
+    return [TensorSpec(dtype=out_dtype, shape=(x.shape[0], w.shape[0]))]
 
 
 def _linear_cost(ins, outs, a, ctx, env) -> Cost:
@@ -161,19 +171,26 @@ def _linear_cost(ins, outs, a, ctx, env) -> Cost:
     return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
 
 
-def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ w^T one row at a time: a BLAS picks its kernel by the row count, so a batched product
     would give a row different bits at different widths. Row by row, a sequence drafts the same
-    alone as inside any batch (what padding, splitting and per-sequence fallback rely on)."""
+    alone as inside any batch (what padding, splitting and per-sequence fallback rely on).
+    A wider out_dtype computes in it (fp32 logits from bf16 weights are fp32 products)."""
+    if out_dtype is not None and out_dtype != x.dtype:
+        return linear_ref(x.to(out_dtype), w.to(out_dtype))
     out = x.new_empty(x.shape[0], w.shape[0])
     for i in range(x.shape[0]):
         torch.mv(w, x[i], out=out[i])
     return out
 
 
+def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:
+    return (linear_ref(t[0], t[1], torch_dtype(a.out_dtype) if a.out_dtype else None),)
+
+
 register(OpDef(
-    name="linear", inputs=("x", "weight"), outputs=("out",), infer=_infer_linear,
-    reference=lambda t, a: (linear_ref(t[0], t[1]),), cost=_linear_cost, tags=frozenset({MATMUL}),
+    name="linear", inputs=("x", "weight"), outputs=("out",), attrs=LinearAttrs,
+    infer=_infer_linear, reference=_linear, cost=_linear_cost, tags=frozenset({MATMUL}),
 ))
 
 

@@ -143,7 +143,8 @@ CAPTURABLE = [
     ("embedding", KernelBinding("torch_gather", _gather, _on(("cuda",)))),
     ("embed_write", KernelBinding("torch_embed_write", _embed_write, _on(("cuda",)))),
     ("kv_write", KernelBinding("torch_kv_write", _kv_write, _on(("cuda",)))),
-    ("linear", KernelBinding("cublas_linear", _cublas_linear, _on(("cuda",)),
+    ("linear", KernelBinding("cublas_linear", _cublas_linear,
+                             lambda d, ins, a: d == "cuda" and a.out_dtype in (None, ins[0].dtype),
                              width_independent=False)),
 ]
 

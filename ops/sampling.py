@@ -80,7 +80,9 @@ def _infer_linear_argmax(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec
 
 
 def _linear_argmax(t: list, a: BaseModel) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = linear_ref(t[0], t[1])  # as the unfused pair, so CPU is bitwise equal
+    # logits in fp32 whatever the weights (the kernel never rounds them); in fp32 this is the
+    # unfused pair's computation exactly, so CPU programs match eager bitwise
+    logits = linear_ref(t[0], t[1], torch.float32)
     return argmax_logprob_ref(logits, t[2] if len(t) > 2 else None)
 
 

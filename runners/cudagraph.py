@@ -68,7 +68,7 @@ class GraphRunner:
 
     def _capture(self, w: int, warmup: int, fail: bool) -> None:
         torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
+        before = torch.cuda.memory_allocated()
         start = time.perf_counter()
         try:
             side = torch.cuda.Stream()
@@ -84,6 +84,12 @@ class GraphRunner:
                 self.program.execute(w)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - any failure makes this one width unserved
+            # a capture that failed at its end leaves the allocator routing to our pool; end
+            # that, or the next width's capture finds the pool "already recording"
+            try:
+                torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+            except RuntimeError:
+                pass  # it was ended already
             torch.cuda.synchronize()
             self.stats.failures[w] = f"{type(e).__name__}: {e}"
             log.warning("capture of width %d failed; it will not be served: %s", w, e)
@@ -92,7 +98,7 @@ class GraphRunner:
             return
         self.graphs[w] = graph
         self.stats.capture_ms[w] = (time.perf_counter() - start) * 1e3
-        self.stats.pool_bytes[w] = torch.cuda.memory_reserved() - before
+        self.stats.pool_bytes[w] = torch.cuda.memory_allocated() - before  # held by the graph
 
     @property
     def widths(self) -> tuple[int, ...]:

@@ -123,15 +123,16 @@ except ImportError:  # pytest is a test extra; the helpers below do not need it
 
 
 def compare_drafts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
-                   want_logits_gap: torch.Tensor | None = None, *, conf_atol: float = 2e-2) -> int:
-    """Drafts equal step by step; once a row's reference top-2 gap at a step is below 1e-3
-    (a near tie any rounding may flip), that row's later drafts are not compared. Returns
-    the number of (row, step) pairs compared."""
+                   want_logits_gap: torch.Tensor | None = None, *, conf_atol: float = 2e-2,
+                   tie_gap: float = 1e-3) -> int:
+    """Drafts equal step by step; once a row's reference top-2 log-probability gap at a step is
+    below `tie_gap` (a near tie any rounding may flip), that row's later drafts are not
+    compared. Returns the number of (row, step) pairs compared."""
     g, w = got["drafts"].cpu(), want["drafts"].cpu()
     compared = 0
     for i in range(w.shape[0]):
         for j in range(w.shape[1]):
-            if want_logits_gap is not None and float(want_logits_gap[i, j]) < 1e-3:
+            if want_logits_gap is not None and float(want_logits_gap[i, j]) < tie_gap:
                 break
             assert int(g[i, j]) == int(w[i, j]), f"row {i} step {j}: {g[i].tolist()} vs {w[i].tolist()}"
             assert abs(float(got["confidences"][i, j]) - float(want["confidences"][i, j])) <= conf_atol

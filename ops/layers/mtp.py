@@ -97,7 +97,9 @@ class MtpHead:
         x = b.op1("add", [x, b.op1("linear", [g, "mlp.down_proj.weight"], name="down_proj")],
                   name="mlp_residual")
         y = b.op1("rmsnorm", [x, "shared_head.norm.weight"], eps, name="shared_head_norm")
-        logits = b.op1("linear", [y, "shared_head.head.weight"], name="lm_head")
+        # fp32 logits: bf16 logits would tie neighbouring tokens (their ulp near 8 is 0.06)
+        logits = b.op1("linear", [y, "shared_head.head.weight"], {"out_dtype": "float32"},
+                       name="lm_head")
         tok, lp = b.op("argmax_logprob", [logits, bitmask])
         return StepIO(hidden=x, token=tok, logprob=lp, k_cache=k_cache, v_cache=v_cache)
 

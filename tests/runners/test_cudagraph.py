@@ -40,11 +40,18 @@ def _batch(n: int, dtype: str, seed: int):
     return b
 
 
-def _eager_with_gaps(chain, params, batch):
+# the program's own rounding points, but logits kept observable for the near-tie rule
+SAME_ROUNDING = ("eliminate_dead_nodes", "fuse_add_rmsnorm", "fuse_rope_kv_write",
+                 "fuse_linear_silu_mul")
+
+
+def _eager_with_gaps(chain, params, batch, passes=()):
+    """The oracle's outputs, its KV writes and each draft's top-2 log-probability gap."""
+    from circuit.passes import run_passes
     from runners.eager import EagerRunner
     states = batch.clone_states()
     keep = tuple(f"s{j}.lm_head" for j in range(K))
-    out = EagerRunner(chain, params, states).run(batch.inputs, keep=keep)
+    out = EagerRunner(run_passes(chain, passes), params, states).run(batch.inputs, keep=keep)
     gaps = []
     for name in keep:
         top2 = out[name].float().log_softmax(-1).topk(2, dim=-1).values
@@ -73,11 +80,14 @@ def test_every_width_matches_eager(bf16):
     compared = 0
     for n in WIDTHS:
         batch = _batch(n, "bfloat16", seed=100 + n)
-        want, want_states, gaps = _eager_with_gaps(chain, params, batch)
+        # bf16: the oracle interprets the fused circuit (same rounding points), since two bf16
+        # pipelines that round in different places drift apart by more than a 1e-3 near tie
+        want, want_states, gaps = _eager_with_gaps(chain, params, batch, SAME_ROUNDING)
         for name, t in batch.clone_states().items():
             runner.program.states[name].copy_(t)
         got = runner.run(batch.inputs)
-        compared += compare_drafts(got, want, gaps, conf_atol=0.1)
+        compared += compare_drafts(got, want, gaps, conf_atol=0.1, tie_gap=1e-2)
+    print(f"\nbf16: {compared} of {K * sum(WIDTHS)} drafts compared (the rest follow a near tie)")
     assert compared > 0.8 * K * sum(WIDTHS)  # near ties are rare: most drafts were compared
 
 
@@ -163,13 +173,16 @@ def test_fp32_graph_matches_eager_tightly():
     from runners.cudagraph import GraphRunner
     chain, params, compiled = _build("float32", [1, 5, 16])
     runner = GraphRunner(compiled, _batch(1, "float32", 0).clone_states())
+    compared = 0
     for n in (1, 5, 16):
         batch = _batch(n, "float32", seed=n)
         want, want_states, gaps = _eager_with_gaps(chain, params, batch)
         for name, t in batch.clone_states().items():
             runner.program.states[name].copy_(t)
         got = runner.run(batch.inputs)
-        compare_drafts(got, want, gaps, conf_atol=1e-4)
+        compared += compare_drafts(got, want, gaps, conf_atol=1e-4)
         for name in want_states:
             torch.testing.assert_close(runner.program.states[name], want_states[name],
                                        atol=1e-4, rtol=1e-4)
+    print(f"\nfp32: {compared} of {K * 22} drafts compared under the 1e-3 near-tie rule")
+    assert compared > 0.9 * K * 22
