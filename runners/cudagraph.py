@@ -20,7 +20,7 @@ import torch
 from circuit.planner import CompiledDraft
 from runners.binding import WidthError, check_inputs
 from runners.padding import fill_neutral
-from runners.program import ProgramRunner
+from runners.program import ProgramRunner, debug_level
 from runners.testing import cuda_available
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,13 @@ class GraphRunner:
         self.stats = CaptureStats()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.program._debug = 0  # per-launch checks sync: never inside a capture
         fill_neutral(self.program.static_inputs, 0, scratch_block)  # warm-up writes no KV
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
         for i, w in enumerate(widths):
             self._capture(w, warmup, fail=w in fail_widths)
             _progress(i + 1, len(widths), w)
-        self._debug = int(os.environ.get("CIRCUIT_DEBUG", "0"))
+        self._debug = debug_level()
         self._ptrs = {n: t.data_ptr() for n, t in self.program.static_inputs.items()}
 
     def _capture(self, w: int, warmup: int, fail: bool) -> None:

@@ -8,6 +8,7 @@ allocates no tensors of its own; on CPU a reference op may use temporaries insid
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -30,6 +31,9 @@ class BoundLaunch:
     workspace: list[torch.Tensor]
     attrs: Any
     node: str
+    op: str
+    kernel: str
+    slots: tuple[str, ...]  # where each output lives (debug checks skip states)
 
 
 def reference_launch(op_name: str) -> LaunchFn:
@@ -51,6 +55,14 @@ def kernel_launch(op_name: str, kernel: str) -> LaunchFn:
         if k.name == kernel:
             return k.launch
     raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
+
+
+def debug_level() -> int:
+    """CIRCUIT_DEBUG (0-3), the one graded debug knob (README: "Debugging")."""
+    try:
+        return max(0, min(3, int(os.environ.get("CIRCUIT_DEBUG", "0"))))
+    except ValueError:
+        return 0
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -80,6 +92,7 @@ class ProgramRunner:
         self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
                              if s.where == "output"}
                          for w, p in compiled.programs.items()}
+        self._debug = debug_level()
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -106,9 +119,30 @@ class ProgramRunner:
         return self._outputs[n]
 
     def execute(self, n: int) -> None:
-        """The launch list of width n over the bound buffers: no checks, no copies, no allocation."""
+        """The launch list of width n over the bound buffers: no checks, no copies, no allocation
+        (unless CIRCUIT_DEBUG >= 2 asks for per-launch checks; never under capture)."""
+        if self._debug >= 2:
+            return self._execute_checked(n)
         for x in self._bound[n]:
             x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
+
+    def _execute_checked(self, n: int) -> None:
+        """CIRCUIT_DEBUG=2: name the first launch whose float outputs hold NaN/Inf (state
+        outputs excepted: pools hold stale rows); =3 also compares each kernel with its op's
+        reference on the same inputs."""
+        for x in self._bound[n]:
+            x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
+            fresh = [o for o, slot in zip(x.outputs, x.slots) if slot != "state"]
+            for t in fresh:
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise FloatingPointError(f"launch {x.node!r} wrote a non-finite value")
+            if self._debug >= 3 and x.kernel != REFERENCE:
+                want = get_op(x.op).reference([t.clone() for t in x.inputs], x.attrs)
+                for got, ref, slot in zip(x.outputs, want, x.slots):
+                    if slot != "state" and not torch.allclose(got.float(), ref.float(),
+                                                              atol=2e-2, rtol=2e-2):
+                        raise FloatingPointError(f"launch {x.node!r} ({x.kernel}) differs from "
+                                                 f"its reference by {(got.float() - ref.float()).abs().max()}")
 
     # ---- binding ----
     def _bind(self, launch: Launch, width: int) -> BoundLaunch:
@@ -117,7 +151,8 @@ class ProgramRunner:
                            inputs=[self._view(s, width) for s in launch.inputs],
                            outputs=[self._view(s, width) for s in launch.outputs],
                            workspace=[self._view(s, width) for s in launch.workspace],
-                           attrs=op.parse_attrs(launch.attrs), node=launch.node)
+                           attrs=op.parse_attrs(launch.attrs), node=launch.node, op=launch.op,
+                           kernel=launch.kernel, slots=tuple(s.where for s in launch.outputs))
 
     def _view(self, s: Slot, width: int) -> torch.Tensor:
         dtype = torch_dtype(s.dtype)

@@ -150,8 +150,9 @@ class MtpProposer:
         return runner.max_width if not isinstance(runner, EagerRunner) else self.max_width
 
     def refusal(self, n: int) -> str | None:
-        """Why a batch of n cannot take the n-row path (None: it can). Dense heads never refuse."""
-        return None
+        """Why a batch of n cannot take the n-row path (None: it can); the head decides (an MoE
+        head refuses when its grouped decode is switched off or unsupported)."""
+        return self.head.batch_refusal(n)
 
     def propose(self, last_token: int, target_hidden: torch.Tensor, position: int,
                 num_drafts: int, state: MtpProposerState, *, embed_target: torch.Tensor | None = None,

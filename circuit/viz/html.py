@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from circuit.report import PlanReport, WidthReport
-from circuit.viz.graph import GROUPS, live_bytes, op_group, tint
+from circuit.viz.graph import GROUPS, op_group, tint
+from circuit.viz.layout import kernel_line
 from circuit.viz.svg import EDGE_COLOURS, dag_svg
 
 STATIC = Path(__file__).with_name("static")
@@ -49,8 +50,8 @@ def width_table(report: PlanReport) -> str:
     return f'<table id="width-table"><thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>'
 
 
-def swatch(label: str, colour: str) -> str:
-    return (f'<span class="key"><span class="swatch" style="background:{tint(colour, 0.8)};'
+def swatch(label: str, colour: str, white: float = 0.8) -> str:
+    return (f'<span class="key"><span class="swatch" style="background:{tint(colour, white)};'
             f'border-color:{colour}"></span>{escape(label)}</span>')
 
 
@@ -66,6 +67,18 @@ def legend(report: PlanReport) -> str:
         keys.append(f'<span class="key"><svg width="26" height="10" aria-hidden="true"><line x1="1" '
                     f'y1="5" x2="25" y2="5" stroke="{EDGE_COLOURS[kind]}" stroke-width="2"'
                     f'{dash_attr}/></svg>{escape(label)}</span>')
+    return f'<div class="legend">{"".join(keys)}</div>'
+
+
+def memory_legend(report: PlanReport) -> str:
+    present = dict.fromkeys(op_group(n.op) for n in report.nodes)
+    keys = [swatch(f"written by {GROUPS[g][0]}", GROUPS[g][1], 0.2) for g in GROUPS if g in present]
+    lines = [("this width's arena", "#1f2430", ""), ("lower bound", "#d62728", "6 4")]
+    for label, colour, dash in lines:
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        keys.append(f'<span class="key"><svg width="26" height="10" aria-hidden="true"><line x1="1" '
+                    f'y1="5" x2="25" y2="5" stroke="{colour}" stroke-width="2"{dash_attr}/></svg>'
+                    f"{escape(label)}</span>")
     return f'<div class="legend">{"".join(keys)}</div>'
 
 
@@ -85,10 +98,13 @@ def header(report: PlanReport) -> str:
 
 
 def view_data(report: PlanReport) -> dict[str, Any]:
-    """What the script needs beyond the report: derived per-width series and the palette."""
-    alignment = int(report.options.get("alignment", 1))
+    """What the script needs beyond the report: each box's kernel line per width, the op groups,
+    the palette and the width the page opens on."""
+    infos = {n.name: n for n in report.nodes}
+    lines = {str(w.width): {x.node: kernel_line(infos[x.node], x.kernel)
+                            for x in w.schedule if x.node in infos} for w in report.widths}
     return {"default_width": max((w.width for w in report.widths), default=0),
-            "live": {str(w.width): live_bytes(w, alignment) for w in report.widths},
+            "kernel_lines": lines,
             "groups": {x.op: op_group(x.op) for w in report.widths for x in w.schedule},
             "colours": {g: [c, tint(c, 0.8)] for g, (_, c) in GROUPS.items()},
             "bandwidth_gbps": report.options.get("bandwidth_gbps")}
@@ -108,7 +124,8 @@ aligned bytes live at once. Floor: bytes moved over the bandwidth. Capture: fill
 <div class="scroll">{dag_svg(report)}</div></section>
 <section class="card" id="memory-section"><h2>Arena plan at width <span id="memory-width"></span>
 </h2><p class="note">Each rectangle is an arena buffer: live from its first to its last launch
-(x) at its offset (y), coloured by the op that writes it.</p><div id="memory"></div></section>
+(x) at its offset (y), coloured by the op that writes it; shaded bands are the draft steps.</p>
+{memory_legend(report)}<div id="memory"></div></section>
 </div>
 <aside class="card" id="details"><h2>Details</h2><div id="detail-body"></div></aside>
 </div></main>"""

@@ -1,9 +1,10 @@
 """`route_dag(layout)`: an SVG path for every route of a placed DAG. Edges leave a box's bottom
 and enter the next box's top; one that skips rows or crosses steps drops into the gap below its
-row, runs in its column's lane and arrives through the gap above its target's row."""
+row, runs in a lane (its column's, or right of all of them) and arrives through the gap above its
+target's row."""
 from __future__ import annotations
 
-from circuit.viz.layout import BAND_PAD, LANE_W, V_GAP, DagLayout, Route
+from circuit.viz.layout import BAND_PAD, LANE_W, MARGIN, OUTER, V_GAP, DagLayout, Route
 
 CORNER = 6.0
 GAP_IN = V_GAP / 3  # leaving runs this far below a row, arriving this far above one: no overlap
@@ -39,17 +40,20 @@ def curve(a: tuple[float, float], b: tuple[float, float]) -> str:
 
 
 def lane_x(layout: DagLayout, r: Route) -> float:
-    band = layout.boxes[r.src].band
-    frame = next(f for f in layout.frames if f.key == band)
-    rs = layout.lanes[band]
-    return frame.x + frame.w - BAND_PAD - LANE_W * (len(rs) - rs.index(r) - 0.5)
+    assert r.lane is not None
+    rs = layout.lanes[r.lane]
+    if r.lane == OUTER:
+        right = layout.width - MARGIN
+    else:
+        right = next(f.x + f.w for f in layout.frames if f.key == r.lane) - BAND_PAD
+    return right - LANE_W * (len(rs) - rs.index(r) - 0.5)
 
 
-def attach(layout: DagLayout) -> dict[tuple[int, str], float]:
-    """(route id, "out" | "in") -> x on the box edge: a box's edges spread along it, ordered by
+def attach(layout: DagLayout) -> dict[tuple[str, str, str], float]:
+    """(src, dst, "out" | "in") -> x on the box edge: a box's edges spread along it, ordered by
     where their other end lies so that they do not cross at the box."""
     def far_x(r: Route, end: str) -> float:
-        if r.lane:
+        if r.lane is not None:
             return lane_x(layout, r)
         other = layout.boxes[r.dst if end == "out" else r.src]
         return other.x + other.w / 2
@@ -57,12 +61,12 @@ def attach(layout: DagLayout) -> dict[tuple[int, str], float]:
     for r in layout.routes:
         ends.setdefault((r.src, "out"), []).append(r)
         ends.setdefault((r.dst, "in"), []).append(r)
-    xs: dict[tuple[int, str], float] = {}
+    xs: dict[tuple[str, str, str], float] = {}
     for (name, end), rs in ends.items():
         box = layout.boxes[name]
         rs.sort(key=lambda r: far_x(r, end))
         for i, r in enumerate(rs):
-            xs[(id(r), end)] = box.x + box.w * (i + 1) / (len(rs) + 1)
+            xs[(r.src, r.dst, end)] = box.x + box.w * (i + 1) / (len(rs) + 1)
     return xs
 
 
@@ -74,13 +78,14 @@ def route_dag(layout: DagLayout) -> None:
     xs = attach(layout)
     for r in layout.routes:
         s, t = layout.boxes[r.src], layout.boxes[r.dst]
-        a, b = (xs[(id(r), "out")], s.bottom), (xs[(id(r), "in")], t.y)
-        if not r.lane:
-            r.d = curve(a, b)
+        start, end = (xs[(r.src, r.dst, "out")], s.bottom), (xs[(r.src, r.dst, "in")], t.y)
+        if r.lane is None:
+            r.d = curve(start, end)
             continue
         lane = lane_x(layout, r)
         # a small per-lane offset keeps runs that share a gap from drawing over each other
-        jitter = (layout.lanes[s.band].index(r) % 3 - 1) * 2.5
+        jitter = (layout.lanes[r.lane].index(r) % 3 - 1) * 2.5
         y_leave = row_bottom[(s.band, s.row)] + GAP_IN + jitter
         y_arrive = t.y - GAP_IN + jitter
-        r.d = rounded([a, (a[0], y_leave), (lane, y_leave), (lane, y_arrive), (b[0], y_arrive), b])
+        r.d = rounded([start, (start[0], y_leave), (lane, y_leave), (lane, y_arrive),
+                       (end[0], y_arrive), end])

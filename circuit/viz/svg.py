@@ -1,13 +1,13 @@
 """`dag_svg(report)`: the circuit DAG as inline SVG markup, laid out by draft step. Every node is
-a `<g class="node" data-node=NAME>` titled with its full name; fused nodes carry their parts and
-a kernel line (`data-kernel`) that the page's script rewrites for the chosen width."""
+a `<g class="node" data-node=NAME>` titled with its full name, with a kernel line (`data-kernel`)
+that the page's script rewrites for the chosen width; fused nodes also list their parts."""
 from __future__ import annotations
 
 from html import escape
 
 from circuit.report import PlanReport
 from circuit.viz.graph import GROUPS, op_group, tint
-from circuit.viz.layout import BOX_H, PART_H, Box, DagLayout, Frame, Route, place_dag
+from circuit.viz.layout import LINE_H, PART_H, TITLE_Y, Box, DagLayout, Frame, Route, place_dag
 from circuit.viz.routes import route_dag
 
 # edge kind -> stroke colour; the arrowhead marker of the same name matches it
@@ -26,16 +26,15 @@ def markers() -> str:
 
 
 def frame_svg(f: Frame) -> str:
-    title = f.label if f.step is None else f"{f.key}"
     sub = "" if f.step is None else f"draft step {f.step}"
     return (f'<g class="band" data-band="{_a(f.key)}"><rect x="{f.x:.1f}" y="{f.y:.1f}" '
             f'width="{f.w:.1f}" height="{f.h:.1f}" rx="10"/>'
-            f'<text class="band-title" x="{f.x + 12:.1f}" y="{f.y + 20:.1f}">{_a(title)}'
+            f'<text class="band-title" x="{f.x + 12:.1f}" y="{f.y + 19:.1f}">{_a(f.label)}'
             f'<tspan class="band-sub" dx="8">{_a(sub)}</tspan></text></g>')
 
 
 def route_svg(r: Route) -> str:
-    state = " state" if any(e.state for e in r.edges) else ""
+    state = " state" if all(e.state for e in r.edges) else ""
     tip = "\n".join(f"{e.value}: {e.spec}" for e in r.edges)
     return (f'<path class="edge e-{r.kind}{state}" d="{r.d}" data-src="{_a(r.src)}" '
             f'data-dst="{_a(r.dst)}" marker-end="url(#arrow-{r.kind})"><title>{_a(tip)}</title>'
@@ -55,14 +54,17 @@ def box_svg(b: Box) -> str:
                    f'height="{b.h + 8:.1f}" rx="9" stroke="{colour}"/>')
     out.append(f'<rect class="box" width="{b.w:.1f}" height="{b.h:.1f}" rx="6" '
                f'fill="{tint(colour, 0.8)}" stroke="{colour}"/>')
-    out.append(f'<text class="n-title" x="{cx:.1f}" y="15">{_a(b.title)}</text>')
-    kernel_attr = ' data-kernel="fused"' if n.fused else ' data-kernel="plain"'
-    out.append(f'<text class="n-sub"{kernel_attr} x="{cx:.1f}" y="29">{_a(b.sub)}</text>')
+    out.append(f'<text class="n-title" x="{cx:.1f}" y="{TITLE_Y}">{_a(b.title)}</text>')
+    for i, line in enumerate(b.lines):
+        out.append(f'<text class="n-op" x="{cx:.1f}" y="{TITLE_Y + LINE_H * (i + 1):.1f}">'
+                   f"{_a(line)}</text>")
+    out.append(f'<text class="n-kernel" data-kernel="" x="{cx:.1f}" y="{b.kernel_y:.1f}">'
+               f"{_a(b.kernel)}</text>")
     for i, part in enumerate(b.parts):
-        y = BOX_H + i * PART_H
-        out.append(f'<rect class="part" x="6" y="{y - 2:.1f}" width="{b.w - 12:.1f}" '
+        y = b.parts_y + i * PART_H
+        out.append(f'<rect class="part" x="6" y="{y:.1f}" width="{b.w - 12:.1f}" '
                    f'height="{PART_H - 2}" rx="3"/><text class="n-part" x="{cx:.1f}" '
-                   f'y="{y + 8.5:.1f}">{_a(part)}</text>')
+                   f'y="{y + 9.5:.1f}">{_a(part)}</text>')
     out.append("</g>")
     return "".join(out)
 

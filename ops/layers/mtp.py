@@ -68,6 +68,15 @@ class MtpHead:
                                      weights["mlp.up_proj.weight"]]).to(dt).contiguous()
         return {k: params[k] for k in self.param_shapes()}
 
+    def emit_mlp(self, b: CircuitBuilder, x: str) -> str:
+        """The block's MLP on the normed residual: dense SwiGLU here; MoE heads override it."""
+        g = b.op1("silu_mul", [b.op1("linear", [x, GATE_UP], name="gate_up_proj")])
+        return b.op1("linear", [g, "mlp.down_proj.weight"], name="down_proj")
+
+    def batch_refusal(self, n: int) -> str | None:
+        """Why an n-row batch must draft per sequence (None: it need not). Dense: never."""
+        return None
+
     def emit_step(self, b: CircuitBuilder, step: int, token: str, hidden: str, positions: str,
                   tables: str, live: str, k_cache: str, v_cache: str, active: str,
                   bitmask: str | None = None) -> StepIO:
@@ -93,9 +102,7 @@ class MtpHead:
                   name="attn_residual")
         m = b.op1("rmsnorm", [x, "post_attention_layernorm.weight"], eps,
                   name="post_attention_layernorm")
-        g = b.op1("silu_mul", [b.op1("linear", [m, GATE_UP], name="gate_up_proj")])
-        x = b.op1("add", [x, b.op1("linear", [g, "mlp.down_proj.weight"], name="down_proj")],
-                  name="mlp_residual")
+        x = b.op1("add", [x, self.emit_mlp(b, m)], name="mlp_residual")
         y = b.op1("rmsnorm", [x, "shared_head.norm.weight"], eps, name="shared_head_norm")
         # fp32 logits: bf16 logits would tie neighbouring tokens (their ulp near 8 is 0.06)
         logits = b.op1("linear", [y, "shared_head.head.weight"], {"out_dtype": "float32"},

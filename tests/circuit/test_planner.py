@@ -143,3 +143,16 @@ def test_compile_time_and_arena_ratio_default_chain():
     assert compiled.widths == tuple(range(1, 65))
     ratios = [p.arena_bytes / p.lower_bound_bytes for p in compiled.programs.values()]
     assert max(ratios) <= 1.1
+
+
+def test_debug_level_names_the_launch_that_wrote_nan(setup, monkeypatch):
+    _, params, compiled = setup
+    monkeypatch.setenv("CIRCUIT_DEBUG", "2")
+    batch = random_draft_batch(CFG, KV, 2, seed=8, num_drafts=K, bitmask=True)
+    bad = dict(batch.inputs)
+    bad["hidden"] = bad["hidden"].clone()
+    bad["hidden"][1, 3] = float("nan")
+    runner = ProgramRunner(compiled, batch.clone_states())
+    with pytest.raises(FloatingPointError, match=r"launch 's0.hnorm' wrote a non-finite value"):
+        runner.run(bad)
+    runner.run(batch.inputs)  # clean inputs pass every check
