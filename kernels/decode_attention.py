@@ -14,9 +14,10 @@ from kernels._common import check, describe, launch_kwargs
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 256  # KV rows per split program; a multiple of every step size below
 # KV rows per step inside a split = this // (query heads a program serves, padded), so the
-# [heads, rows, head_dim] product tile stays within registers (checked on sm90: no spills to G=16).
+# [heads, rows, head_dim] product tiles stay within registers (checked on sm90 with Triton 3.6: no
+# spills for G = 1..32 at head_dim 64, 80 and 128).
 STEP_ROWS_X_HEADS = 32
-SPLIT_NUM_WARPS = 4
+SPLIT_NUM_WARPS = 4  # doubled once a program serves 32 (padded) heads: no spills there either on sm90
 MERGE_NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,8 +63,9 @@ def _split_kernel(
             kv_ok = live[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
                         + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D]
-            v = tl.load(v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                        + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+            # V is read transposed, [D, BLOCK_N], so that p V below also reduces over the last axis
+            vt = tl.load(v_ptr + blk[None, :] * stride_vb + slot[None, :] * stride_vs + kv_head * stride_vh
+                         + d[:, None], mask=d_ok[:, None] & live[None, :], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale_log2  # [G, BLOCK_N]
             s = tl.where(live[None, :], s, float("-inf"))
             # every step holds a live row (start < hi), so m_new is finite
@@ -71,7 +73,11 @@ def _split_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            # [G, D, BLOCK_N] summed over its last axis, never sum(p[:, :, None] * v[None, :, :], axis=1):
+            # Triton's combine pass rewrites that form into a tt.dot once G >= 16 and D >= 16, without
+            # looking at K = BLOCK_N (2 at G=16, 1 at G=32); Triton 3.6 then lowers it to a tf32 mma
+            # (k = 8) with K < 8, which gives garbage. Both products here stay elementwise + tl.sum.
+            acc = acc * alpha[:, None] + tl.sum(p[:, None, :] * vt[None, :, :], axis=2)
             m = m_new
         # workspace [n, NUM_HEADS, max_splits, HEAD_DIM + 2]: (acc[0:D], m, l) per split
         part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
@@ -186,7 +192,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        num_warps=SPLIT_NUM_WARPS, **shared, **kw,
+        num_warps=SPLIT_NUM_WARPS * (2 if group_pad >= 32 else 1), **shared, **kw,
     )
     _merge_kernel[(n, num_heads)](
         workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
