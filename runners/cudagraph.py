@@ -89,8 +89,11 @@ class GraphRunner:
             # that, or the next width's capture finds the pool "already recording"
             try:
                 torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
-            except RuntimeError:
-                pass  # it was ended already
+            except RuntimeError as end_error:
+                log.debug("endAllocateToPool after a failed capture: %s", end_error)
+            # and capture the remaining widths into a fresh pool: the failed capture's pool
+            # may still be marked as recording (seen on torch 2.11)
+            self.pool = torch.cuda.graph_pool_handle()
             torch.cuda.synchronize()
             self.stats.failures[w] = f"{type(e).__name__}: {e}"
             log.warning("capture of width %d failed; it will not be served: %s", w, e)
