@@ -16,6 +16,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ops.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
+from ops.layers.moe import SCALE, MoeConfig, is_moe_hf_config, moe_checkpoint_shapes, quantize_blocks
+from ops.moe import SCALE_BLOCK, dequantize_blocks
 
 __all__ = [
     "CheckpointError", "MissingConfigError", "MissingMtpLayerError", "MissingTensorError",
@@ -110,7 +112,8 @@ def _inventory_from_index(root: Path, index: Path) -> _Inventory:
 
 
 def read_config(path: str | os.PathLike) -> MtpConfig:
-    """The `MtpConfig` of a checkpoint directory's config.json."""
+    """The config of a checkpoint directory's config.json: a `MoeConfig` when it names an expert
+    count (the MTP layer's MLP is then a MoE), else an `MtpConfig`."""
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise MissingConfigError(f"{file} not found: a checkpoint needs a config.json, or pass config=")
@@ -118,7 +121,13 @@ def read_config(path: str | os.PathLike) -> MtpConfig:
         d = json.loads(file.read_text())
     except ValueError as e:
         raise CorruptFileError(f"{file}: not valid JSON: {e}") from e
-    return MtpConfig.from_hf(d, source=os.fspath(file))
+    moe = isinstance(d, dict) and is_moe_hf_config(d)
+    return (MoeConfig if moe else MtpConfig).from_hf(d, source=os.fspath(file))
+
+
+def _layer_shapes(config: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP layer's canonical tensors: a MoE layer stores its experts one by one."""
+    return moe_checkpoint_shapes(config) if isinstance(config, MoeConfig) else MTP_PARAM_SHAPES(config)
 
 
 def _read(inv: _Inventory, plan: dict[str, str], shapes: dict[str, tuple[int, ...]],
@@ -131,7 +140,8 @@ def _read(inv: _Inventory, plan: dict[str, str], shapes: dict[str, tuple[int, ..
     for path, expected in by_file.items():
         with _open(path) as handle:
             for key, shape in expected.items():
-                loaded[key] = _read_one(handle, path, key, shape).to(device=device, dtype=dtype)
+                t = _read_one(handle, path, key, shape)  # fp8 stays fp8: its scales make it real
+                loaded[key] = t.to(device=device, dtype=t.dtype if t.dtype == torch.float8_e4m3fn else dtype)
     return {name: loaded[key] for name, key in plan.items()}
 
 
@@ -181,7 +191,7 @@ def _reject_extras(inv: _Inventory, extras: list[str], where: str) -> None:
 
 def load_mtp_weights(
     path: str | os.PathLike, config: MtpConfig | None = None, *, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", strict: bool = False,
+    device: str | torch.device = "cpu", strict: bool = False, keep_fp8: bool = False,
 ) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
     """The first MTP layer's weights under their canonical names (see `MTP_PARAM_SHAPES`).
 
@@ -190,12 +200,15 @@ def load_mtp_weights(
     embedding resolved above. Lenient by default: tensors under the MTP prefix that no parameter
     uses are ignored (real checkpoints carry extras, and the target's layers sit beside the MTP
     layer); strict=True raises on them. Tensors outside the prefix are never checked here.
+    A MoE config loads per-expert tensors (`moe_checkpoint_shapes`); the routing bias is read in
+    fp32. A weight stored with `<name>_scale_inv` (DeepSeek-V3 fp8, 128x128 blocks) is dequantised
+    to `dtype`, or with keep_fp8 an fp8 one comes back as stored with its fp32 scales beside it.
     """
     root = Path(path)
     config = config if config is not None else read_config(root)
     inv = _inventory(root)
     prefix = _mtp_prefix(inv, config)
-    shapes = MTP_PARAM_SHAPES(config)
+    shapes = _layer_shapes(config)
     fallbacks = {"embed_tokens.weight": ["model.embed_tokens.weight"], "shared_head.head.weight": ["lm_head.weight"]}
     plan: dict[str, str] = {}
     for name in shapes:
@@ -203,11 +216,25 @@ def load_mtp_weights(
             plan[name] = plan["embed_tokens.weight"]  # tied: the head is the embedding the layer uses
             continue
         plan[name] = _first_present(inv, f"MTP tensor {name!r}", [prefix + name, *fallbacks.get(name, [])])
+    scales = {name + SCALE: key + SCALE for name, key in plan.items() if key + SCALE in inv.where}
     if strict:
-        known = {prefix + name for name in shapes}
+        known = {prefix + name for name in shapes} | set(scales.values())
         _reject_extras(inv, sorted(k for k in inv.where if k.startswith(prefix) and k not in known),
                        f"under the MTP layer prefix {prefix!r}")
-    return config, _read(inv, plan, shapes, dtype, device)
+    fp32 = {n: plan.pop(n) for n in list(plan) if n.endswith("e_score_correction_bias")}
+    out = {**_read(inv, plan, shapes, dtype, device), **_read(inv, fp32, shapes, torch.float32, device)}
+    blocks = {s: tuple(math.ceil(d / SCALE_BLOCK) for d in shapes[s.removesuffix(SCALE)]) for s in scales}
+    for s, scale in _read(inv, scales, blocks, torch.float32, device).items():
+        w = s.removesuffix(SCALE)
+        if keep_fp8 and out[w].dtype == torch.float8_e4m3fn:
+            out[s] = scale
+        else:
+            out[w] = dequantize_blocks(out[w], scale).to(dtype)
+    for name, t in out.items():
+        if t.dtype == torch.float8_e4m3fn and name + SCALE not in out:
+            raise CorruptFileError(f"{inv.where[plan[name]]}: tensor {plan[name]!r} is float8_e4m3fn "
+                                   f"but {plan[name] + SCALE!r} is in no file")
+    return config, out
 
 
 def load_target_weights(
@@ -245,7 +272,7 @@ def _checkpoint_shapes(config: MtpConfig, mtp_at_layer0: bool, include_target: b
     shapes = dict(TARGET_PARAM_SHAPES(config)) if include_target else {}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
-    mtp = MTP_PARAM_SHAPES(config)
+    mtp = _layer_shapes(config)
     if mtp_shares_embed:
         del mtp["embed_tokens.weight"]
         shapes = {**embed, **shapes}
@@ -287,7 +314,7 @@ def _write_shards(root: Path, tensors: dict[str, torch.Tensor], shards: int) -> 
 def write_random_checkpoint(
     path: str | os.PathLike, config: MtpConfig = DEFAULT_CONFIG, *, seed: int = 0, mtp_at_layer0: bool = False,
     include_target: bool = True, dtype: torch.dtype = torch.float32, shards: int = 1,
-    mtp_shares_embed: bool = False, mtp_shares_head: bool = False,
+    mtp_shares_embed: bool = False, mtp_shares_head: bool = False, fp8_experts: bool = False,
 ) -> Path:
     """Write config.json and random safetensors in the layout `load_*_weights` read; returns the directory.
 
@@ -295,7 +322,12 @@ def write_random_checkpoint(
     with `mtp_at_layer0` (an exported draft; needs include_target=False). `mtp_shares_embed` /
     `mtp_shares_head` leave the layer's own embed_tokens / shared_head.head out so the loader's
     fallbacks are used. shards > 1 splits the tensors across files listed by an index json.
+    A `MoeConfig` gives the MTP layer the MoE layout (router, its fp32 bias, per-expert and shared
+    experts, DeepSeek-V3 names); `fp8_experts` stores the expert weights fp8 e4m3 with
+    `weight_scale_inv` 128x128 block scales.
     """
+    if fp8_experts and not isinstance(config, MoeConfig):
+        raise ValueError("write_random_checkpoint: fp8_experts=True needs a MoeConfig")
     if mtp_at_layer0 and include_target:
         raise ValueError("write_random_checkpoint: mtp_at_layer0=True needs include_target=False "
                          "(the MTP layer would overwrite the target's layer 0)")
@@ -307,7 +339,10 @@ def write_random_checkpoint(
         raise FileExistsError(f"{root} already holds a checkpoint; refusing to mix files into it")
     root.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {name: _random_tensor(name, shape, gen).to(dtype) for name, shape in shapes.items()}
+    tensors = {name: _random_tensor(name, shape, gen).to(torch.float32 if name.endswith("correction_bias")
+                                                         else dtype) for name, shape in shapes.items()}
+    for name in [n for n in tensors if fp8_experts and ("mlp.experts." in n or "mlp.shared_experts." in n)]:
+        tensors[name], tensors[name + SCALE] = quantize_blocks(tensors[name])
     (root / CONFIG_NAME).write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     _write_shards(root, tensors, shards)
     return root

@@ -48,6 +48,14 @@ EXAMPLES = {
     "keep_if_active": ([S("int32", ROW), S("int32", ROW), S("int32", ROW)], {}),
     "argmax_logprob": ([S("float32", ROW, 70), S("int32", ROW, 3)], {}),
     "linear_argmax_logprob": ([S("float32", ROW, 6), S("float32", 70, 6), S("int32", ROW, 3)], {}),
+    "moe_route": ([S("float32", ROW, 6), S("float32", 8, 6), S("float32", 8)],
+                  {"top_k": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
+    "moe_experts": ([S("float32", ROW, 6), S("int32", ROW, 2), S("float32", ROW, 2),
+                     S("float32", 4, 10, 6), S("float32", 4, 6, 5), S("float32", 8, 6),
+                     S("float32", 6, 4)], {}),
+    "moe_experts_fp8": ([S("float32", ROW, 6), S("int32", ROW, 2), S("float32", ROW, 2),
+                         S("float8_e4m3fn", 4, 10, 6), S("float32", 4, 1, 1),
+                         S("float8_e4m3fn", 4, 6, 5), S("float32", 4, 1, 1)], {}),
 }
 # inputs that must hold valid values, by (op, input name)
 INDEX_INPUTS = {"ids": 11, "positions": 50, "live_rows": 5, "active": 2}
