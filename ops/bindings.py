@@ -43,6 +43,9 @@ def _triton(module: str, fn: str):
 _rmsnorm, _add_rmsnorm = _triton("rmsnorm", "rmsnorm"), _triton("rmsnorm", "add_rmsnorm")
 _silu, _linear = _triton("silu_mul", "silu_mul"), _triton("linear", "linear")
 _linear_silu = _triton("linear", "linear_silu_mul")
+_linear_splitk = _triton("linear_splitk", "linear_splitk")
+_splitk_ws, _splitk_splits = (_triton("linear_splitk", "splitk_workspace_shape"),
+                              _triton("linear_splitk", "num_splits"))
 _rope_kv = _triton("rope_kv_write", "rope_kv_write")
 _attn = _triton("decode_attention", "decode_attention")
 _attn_ws = _triton("decode_attention", "decode_attention_workspace_shape")
@@ -73,6 +76,21 @@ def _attention_ws(ins: Sequence[TensorSpec], env: dict, a: Any):
     return [("float32", _attn_ws()(n, int(q.shape[1]) // d, d, rows))]
 
 
+def _splitk_applies(device: str, ins: Sequence[TensorSpec], a: Any) -> bool:
+    """Where the plain kernel's grid is too small (K gets >= 2 splits; a function of the weight's
+    shape only, so every width of a circuit picks the same kernel) and the output is computed in
+    fp32 (out_dtype None or float32: the fp32-accumulating result, rounded once)."""
+    if not _on(TRITON_DEVICES)(device, ins, a) or getattr(a, "out_dtype", None) not in (None, "float32"):
+        return False
+    rows, k = ins[1].shape
+    return isinstance(rows, int) and isinstance(k, int) and _splitk_splits()(rows, k) >= 2
+
+
+def _splitk_workspace(ins: Sequence[TensorSpec], env: dict, a: Any):
+    rows, k = ins[1].shape
+    return [("float32", _splitk_ws()(ins[0].concrete(env)[0], int(rows), int(k)))]
+
+
 def _lin_argmax_launch(ins, outs, ws, a) -> None:
     _lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[2] if len(ins) > 2 else None, ws[0])
 
@@ -89,8 +107,14 @@ TRITON = [
                                   _on(TRITON_DEVICES))),
     ("silu_mul", KernelBinding("triton_silu_mul", lambda i, o, w, a: _silu()(i[0], o[0]),
                                _on(TRITON_DEVICES))),
+    # split-K first: chosen wherever it applies, the single-pass kernels serve the rest
+    ("linear", KernelBinding("triton_linear_splitk",
+                             lambda i, o, w, a: _linear_splitk()(i[0], i[1], o[0], w[0]),
+                             _splitk_applies, workspace=_splitk_workspace)),
     ("linear", KernelBinding("triton_linear", lambda i, o, w, a: _linear()(i[0], i[1], o[0]),
                              _on(TRITON_DEVICES))),
+    # no split-K for SwiGLU: on the H200 the fused single pass was as fast at n = 1 and 1.2-1.6x
+    # faster at n = 64 (benchmarks/tune_kernels.py); kernels.linear_splitk keeps the variant
     ("linear_silu_mul", KernelBinding("triton_linear_silu_mul",
                                       lambda i, o, w, a: _linear_silu()(i[0], i[1], o[0]),
                                       _on(TRITON_DEVICES))),
