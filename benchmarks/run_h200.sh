@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything the H200 run records, in one command (the device is lent briefly): the GPU test
+# suite, the draft-chain benchmark, and the engine's tokens/s with circuit / eager drafting and
+# without speculation, on the embedded tiny model and on a random 8B-class checkpoint.
+# Usage (repo root, on the GPU machine): OUT=dir bash benchmarks/run_h200.sh
+set -u
+export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -rf tests > "$OUT/cuda_tests.log" 2>&1
+tail -4 "$OUT/cuda_tests.log"
+timeout 160 python3 benchmarks/draft_chain.py --out "$OUT" --results-md "$OUT/RESULTS.md" > "$OUT/draft_chain.log" 2>&1
+tail -20 "$OUT/draft_chain.log"
+engine() {  # name, then engine flags
+  local name=$1; shift
+  timeout 90 python3 -m examples.engine --device cuda --quiet --summary-json "$OUT/engine_$name.json" "$@" \
+    > "$OUT/engine_$name.log" 2>&1; echo "== $name: $(grep -E 'tokens/s|accepted' "$OUT/engine_$name.log" | tr '\n' ' ')"
+}
+for mode in circuit eager; do engine "tiny_$mode" --forward "$mode"; done
+engine tiny_nospec --no-speculation
+python3 - <<'PY'
+import json, os, torch
+from ops.layers.checkpoint import write_random_checkpoint
+from ops.layers.config import MtpConfig
+cfg = MtpConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=8192)
+write_random_checkpoint("/tmp/ck8b", cfg, dtype=torch.bfloat16, mtp_shares_embed=True, mtp_shares_head=True)
+g = torch.Generator().manual_seed(0)
+json.dump([torch.randint(0, cfg.vocab_size, (48,), generator=g).tolist() for _ in range(8)],
+          open(os.environ["OUT"] + "/prompts_8b.json", "w"))
+PY
+common=(--checkpoint /tmp/ck8b --dtype bfloat16 --prompts "$OUT/prompts_8b.json" --max-batch 8 --max-new-tokens 32 --kv-blocks 512 --max-rows 64)
+for mode in circuit eager; do engine "8b_$mode" --forward "$mode" "${common[@]}"; done
+engine 8b_nospec --no-speculation "${common[@]}"

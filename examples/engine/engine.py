@@ -1,0 +1,217 @@
+"""`Engine`: batched greedy speculative decoding over a Llama target and its MTP head.
+
+The constructor reads as the lifecycle: size the KV pools, build the target circuit, build the
+proposer (compiling the draft chain's widths for --forward circuit), then the scheduler. Each
+`step` admits and prefills what fits, then runs one decode step for the whole running batch:
+draft, verify every sequence's [last token, drafts...] in one target pass, accept, trim, catch
+up. The output is target-only greedy decoding's, token for token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence as Seq
+
+import torch
+
+from examples.engine.checkpoints import Checkpoint, EngineError
+from examples.engine.model import TargetModel
+from examples.engine.runner import TargetRunner
+from examples.engine.scheduler import Scheduler
+from examples.engine.sequence import Request, Sequence
+from examples.engine.speculate import DraftStats, accept, draft
+from ops.layers.mtp import KvLayout, MtpHead
+from runners.kv_cache import BlockPool
+from runners.proposer import MtpProposer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    speculate: bool = True
+    forward: Literal["eager", "circuit"] = "circuit"  # the drafter's: compiled, or the oracle
+    target_forward: Literal["eager", "circuit"] = "eager"  # the target's (see TargetModel)
+    num_drafts: int = 4
+    draft_confidence_stop: float | None = None
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    max_batch: int = 8
+    kv_blocks: int = 1024             # per pool (target and drafter), block 0 reserved
+    block_size: int = 16
+    max_seq_len: int | None = None    # prompt + new tokens; None: min(max_position_embeddings, 4096)
+    max_rows: int = 1024              # rows per target pass (longer prefills run in chunks)
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+@dataclass
+class Stats:
+    generated: int = 0
+    verifies: int = 0                 # sequence-verifies (one per sequence per decode step)
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    draft_s: float = 0.0              # propose + catch-up (prefill's included)
+    target_s: float = 0.0
+    wall_s: float = 0.0
+    widths: dict[int, int] = field(default_factory=dict)  # decode-step width -> steps
+    draft_batches: DraftStats = field(default_factory=DraftStats)
+
+
+@dataclass
+class Result:
+    requests: list[Request]
+    outputs: list[list[int]]          # generated ids, request order
+    stats: Stats
+
+
+class Engine:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
+        c, self.config, self.checkpoint = checkpoint.config, config, checkpoint
+        self.k = config.num_drafts if config.speculate else 0
+        if config.speculate and checkpoint.mtp is None:
+            raise EngineError("speculation needs the MTP layer: load the checkpoint with it")
+        if not 1 <= config.max_batch:
+            raise EngineError(f"--max-batch must be >= 1, got {config.max_batch}")
+        if config.speculate and not 1 <= config.num_drafts:
+            raise EngineError(f"--num-drafts must be >= 1, got {config.num_drafts}")
+        self.max_seq_len = config.max_seq_len or min(c.max_position_embeddings, 4096)
+        # a table covers the longest sequence plus the drafts its last verify writes
+        max_blocks = -(-(self.max_seq_len + self.k) // config.block_size)
+        kv = KvLayout(config.kv_blocks, config.block_size, max_blocks)
+        self.pool = BlockPool(config.kv_blocks, reserved=1)
+        self.target = TargetRunner(TargetModel(c, checkpoint.target, kv, max_rows=config.max_rows,
+                                               dtype=config.dtype, device=config.device,
+                                               forward=config.target_forward))
+        self.proposer = self._proposer(checkpoint, kv) if config.speculate else None
+        self.scheduler = Scheduler(self.pool, config.block_size, max_blocks,
+                                   max_batch=config.max_batch, num_drafts=self.k)
+        self.stats = Stats()
+
+    def _proposer(self, checkpoint: Checkpoint, kv: KvLayout) -> MtpProposer:
+        cfg = self.config
+        assert checkpoint.mtp is not None and checkpoint.mtp_config is not None
+        head = MtpHead(checkpoint.mtp_config, str(cfg.dtype).removeprefix("torch."))
+        widths = tuple(w for w in cfg.widths if w >= 1)
+        if not widths:
+            raise EngineError(f"--widths {cfg.widths}: give at least one width >= 1")
+        return MtpProposer(head, head.bind(checkpoint.mtp), num_drafts=cfg.num_drafts,
+                           num_blocks=kv.num_blocks, block_size=kv.block_size,
+                           max_blocks_per_seq=kv.max_blocks_per_seq, max_width=max(widths),
+                           widths=widths, forward=cfg.forward, device=cfg.device,
+                           draft_confidence_stop=cfg.draft_confidence_stop)
+
+    # ---- checks, all before anything runs ----
+    def check(self, requests: Seq[Request]) -> None:
+        vocab = self.checkpoint.config.vocab_size
+        if not requests:
+            raise EngineError("no requests to generate for")
+        for i, r in enumerate(requests):
+            if not r.prompt:
+                raise EngineError(f"request {i}: the prompt is empty")
+            bad = next((t for t in r.prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise EngineError(f"request {i}: token {bad} is outside the vocabulary [0, {vocab})")
+            if r.max_new_tokens < 1:
+                raise EngineError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            if len(r.prompt) + r.max_new_tokens > self.max_seq_len:
+                raise EngineError(f"request {i}: {len(r.prompt)} prompt + {r.max_new_tokens} new "
+                                  f"tokens exceed the {self.max_seq_len}-token limit")
+        need = max(self.scheduler.blocks_for(r) for r in requests)
+        usable = self.pool.num_blocks - self.pool.num_reserved
+        if self.config.max_batch * need > usable:
+            raise EngineError(
+                f"--max-batch {self.config.max_batch} needs {self.config.max_batch} x {need} KV "
+                f"blocks (of {self.config.block_size} rows, for the longest request), but the pool "
+                f"holds {usable}: at most {usable // need} such sequences fit; lower --max-batch "
+                f"or raise --kv-blocks")
+
+    # ---- generation ----
+    def generate(self, requests: Seq[Request],
+                 on_step: Callable[["Engine"], None] | None = None) -> Result:
+        requests = list(requests)
+        self.check(requests)
+        seqs = [self.scheduler.add(r) for r in requests]
+        start = time.perf_counter()
+        while self.scheduler.has_work:
+            self.step()
+            if on_step is not None:
+                on_step(self)
+        self.stats.wall_s += time.perf_counter() - start
+        return Result(requests, [s.generated for s in seqs], self.stats)
+
+    def step(self) -> None:
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+        running = [s for s in self.scheduler.running if not s.finished]
+        if running:
+            self.stats.steps += 1
+            self.stats.widths[len(running)] = self.stats.widths.get(len(running), 0) + 1
+            if self.proposer is not None:
+                self._decode(running)
+            else:
+                self._decode_plain(running)
+        for s in [s for s in self.scheduler.running if s.finished]:
+            self._finish(s)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        outs = self.target.run(seqs, [s.request.prompt for s in seqs])
+        self.stats.target_s += time.perf_counter() - t0
+        for s, out in zip(seqs, outs):
+            s.blocks.set_rows(s.num_prompt)
+            s.hidden = out.hiddens[-1]
+            self.stats.generated += len(s.append([out.tokens[-1]], self.checkpoint.eos_token_id))
+        if self.proposer is not None:
+            t0 = time.perf_counter()
+            for s in seqs:
+                s.draft_state = self.proposer.alloc_state()
+            # prefill_drafter for all at once: the prompt pairs (prompt[i+1], h_i), i < P-1,
+            # are catch-up rows at positions 1..P-1
+            live = [(s, o) for s, o in zip(seqs, outs) if s.num_prompt > 1 and not s.finished]
+            if live:
+                self.proposer.catchup_batch([s.request.prompt[1:] for s, _ in live],
+                                            [o.hiddens[:s.num_prompt - 1] for s, o in live],
+                                            [1] * len(live), [s.draft_state for s, _ in live])
+            self.stats.draft_s += time.perf_counter() - t0
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """Draft, verify [last token, drafts...] of every sequence in one target pass, accept,
+        trim (target rows and drafter rows), then catch the drafter up on accepted drafts."""
+        assert self.proposer is not None
+        t0 = time.perf_counter()
+        drafts = draft(self.proposer, seqs, self.k, self.stats.draft_batches)
+        t1 = time.perf_counter()
+        outs = self.target.run(seqs, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
+        t2 = time.perf_counter()
+        catchup = []  # (sequence, accepted drafts, their target hiddens, first position)
+        for s, d, out in zip(seqs, drafts, outs):
+            a = accept(d, out.tokens)
+            # rows of the last token and the accepted drafts are the target's; rejected rows'
+            # KV is dead and gets overwritten by the next verify
+            s.blocks.set_rows(s.num_cached + a + 1)
+            self.proposer.after_verify(a, s.draft_state)
+            catchup.append((s, d[:a], out.hiddens[:a], s.position + 1))
+            s.hidden = out.hiddens[a]
+            self.stats.generated += len(s.append([*d[:a], out.tokens[a]], self.checkpoint.eos_token_id))
+            self.stats.verifies += 1
+            self.stats.drafted += len(d)
+            self.stats.accepted += a
+        catchup = [c for c in catchup if c[1] and not c[0].finished]
+        if catchup:
+            self.proposer.catchup_batch([c[1] for c in catchup], [c[2] for c in catchup],
+                                        [c[3] for c in catchup], [c[0].draft_state for c in catchup])
+        self.stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.stats.target_s += t2 - t1
+
+    def _decode_plain(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        outs = self.target.run(seqs, [[s.last_token] for s in seqs])
+        self.stats.target_s += time.perf_counter() - t0
+        for s, out in zip(seqs, outs):
+            s.blocks.set_rows(s.num_cached + 1)
+            self.stats.generated += len(s.append(out.tokens, self.checkpoint.eos_token_id))
+
+    def _finish(self, seq: Sequence) -> None:
+        if self.proposer is not None and seq.draft_state is not None:
+            self.proposer.free_state(seq.draft_state)
+        self.scheduler.finish(seq)

@@ -1,0 +1,161 @@
+"""The target: a dense Llama decoder emitted as a circuit of the project's own ops over query rows.
+
+Every query token is a row. A row attends, through its sequence's block table, to the KV rows
+0..live_rows (its own row included: kv_write runs before attention), so a prefill of P tokens, a
+verify of k+1 tokens and a plain decode step are the same circuit at different row counts.
+Outputs per row: the greedy token, its log-probability and the final-norm hidden (the MTP
+head's target hidden).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from circuit.builder import CircuitBuilder
+from circuit.ir import ROW, Circuit
+from ops.layers.config import TARGET_PARAM_SHAPES, MtpConfig
+from ops.layers.mtp import KvLayout
+from circuit.planner import compile_draft
+from runners.draft import CircuitDraftRunner, WidthPolicy
+from runners.eager import EagerRunner
+
+GATE_UP = "mlp.gate_up_proj.weight"  # per layer: gate rows, then up rows (what silu_mul reads)
+
+
+def target_param_shapes(config: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """The circuit's params: HF names, with each layer's gate and up fused into one weight."""
+    shapes = dict(TARGET_PARAM_SHAPES(config))
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        gate = shapes.pop(p + "mlp.gate_proj.weight")
+        shapes.pop(p + "mlp.up_proj.weight")
+        shapes[p + GATE_UP] = (2 * gate[0], gate[1])
+    return shapes
+
+
+def bind_target(config: MtpConfig, weights: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named checkpoint tensors -> the circuit's params, in `dtype`."""
+    params = {}
+    for name in target_param_shapes(config):
+        if name.endswith(GATE_UP):
+            p = name.removesuffix(GATE_UP)
+            w = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+        else:
+            w = weights[name]
+        params[name] = w.to(dtype).contiguous()
+    return params
+
+
+def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = "float32",
+                name: str = "llama_target") -> Circuit:
+    """The target's forward over n query rows.
+
+    Inputs: tokens i32[n], positions i32[n], block_tables i32[n, M] (a row's sequence's table),
+    live_rows i32[n] (KV rows before this row: the row writes row live_rows and attends to
+    0..live_rows), active i32[n] (0: an inert padding row that writes no KV).
+    States: k_cache_{l}, v_cache_{l} [num_blocks, block_size, kv_heads, head_dim] per layer.
+    Outputs: token i32[n] (argmax), logprob f32[n], hidden [n, H] (after the final norm).
+    """
+    c = config
+    b = CircuitBuilder(name, max_width=max_rows)
+    tokens = b.input("tokens", "int32", (ROW,))
+    positions = b.input("positions", "int32", (ROW,))
+    tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq))
+    live = b.input("live_rows", "int32", (ROW,))
+    active = b.input("active", "int32", (ROW,))
+    for pname, shape in target_param_shapes(c).items():
+        b.param(pname, dtype, shape)
+    cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
+    eps = {"eps": c.rms_norm_eps}
+    rope = {"head_dim": c.head_dim, "theta": c.rope_theta}
+    x = b.op1("embedding", ["model.embed_tokens.weight", tokens], name="embed_tokens")
+    for layer in range(c.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        k_cache = b.state(f"k_cache_{layer}", dtype, cache_shape)
+        v_cache = b.state(f"v_cache_{layer}", dtype, cache_shape)
+        with b.scope(f"l{layer}"):
+            a = b.op1("rmsnorm", [x, p + "input_layernorm.weight"], eps, name="input_layernorm")
+            q = b.op1("linear", [a, p + "self_attn.q_proj.weight"], name="q_proj")
+            k = b.op1("linear", [a, p + "self_attn.k_proj.weight"], name="k_proj")
+            v = b.op1("linear", [a, p + "self_attn.v_proj.weight"], name="v_proj")
+            q = b.op1("rope", [q, positions], rope, name="rope_q")
+            k = b.op1("rope", [k, positions], rope, name="rope_k")
+            k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live, active])
+            o = b.op1("decode_attention", [q, k_cache, v_cache, tables, live], name="attention")
+            o = b.op1("linear", [o, p + "self_attn.o_proj.weight"], name="o_proj")
+            x = b.op1("add", [x, o], name="attn_residual")
+            m = b.op1("rmsnorm", [x, p + "post_attention_layernorm.weight"], eps,
+                      name="post_attention_layernorm")
+            g = b.op1("silu_mul", [b.op1("linear", [m, p + GATE_UP], name="gate_up_proj")])
+            x = b.op1("add", [x, b.op1("linear", [g, p + "mlp.down_proj.weight"],
+                                       name="down_proj")], name="mlp_residual")
+        b.output(k_cache)
+        b.output(v_cache)
+    h = b.op1("rmsnorm", [x, "model.norm.weight"], eps, name="norm")
+    logits = b.op1("linear", [h, "lm_head.weight"], {"out_dtype": "float32"}, name="lm_head")
+    token, logprob = b.op("argmax_logprob", [logits])
+    b.output(token, "token")
+    b.output(logprob, "logprob")
+    b.output(h, "hidden")
+    return b.build()
+
+
+@dataclass
+class TargetRows:
+    """One target pass's inputs: every query token a row (host tensors, int32)."""
+
+    tokens: torch.Tensor        # [n]
+    positions: torch.Tensor     # [n]
+    block_tables: torch.Tensor  # [n, max_blocks_per_seq]
+    live_rows: torch.Tensor     # [n]
+
+
+class TargetModel:
+    """The target's circuit, its bound weights and its paged KV pools, and what runs them.
+
+    forward="eager": the eager runner, any row count, no compile. forward="circuit": the circuit
+    compiled (fused passes, Triton kernels on CUDA, CUDA graphs) for power-of-two row counts up
+    to max_rows, a pass padded up to the next one with inert rows (never split: a sequence's
+    rows must run in order). Either way a row's bits never depend on the rows it shares a pass
+    with (row-wise references; width-independent kernels), which is what makes speculative
+    output equal target-only output.
+    """
+
+    def __init__(self, config: MtpConfig, weights: dict[str, torch.Tensor], kv: KvLayout, *,
+                 max_rows: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 forward: str = "eager") -> None:
+        self.config, self.kv, self.device, self.max_rows = config, kv, torch.device(device), max_rows
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.circuit = emit_target(config, kv=kv, max_rows=max_rows, dtype=dtype_name)
+        params = {k: w.to(self.device) for k, w in bind_target(config, weights, dtype).items()}
+        shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
+        states = {f"{kind}_cache_{layer}": torch.zeros(shape, dtype=dtype, device=self.device)
+                  for layer in range(config.num_hidden_layers) for kind in ("k", "v")}
+        self.runner: EagerRunner | CircuitDraftRunner
+        if forward == "eager":
+            self.runner = EagerRunner(self.circuit, params, states)
+        elif forward == "circuit":
+            widths = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
+            compiled = compile_draft(self.circuit, params, widths, device=str(self.device))
+            self.runner = CircuitDraftRunner(compiled, states, scratch_block=0,
+                                             policy=WidthPolicy(allow_split=False))
+        else:
+            raise ValueError(f"target forward must be 'eager' or 'circuit', got {forward!r}")
+
+    def forward(self, rows: TargetRows) -> tuple[list[int], torch.Tensor]:
+        """Greedy tokens (host ints) and final-norm hiddens [n, H] (on the device, the caller's
+        to keep) of every row."""
+        n = rows.tokens.shape[0]
+        if not 1 <= n <= self.max_rows:
+            raise ValueError(f"a target pass takes 1..{self.max_rows} rows, got {n}")
+        inputs = {"tokens": rows.tokens, "positions": rows.positions,
+                  "block_tables": rows.block_tables, "live_rows": rows.live_rows,
+                  "active": torch.ones(n, dtype=torch.int32)}
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        if isinstance(self.runner, EagerRunner):
+            out = self.runner.run(inputs)
+            return out["token"].tolist(), out["hidden"]
+        out = self.runner.run(n, inputs)  # static buffers: the next pass overwrites them
+        return out["token"].tolist(), out["hidden"].clone()

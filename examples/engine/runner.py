@@ -1,0 +1,62 @@
+"""Mechanism: turn sequences' new tokens into target rows, run the target, hand back each
+sequence's greedy tokens and hiddens.
+
+A sequence contributing tokens x_0..x_m (at positions num_cached..num_cached+m) gives m+1 rows
+sharing its block table, row i with live_rows num_cached + i: it writes KV row num_cached + i
+and attends to every row before it and itself. Prefill (num_cached 0, the prompt), verify
+([last token, drafts...]) and plain decode (the last token) are all this one call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from examples.engine.model import TargetModel, TargetRows
+from examples.engine.sequence import Sequence
+
+SCRATCH_BLOCK = 0  # reserved in the target pool: what a table's unused tail points at
+
+
+@dataclass
+class RowsOut:
+    """One sequence's slice of a target pass."""
+
+    tokens: list[int]       # the greedy token after each row
+    hiddens: torch.Tensor   # [rows, H], final-norm hiddens (on the target's device)
+
+
+class TargetRunner:
+    def __init__(self, model: TargetModel) -> None:
+        self.model = model
+
+    def run(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> list[RowsOut]:
+        """One logical pass over every sequence's new tokens (split into passes of at most
+        max_rows rows, in row order, so a later chunk sees the KV an earlier one wrote)."""
+        flat: list[tuple[int, int, int, list[int]]] = []  # (token, position, live, table)
+        for seq, toks in zip(seqs, new_tokens):
+            table = seq.blocks.table_row(SCRATCH_BLOCK)
+            base = seq.num_cached
+            if base + len(toks) > seq.blocks.capacity_rows:
+                raise RuntimeError(f"sequence {seq.id}: {base + len(toks)} rows exceed the "
+                                   f"{seq.blocks.capacity_rows} reserved for it")
+            flat += [(t, base + i, base + i, table) for i, t in enumerate(toks)]
+        tokens: list[int] = []
+        hiddens = []
+        step = self.model.max_rows
+        for start in range(0, len(flat), step):
+            chunk = flat[start:start + step]
+            rows = TargetRows(
+                tokens=torch.tensor([r[0] for r in chunk], dtype=torch.int32),
+                positions=torch.tensor([r[1] for r in chunk], dtype=torch.int32),
+                block_tables=torch.tensor([r[3] for r in chunk], dtype=torch.int32),
+                live_rows=torch.tensor([r[2] for r in chunk], dtype=torch.int32))
+            t, h = self.model.forward(rows)
+            tokens += t
+            hiddens.append(h)
+        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
+        out, offset = [], 0
+        for toks in new_tokens:
+            out.append(RowsOut(tokens[offset:offset + len(toks)], hidden[offset:offset + len(toks)]))
+            offset += len(toks)
+        return out

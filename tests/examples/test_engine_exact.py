@@ -1,0 +1,56 @@
+"""The engine's output is target-only greedy decoding's, token for token, whatever the forward,
+k, tau, widths and batch composition (continuous batching changes the width step to step)."""
+from __future__ import annotations
+
+import pytest
+
+from examples.engine.speculate import accept
+from tests.examples.helpers import SMALL, generate, random_requests
+
+REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
+
+
+@pytest.fixture(scope="module")
+def greedy(small_checkpoint):
+    outputs, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3)
+    return outputs
+
+
+def test_plain_greedy_is_batch_independent(small_checkpoint, greedy):
+    alone, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=1)
+    assert alone == greedy
+    assert [len(o) for o in greedy] == [r.max_new_tokens for r in REQUESTS]
+
+
+@pytest.mark.parametrize("forward,k,tau,widths,max_batch,kinds", [
+    ("circuit", 4, None, (1, 2, 4), 3, {"own", "pad"}),        # 3 pads to 4
+    ("circuit", 3, 0.2, (1, 2), 4, {"own", "per_sequence"}),   # 3 and 4: no program
+    ("eager", 4, 0.5, (1, 2, 4, 8), 4, {"eager"}),
+    ("eager", 1, None, (1,), 2, {"eager"}),
+])
+def test_speculative_equals_greedy(small_checkpoint, greedy, forward, k, tau, widths, max_batch,
+                                   kinds):
+    outputs, engine = generate(small_checkpoint, REQUESTS, forward=forward, num_drafts=k,
+                               draft_confidence_stop=tau, widths=widths, max_batch=max_batch)
+    assert outputs == greedy
+    stats = engine.stats
+    assert len(stats.widths) > 1, "the batch width should change from step to step"
+    seen = {kind for per in stats.draft_batches.table().values() for kind in per}
+    assert kinds <= seen, seen
+    assert stats.verifies and stats.drafted >= stats.verifies
+    # every block is back in both pools once everything finished
+    assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+
+
+def test_compiled_target_equals_eager_target(small_checkpoint, greedy):
+    outputs, _ = generate(small_checkpoint, REQUESTS, target_forward="circuit", max_rows=16,
+                          widths=(1, 2, 4), max_batch=3)  # prefills longer than 16 run in chunks
+    assert outputs == greedy
+
+
+@pytest.mark.parametrize("drafts,target,want", [
+    ([], [5], 0), ([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 9, 3, 4], 1),
+    ([7], [1, 2], 0),
+])
+def test_accept_rule(drafts, target, want):
+    assert accept(drafts, target) == want

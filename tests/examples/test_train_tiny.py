@@ -1,0 +1,88 @@
+"""examples/train_tiny.py: its torch model is the engine's target and the proposer's MTP chain
+(same maths, same checkpoint names), and a few-step run writes a checkpoint the engine loads."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from examples import train_tiny
+from examples.engine import load_checkpoint
+from examples.engine.checkpoints import EMBEDDED
+from examples.engine.model import TargetModel, TargetRows
+from ops.layers.mtp import KvLayout, MtpHead
+from runners.proposer import MtpProposer
+from tests.examples.helpers import SMALL
+
+
+def _trained_like(seed: int = 0) -> train_tiny.TinyLlama:
+    """Random weights, norms moved off 1 so a misplaced norm shows."""
+    torch.manual_seed(seed)
+    model = train_tiny.TinyLlama(SMALL)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def test_exported_model_is_the_engine_target_and_the_proposer_chain(tmp_path):
+    model = _trained_like()
+    train_tiny.export(model, tmp_path / "ck")
+    ck = load_checkpoint(tmp_path / "ck")
+    assert ck.byte_level
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, 24), generator=g)
+    with torch.no_grad():
+        h, logits = model.target(tokens)
+
+    # the target: the engine's circuit gives the training model's hiddens and greedy tokens
+    kv = KvLayout(num_blocks=9, block_size=16, max_blocks_per_seq=4)
+    target = TargetModel(ck.config, ck.target, kv, max_rows=64)
+    n = tokens.shape[1]
+    rows = TargetRows(tokens[0].int(), torch.arange(n, dtype=torch.int32),
+                      torch.tensor([[1, 2, 0, 0]] * n, dtype=torch.int32),
+                      torch.arange(n, dtype=torch.int32))
+    greedy, hidden = target.forward(rows)
+    torch.testing.assert_close(hidden, h[0], atol=1e-5, rtol=1e-5)
+    assert greedy == logits[0].argmax(-1).tolist()
+
+    # the chain: the proposer's drafts are the teacher-forced chain's argmax along its own drafts
+    k, P = 4, 12
+    head = MtpHead(ck.mtp_config)
+    proposer = MtpProposer(head, head.bind(ck.mtp), num_drafts=k, num_blocks=9,
+                           max_blocks_per_seq=4, forward="eager", widths=(1,), max_width=1)
+    state = proposer.alloc_state()
+    prompt = tokens[0, :P].tolist()
+    proposer.prefill_drafter(prompt, h[0, :P], state)
+    drafts = proposer.propose(int(tokens[0, P]), h[0, P - 1], P, k, state)
+    seq = torch.tensor([prompt + [int(tokens[0, P])] + drafts[:-1]])
+    with torch.no_grad():
+        h_seq, _ = model.target(seq)
+        chain = model.chain(seq, h_seq, k)
+    # step s (1-based) at position p = P + s - 1 sits at index p - 1
+    assert [int(chain[s - 1][0, P + s - 2].argmax()) for s in range(1, k + 1)] == drafts
+
+
+def test_few_step_runs_write_the_same_loadable_checkpoint(tmp_path, monkeypatch):
+    def train(name: str) -> bytes:
+        out = tmp_path / name
+        monkeypatch.setattr(sys, "argv", ["train_tiny.py", "--out", str(out), "--prompts-out",
+                                          str(tmp_path / f"{name}.json"), "--steps", "2",
+                                          "--distil-steps", "1", "--batch", "2", "--seq-len", "32"])
+        train_tiny.main()
+        return (out / "model.safetensors").read_bytes()
+
+    first = train("a")
+    assert train("b") == first, "same seed, same bytes"
+    ck = load_checkpoint(tmp_path / "a")
+    assert ck.byte_level and ck.config.vocab_size == 256 and ck.mtp is not None
+    assert len(first) < 5_000_000
+    assert json.loads((tmp_path / "a.json").read_text())  # held-out prompts
+
+
+def test_embedded_checkpoint_is_small():
+    path = EMBEDDED / "model.safetensors"
+    if path.is_file():
+        assert path.stat().st_size < 5_000_000
