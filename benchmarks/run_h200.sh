@@ -2,17 +2,24 @@
 # Everything the H200 run records, in one command (the device is lent briefly): the GPU test
 # suite, the draft-chain benchmark, and the engine's tokens/s with circuit / eager drafting and
 # without speculation, on the embedded tiny model and on a random 8B-class checkpoint.
-# Usage (repo root, on the GPU machine): OUT=dir bash benchmarks/run_h200.sh
+# Usage (repo root, on the GPU machine): OUT=dir [PARTS="tests bench engine"] [TESTS=tests] bash benchmarks/run_h200.sh
 set -u
+PARTS=${PARTS:-tests bench engine}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -rf tests > "$OUT/cuda_tests.log" 2>&1
-tail -4 "$OUT/cuda_tests.log"
-timeout 160 python3 benchmarks/draft_chain.py --out "$OUT" --results-md "$OUT/RESULTS.md" > "$OUT/draft_chain.log" 2>&1
-tail -20 "$OUT/draft_chain.log"
+if has tests; then
+  timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -rf ${TESTS:-tests} > "$OUT/cuda_tests.log" 2>&1
+  tail -4 "$OUT/cuda_tests.log"
+fi
+if has bench; then
+  timeout 160 python3 benchmarks/draft_chain.py --out "$OUT" --results-md "$OUT/RESULTS.md" > "$OUT/draft_chain.log" 2>&1
+  tail -20 "$OUT/draft_chain.log"
+fi
+has engine || exit 0
 engine() {  # name, then engine flags
   local name=$1; shift
-  timeout 90 python3 -m examples.engine --device cuda --quiet --summary-json "$OUT/engine_$name.json" "$@" \
+  timeout 120 python3 -m examples.engine --device cuda --quiet --summary-json "$OUT/engine_$name.json" "$@" \
     > "$OUT/engine_$name.log" 2>&1; echo "== $name: $(grep -E 'tokens/s|accepted' "$OUT/engine_$name.log" | tr '\n' ' ')"
 }
 for mode in circuit eager; do engine "tiny_$mode" --forward "$mode"; done

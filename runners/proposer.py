@@ -59,7 +59,9 @@ class MtpProposer:
         if draft_confidence_stop is not None and not 0 < draft_confidence_stop <= 1:
             raise ProposerError(f"draft_confidence_stop must be in (0, 1], got {draft_confidence_stop}")
         c = head.config
-        self.head, self.params, self.num_drafts, self.device = head, dict(params), num_drafts, device
+        # the proposer owns placement: params follow its device (a host may load on CPU)
+        self.head, self.num_drafts, self.device = head, num_drafts, device
+        self.params = {k: v.to(device) for k, v in params.items()}
         self.kv = KvLayout(num_blocks, block_size, max_blocks_per_seq)
         self.max_width = max_width
         self.widths = tuple(sorted({1, *(w for w in widths if w <= max_width)}))
@@ -75,6 +77,15 @@ class MtpProposer:
         self._installed: object | None = None
         self._deferred: torch.Tensor | None = None
         self.stats: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        if forward == "circuit":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile (and on a GPU capture) the chains every engine step uses, now rather than on
+        the first propose: the k-step chain and the one-step catch-up chain. A masked chain or
+        another k is compiled on first use."""
+        self._runner(self.num_drafts, False)
+        self._runner(1, False)
 
     # ---- circuit binding (the host may compile and install the runner itself) ----
     def circuit_draft(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftBinding:

@@ -240,3 +240,13 @@ def test_bad_input_changes_nothing(forward):
         make(forward).propose(3, hidden(1), 9, K, s)
     with pytest.raises(ProposerError, match="num_drafts 4"):
         p.propose(3, hidden(1), 9, K + 1, hogs[0])
+
+
+def test_params_follow_the_proposers_device():
+    # regression: a host that loads weights on CPU and drafts on a GPU got "param on cpu, the
+    # draft compiles for cuda" (H200 engine run); the proposer now places params itself
+    head = MtpHead(CFG)
+    params = {k: v.to(torch.float64) for k, v in head.bind(random_mtp_weights(CFG)).items()}
+    p = MtpProposer(head, {k: v.float() for k, v in params.items()}, num_drafts=K, num_blocks=8,
+                    block_size=8, max_blocks_per_seq=2, max_width=2, widths=(1, 2), device="meta")
+    assert all(t.device.type == "meta" for t in p.params.values())
