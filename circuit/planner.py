@@ -42,6 +42,7 @@ class CompiledDraft:
     params: dict[str, torch.Tensor]
     device: str
     options: CompileOptions
+    notes: dict = field(default_factory=dict)  # the layer's statements for the report
     _report: PlanReport | None = field(default=None, repr=False)
 
     @property
@@ -72,7 +73,7 @@ class CompiledDraft:
                 device=self.device, options=self.options.model_dump(mode="json"),
                 pipeline=list(self.options.pipeline), num_nodes_before=len(self.source.nodes),
                 num_nodes_after=len(self.circuit.nodes), arena_bytes=self.arena_bytes,
-                nodes=node_infos(self.circuit),
+                nodes=node_infos(self.circuit), notes=dict(self.notes),
                 widths=[width_report(self.programs[w], self.options.bandwidth_gbps)
                         for w in self.widths])
         return self._report
@@ -84,7 +85,10 @@ def device_kind(device: str | torch.device) -> str:
 
 def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: Sequence[int],
                   device: str | torch.device = "cpu",
-                  options: CompileOptions | None = None) -> CompiledDraft:
+                  options: CompileOptions | None = None,
+                  notes: Mapping | None = None) -> CompiledDraft:
+    """`notes`: plain data the layer states about its plan (e.g. which refused paths the n-row
+    program could still serve), carried into the report unchanged."""
     from runners.binding import check_params  # the same check every runner applies
 
     options = options or CompileOptions()
@@ -107,4 +111,4 @@ def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: 
                                  width_independent=options.width_independent)
                 for w in sorted(set(widths))}
     return CompiledDraft(source=circuit, circuit=fused, programs=programs, params=dict(params),
-                         device=str(device), options=options)
+                         device=str(device), options=options, notes=dict(notes or {}))

@@ -58,6 +58,7 @@ class PlanReport(BaseModel):
     arena_bytes: int
     nodes: list[NodeInfo]
     widths: list[WidthReport]
+    notes: dict[str, Any] = {}  # what the layer states about the plan (an MoE head's refusals)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1)

@@ -110,7 +110,7 @@ class MtpProposer:
                 self._runners[key] = self._installed
             else:
                 compiled = compile_draft(self._chain(k, bitmask), self.params, self.widths,
-                                         device=self.device)
+                                         device=self.device, notes=self.head.plan_notes())
                 # catch-up rows of one sequence must run in row order: pad, never split
                 policy = WidthPolicy(allow_split=k > 1)
                 self._runners[key] = CircuitDraftRunner(compiled, self.states,

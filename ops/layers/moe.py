@@ -255,6 +255,9 @@ class MoeMtpHead(MtpHead):
                                              EXPERTS_DOWN, EXPERTS_DOWN + SCALE, *shared], name="experts")
         return b.op1("moe_experts", [x, ids, weights, EXPERTS_GATE_UP, EXPERTS_DOWN, *shared], name="experts")
 
+    def plan_notes(self) -> dict:
+        return {"moe": moe_plan_note(self.config)}
+
     def batch_refusal(self, n: int) -> str | None:
         """The reference engine's refusals of the grouped decode, checked before anything runs."""
         c = self.config

@@ -77,6 +77,10 @@ class MtpHead:
         """Why an n-row batch must draft per sequence (None: it need not). Dense: never."""
         return None
 
+    def plan_notes(self) -> dict:
+        """What this head states in the plan report (an MoE head: its refusals). Dense: nothing."""
+        return {}
+
     def emit_step(self, b: CircuitBuilder, step: int, token: str, hidden: str, positions: str,
                   tables: str, live: str, k_cache: str, v_cache: str, active: str,
                   bitmask: str | None = None) -> StepIO:

@@ -154,3 +154,14 @@ def test_captured_moe_chain_matches_eager(variant, monkeypatch):
         if bool((gaps > 1e-3).all()):  # no near tie anywhere: the whole chain agrees closely
             torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=2e-3, rtol=2e-3)
     assert compared > 0.8 * K * sum(GPU_WIDTHS)
+
+
+def test_the_plan_report_states_which_refusals_the_n_row_program_could_serve():
+    head = MoeMtpHead(CFG)
+    p = MtpProposer(head, head.bind(random_moe_weights(CFG, seed=1)), num_drafts=2, num_blocks=16,
+                    block_size=8, max_blocks_per_seq=4, max_width=2, widths=(1, 2), forward="circuit")
+    report = p._runner(2, False).compiled.report()
+    refusals = {r["reason"]: r for r in report.notes["moe"]["refusals"]}
+    assert refusals["kill_switch"]["n_row_program_serves"] is True
+    assert refusals["expert_parallel"]["n_row_program_serves"] is False
+    assert "moe" in report.model_validate_json(report.to_json()).notes
