@@ -16,8 +16,10 @@ host launch overhead counts) to its last kernel; its inputs are copied into the 
 buffers before that, outside the timed region. Input sets (each with its own disjoint blocks of
 the KV pool) rotate; the median of `--iters` chains after `--warmup` is reported, against the
 floor: the bytes the chain must move (k x every MTP weight but the embedding table, k x the live
-KV rows each step reads, plus small activations) over the device-to-device copy bandwidth
-measured in the same run. Results go to `--out` (JSON) and `--results-md` (markdown), rewritten
+KV rows each step reads, plus small activations; a MoE config counts, instead of every expert,
+k x the expected distinct experts its rows select) over the device-to-device copy bandwidth
+measured in the same run. `--configs moe` (not in the default) runs a MoE MTP layer
+(MoeMtpHead; the torch peer's MoE MLP is torch_mtp.moe_mlp). Results go to `--out` (JSON) and `--results-md` (markdown), rewritten
 after every config so a run cut short still leaves its numbers. torch_compile runs last, after
 every config's other strategies (its compiles are the slowest and least certain part); a
 (width, strategy) not started by `--deadline-s` is recorded as skipped.
@@ -52,6 +54,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks import torch_mtp as tm  # noqa: E402
 from ops.layers.config import MTP_PARAM_SHAPES, MtpConfig  # noqa: E402
+from ops.layers.moe import BIAS, MoeConfig, moe_checkpoint_shapes  # noqa: E402
+from ops.moe import expected_distinct_experts  # noqa: E402
 
 STRATEGIES = ("eager", "torch_compile", "graph_per_step", "graph_whole_chain", "circuit",
               "circuit_fast")
@@ -67,11 +71,28 @@ CONFIGS: dict[str, MtpConfig] = {
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                     rms_norm_eps=1e-5, rope_theta=500000.0, num_hidden_layers=1,
                     tie_word_embeddings=False, max_position_embeddings=131072),
+    # a DeepSeek-V3-style MoE MTP layer at a small hidden size: 64 routed experts (8 groups, 4
+    # kept), top-6, 2 shared, sigmoid + e_score_correction_bias (intermediate_size is unused)
+    "moe": MoeConfig(vocab_size=32000, hidden_size=2048, intermediate_size=1408,
+                     num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=10000.0, num_hidden_layers=1,
+                     tie_word_embeddings=False, max_position_embeddings=8192,
+                     n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                     moe_intermediate_size=1408, n_group=8, topk_group=4,
+                     routed_scaling_factor=2.5, scoring_func="sigmoid"),
 }
+DEFAULT_CONFIGS = "small,8b"  # moe only when asked: its setup would delay the others' phase B
 DRY_CONFIG = MtpConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        rms_norm_eps=1e-6, rope_theta=10000.0, num_hidden_layers=1,
                        tie_word_embeddings=False, max_position_embeddings=512)
+DRY_MOE_CONFIG = MoeConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           rms_norm_eps=1e-6, rope_theta=10000.0, num_hidden_layers=1,
+                           tie_word_embeddings=False, max_position_embeddings=512,
+                           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                           moe_intermediate_size=32, n_group=4, topk_group=2,
+                           routed_scaling_factor=2.5, scoring_func="sigmoid")
 
 T0 = time.perf_counter()
 
@@ -85,9 +106,23 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 def weight_bytes(config: MtpConfig, dtype_bytes: int) -> int:
     """Every MTP weight a step reads in full: all but the embedding table (its gathered rows are
-    counted with the activations). gate and up count once each (the bound gate_up matrix)."""
-    return sum(math.prod(s) for name, s in MTP_PARAM_SHAPES(config).items()
-               if name != "embed_tokens.weight") * dtype_bytes
+    counted with the activations). gate and up count once each (the bound gate_up matrix).
+    A MoeConfig: every weight but the routed experts' (the router gate, its fp32
+    e_score_correction_bias and the shared experts included); see expert_bytes."""
+    if not isinstance(config, MoeConfig):
+        return sum(math.prod(s) for name, s in MTP_PARAM_SHAPES(config).items()
+                   if name != "embed_tokens.weight") * dtype_bytes
+    total = 0
+    for name, s in moe_checkpoint_shapes(config).items():
+        if name == "embed_tokens.weight" or name.startswith("mlp.experts."):
+            continue
+        total += math.prod(s) * (4 if name == BIAS else dtype_bytes)
+    return total
+
+
+def expert_bytes(config: MoeConfig, dtype_bytes: int) -> int:
+    """One routed expert: gate_up [2I, H] + down [H, I]."""
+    return 3 * config.moe_intermediate_size * config.hidden_size * dtype_bytes
 
 
 def floor_bytes(config: MtpConfig, width: int, num_drafts: int, kv_rows: float,
@@ -98,6 +133,8 @@ def floor_bytes(config: MtpConfig, width: int, num_drafts: int, kv_rows: float,
     sequence. kv_write: one K and V row a sequence a step. activations: inputs read once
     (tokens, positions, live rows int32, hidden, the block-table row), outputs written once
     (drafts and confidences 4 bytes each a step, hidden_out) and one embedding row a step.
+    A MoeConfig adds experts: k x expected_distinct_experts(E, top_k, width) x expert_bytes (each
+    step reads every expert its rows select once; uniform routing, the high end).
     """
     h, eb, k = config.hidden_size, dtype_bytes, num_drafts
     kv_row = 2 * config.num_key_value_heads * config.head_dim * eb
@@ -110,6 +147,10 @@ def floor_bytes(config: MtpConfig, width: int, num_drafts: int, kv_rows: float,
                                       + 2 * 4 * k + h * eb                  # outputs
                                       + k * h * eb)),                       # embedding rows
     }
+    if isinstance(config, MoeConfig):
+        parts["experts"] = float(k * expected_distinct_experts(
+            config.n_routed_experts, config.num_experts_per_tok, width)
+            * expert_bytes(config, eb))
     parts["total"] = sum(parts.values())
     return parts
 
@@ -234,10 +275,16 @@ class Settings:
 
 def random_weights(config: MtpConfig, s: Settings) -> dict[str, torch.Tensor]:
     """Canonical-name weights, made on the device: norms 1 + 0.1 N(0,1), embeddings N(0,1),
-    projections N(0,1)/sqrt(fan_in) (so activations stay O(1), as runners.testing does)."""
+    projections N(0,1)/sqrt(fan_in) (so activations stay O(1), as runners.testing does). A
+    MoeConfig: its checkpoint names (per-expert matrices), the routing bias 0.1 N(0,1) in fp32
+    (as ops.layers.moe.random_moe_weights)."""
     g = torch.Generator(device=s.device).manual_seed(s.seed)
     out = {}
-    for name, shape in MTP_PARAM_SHAPES(config).items():
+    moe = isinstance(config, MoeConfig)
+    for name, shape in (moe_checkpoint_shapes(config) if moe else MTP_PARAM_SHAPES(config)).items():
+        if moe and name == BIAS:
+            out[name] = 0.1 * torch.randn(shape, generator=g, device=s.device, dtype=torch.float32)
+            continue
         t = torch.randn(shape, generator=g, device=s.device, dtype=s.dtype)
         if len(shape) == 1:
             t.mul_(0.1).add_(1.0)
@@ -253,9 +300,11 @@ class Bench:
     `max_blocks` scattered blocks of the pool; block 0 is the circuit's scratch block."""
 
     def __init__(self, name: str, config: MtpConfig, s: Settings) -> None:
+        from ops.layers.moe import MoeMtpHead
         from ops.layers.mtp import MtpHead
         self.name, self.config, self.s = name, config, s
-        self.head = MtpHead(config, s.dtype_name)
+        self.head = (MoeMtpHead(config, s.dtype_name) if isinstance(config, MoeConfig)
+                     else MtpHead(config, s.dtype_name))
         weights = random_weights(config, s)
         self.params = self.head.bind(weights)
         del weights  # gate and up live on only inside gate_up
@@ -566,6 +615,13 @@ class Run:
         self.results[name] = {
             "config": asdict(c), "dtype": s.dtype_name, "num_drafts": s.num_drafts,
             "weight_bytes_per_step": weight_bytes(c, b.dtype_bytes),
+            **({"expert_bytes": expert_bytes(c, b.dtype_bytes),
+                "expected_distinct_experts": {
+                    str(n): expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, n)
+                    for n in s.widths},
+                "torch_moe_mode": {str(n): "gather" if tm.moe_gathers(c, n) else "dense"
+                                   for n in s.widths}}
+               if isinstance(c, MoeConfig) else {}),
             "num_blocks": b.num_blocks, "block_size": s.block_size,
             "max_blocks_per_seq": s.max_blocks, "mean_live_rows": b.mean_live,
             "attn_rows_torch": b.shape.attn_rows, "floors": floors, "widths": {},
@@ -775,12 +831,21 @@ def _cell(entry: dict[str, Any] | None) -> str:
     return f"{entry['median_us']:.1f} ({entry['x_floor']:.2f}x, {xc})"
 
 
+def _moe_text(c: dict[str, Any]) -> str:
+    if "n_routed_experts" not in c:
+        return ""
+    return (f"; MoE {c['n_routed_experts']} experts (groups {c['n_group']}/{c['topk_group']}) "
+            f"top-{c['num_experts_per_tok']} + {c['n_shared_experts']} shared, expert "
+            f"intermediate {c['moe_intermediate_size']}, {c['scoring_func']}; floor counts the "
+            f"expected distinct experts selected")
+
+
 def config_markdown(name: str, cfg: dict[str, Any], strategies: list[str]) -> str:
     c = cfg["config"]
     lines = [f"### {name}: hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
              f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads x {c['head_dim']}, "
-             f"vocab {c['vocab_size']} ({cfg['dtype']}, k = {cfg['num_drafts']}, mean live "
-             f"{cfg['mean_live_rows']:.1f} rows)", "",
+             f"vocab {c['vocab_size']}{_moe_text(c)} ({cfg['dtype']}, k = {cfg['num_drafts']}, "
+             f"mean live {cfg['mean_live_rows']:.1f} rows)", "",
              "Median us per chain (x floor, x circuit).", ""]
     head = ["n", "floor us", "circuit launches/step", *strategies]
     lines.append("| " + " | ".join(head) + " |")
@@ -896,7 +961,9 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="small,8b", help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma list of {', '.join(CONFIGS)} (--dry-run: a dense name runs the "
+                        "tiny config, moe the tiny MoE one)")
     p.add_argument("--widths", default="1,2,4,8,16,32,64")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--num-drafts", type=int, default=4)
@@ -944,9 +1011,18 @@ def build(args: argparse.Namespace) -> tuple[Settings, dict[str, MtpConfig], lis
     if args.results_md is None:
         args.results_md = (os.path.join(args.out, "RESULTS.md") if args.dry_run
                            else os.path.join("benchmarks", "RESULTS.md"))
+    names = [x.strip() for x in args.configs.split(",") if x.strip()]
+    unknown = [x for x in names if x not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     if args.dry_run:
         device = torch.device(args.device or "cpu")
-        configs = {"tiny": DRY_CONFIG}
+        configs = {}
+        for n in names:
+            if isinstance(CONFIGS[n], MoeConfig):
+                configs["tiny_moe"] = DRY_MOE_CONFIG
+            else:
+                configs["tiny"] = DRY_CONFIG
         s = Settings(device=device, dtype=torch.float32, num_drafts=args.num_drafts,
                      widths=[3], max_width=4, block_size=16, max_blocks=8, num_sets=2,
                      live_min=20, live_max=30, iters=3, warmup=1, seed=args.seed,
@@ -954,10 +1030,6 @@ def build(args: argparse.Namespace) -> tuple[Settings, dict[str, MtpConfig], lis
                      compile_backend=args.compile_backend or "eager")
         args.copy_gib = min(args.copy_gib, 1 / 64)
         return s, configs, strategies
-    names = [x.strip() for x in args.configs.split(",") if x.strip()]
-    unknown = [x for x in names if x not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     widths = sorted(set(_ints(args.widths)))
     if not widths or widths[0] < 1 or widths[-1] > args.max_width:
         raise SystemExit(f"widths {widths} must lie in 1..--max-width {args.max_width}")

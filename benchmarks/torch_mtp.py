@@ -6,7 +6,8 @@ in fp32, silu_mul in fp32, argmax and log-softmax of fp32 logits). It is CUDA-gr
 no host syncs, no `.item()`, no data-dependent shapes, no boolean-mask indexing.
 
 Weights are the params `MtpHead.bind` returns (canonical names, `mlp.gate_up_proj.weight` as one
-[2I, H] matrix), so one dict serves the circuit and every torch strategy.
+[2I, H] matrix), so one dict serves the circuit and every torch strategy. A MoeConfig's step runs
+`moe_mlp` (the params of `MoeMtpHead.bind`: stacked [E, 2I, H] / [E, H, I] experts) instead.
 
 Attention gathers a fixed number of blocks per sequence through the block table (`attn_blocks`,
 static for a whole run: enough for the longest live + k rows), masks rows past each sequence's
@@ -23,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ops.layers.config import MtpConfig
+from ops.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
+                            MoeConfig)
+from ops.moe import MoeRouteAttrs, route_select
 
 GATE_UP = "mlp.gate_up_proj.weight"
 
@@ -100,6 +104,69 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return torch.matmul(probs, vals).reshape(n, num_heads * dim)
 
 
+_ROUTE_ATTRS: dict[MoeConfig, MoeRouteAttrs] = {}
+
+
+def route_attrs(c: MoeConfig) -> MoeRouteAttrs:
+    """The config's moe_route attrs, made once (a plain dict: torch.compile traces a lookup)."""
+    if c not in _ROUTE_ATTRS:
+        _ROUTE_ATTRS[c] = MoeRouteAttrs(
+            top_k=c.num_experts_per_tok, scoring_func=c.scoring_func, n_group=c.n_group,
+            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor)
+    return _ROUTE_ATTRS[c]
+
+
+def moe_gathers(c: MoeConfig, n: int) -> bool:
+    """Whether n rows evaluate experts by gathering each slot's expert weights (about 3 x n x k
+    experts' bytes a step: the gather reads and writes them, the bmm reads them again) rather
+    than running all E experts densely over every row (E experts' bytes once)."""
+    return 3 * n * c.num_experts_per_tok < c.n_routed_experts
+
+
+def moe_mlp(w: Mapping[str, torch.Tensor], c: MoeConfig, x: torch.Tensor,
+            gather: bool | None = None) -> torch.Tensor:
+    """The MoE MLP of a normed x [n, H], capturable (no host syncs, no data-dependent shapes).
+
+    Routing is the project's own `route_select` (sigmoid or softmax, + e_score_correction_bias,
+    group-limited top-k, ties to the lowest id) on fp32 logits. The experts, as a plain-torch
+    engine without a grouped-GEMM kernel can run them at a static shape (`moe_gathers` picks by n):
+      gather: per slot j, index_select the n selected [2I, H] gate_up and [H, I] down matrices and
+              bmm: ~3 x n x k experts' bytes a step (duplicates read again), temporaries n experts;
+      dense:  every expert over every row (two batched matmuls over [E, n, .]) and a [n, E]
+              combine matrix of the top-k weights: E experts' bytes a step, n x E SwiGLUs of flops.
+    Matmuls in the model dtype, SwiGLU in fp32 rounded back before down, the weighted sum in fp32
+    (shared experts added), rounded once to x's dtype. `gather` None: moe_gathers decides."""
+    n, dt = x.shape[0], x.dtype
+    logits = F.linear(x.float(), w[GATE].float())
+    ids, weights = route_select(logits, w.get(BIAS), route_attrs(c))
+    gu, down = w[EXPERTS_GATE_UP], w[EXPERTS_DOWN]
+    if moe_gathers(c, n) if gather is None else gather:
+        acc = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(c.num_experts_per_tok):
+            e = ids[:, j].long()
+            h = torch.bmm(gu.index_select(0, e), x.unsqueeze(-1)).squeeze(-1)       # [n, 2I]
+            g, u = h.float().chunk(2, -1)
+            y = torch.bmm(down.index_select(0, e), (F.silu(g) * u).to(dt).unsqueeze(-1))
+            acc = acc + weights[:, j:j + 1] * y.squeeze(-1).float()
+    else:
+        h = torch.matmul(x.unsqueeze(0), gu.transpose(1, 2))                         # [E, n, 2I]
+        g, u = h.float().chunk(2, -1)
+        y = torch.matmul((F.silu(g) * u).to(dt), down.transpose(1, 2))               # [E, n, H]
+        combine = torch.zeros(n, c.n_routed_experts, dtype=torch.float32, device=x.device)
+        combine = combine.scatter_add(1, ids.long(), weights)
+        acc = torch.einsum("ne,enh->nh", combine, y.float())
+    if SHARED_GATE_UP in w:
+        g, u = F.linear(x, w[SHARED_GATE_UP]).float().chunk(2, -1)
+        acc = acc + F.linear((F.silu(g) * u).to(dt), w[SHARED_DOWN]).float()
+    return acc.to(dt)
+
+
+def dense_mlp(w: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w[GATE_UP]).float().chunk(2, -1)
+    return F.linear((F.silu(gate) * up).to(x.dtype), w["mlp.down_proj.weight"])
+
+
 def mtp_step(w: Mapping[str, torch.Tensor], shape: StepShape, freqs: torch.Tensor,
              tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              block_tables: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
@@ -120,8 +187,8 @@ def mtp_step(w: Mapping[str, torch.Tensor], shape: StepShape, freqs: torch.Tenso
     o = paged_attention(q, k_cache, v_cache, block_tables, rows + 1, c.num_attention_heads,
                         shape.attn_blocks)
     x = x + F.linear(o, w["self_attn.o_proj.weight"])
-    gate, up = F.linear(rmsnorm(x, w["post_attention_layernorm.weight"], eps), w[GATE_UP]).float().chunk(2, -1)
-    x = x + F.linear((F.silu(gate) * up).to(x.dtype), w["mlp.down_proj.weight"])
+    m = rmsnorm(x, w["post_attention_layernorm.weight"], eps)
+    x = x + (moe_mlp(w, c, m) if isinstance(c, MoeConfig) else dense_mlp(w, m))
     logits = F.linear(rmsnorm(x, w["shared_head.norm.weight"], eps), w["shared_head.head.weight"]).float()
     token = logits.argmax(dim=-1)
     logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)

@@ -5,6 +5,9 @@
 2. The floor's byte count equals a hand count for a tiny config.
 3. `--dry-run` runs end to end on CPU (every strategy; graphs stand in uncaptured, torch.compile
    with the eager backend) and writes its JSON and markdown.
+4. The MoE config: the peer's MoE MLP (gather and dense paths) equals the op references, its
+   chain equals EagerRunner on a MoeMtpHead circuit, the MoE floor equals a hand count, and
+   `--dry-run --configs moe` runs every strategy with the same drafts.
 """
 import json
 
@@ -13,9 +16,13 @@ import torch
 
 from benchmarks import draft_chain as dc
 from benchmarks import torch_mtp as tm
+from ops.basic import linear_ref
 from ops.layers.config import MtpConfig
+from ops.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
+                            MoeConfig, MoeMtpHead, random_moe_weights)
 from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from runners.eager import EagerRunner
+from ops.moe import experts_ref, route_select
 from runners.testing import random_draft_batch, random_mtp_weights
 
 CFG = MtpConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -133,3 +140,80 @@ def test_markdown_sections_replace_and_stack(tmp_path):
     assert text.count("<!-- run: a -->") == 1 and text.count("<!-- run: b -->") == 1
     assert "first again" in text and "2026-01-01, first\n" not in text
     assert text.index("<!-- run: b -->") < text.index("<!-- run: a -->")  # newest first
+
+
+# ---- the MoE config ----
+MOE_CFG = MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512,
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                    n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def test_torch_moe_mlp_gather_and_dense_equal_the_references():
+    params = MoeMtpHead(MOE_CFG).bind(random_moe_weights(MOE_CFG, seed=11))
+    x = torch.randn(5, MOE_CFG.hidden_size, generator=torch.Generator().manual_seed(2))
+    attrs = tm.route_attrs(MOE_CFG)
+    ids, weights = route_select(linear_ref(x, params[GATE]), params[BIAS], attrs)
+    want = experts_ref(x, ids, weights, params[EXPERTS_GATE_UP], params[EXPERTS_DOWN],
+                       (params[SHARED_GATE_UP], params[SHARED_DOWN]))
+    for gather in (True, False):
+        got = tm.moe_mlp(params, MOE_CFG, x, gather=gather)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert tm.moe_gathers(MOE_CFG, 1) and not tm.moe_gathers(MOE_CFG, 2)  # 3 x n x k < E
+
+
+@pytest.mark.parametrize("width", [1, 3])  # 1: the gather path, 3: the dense one
+def test_torch_moe_chain_equals_eager_runner(width):
+    head = MoeMtpHead(MOE_CFG)
+    chain = emit_draft_chain(head, K, max_width=4, kv=KV)
+    params = head.bind(random_moe_weights(MOE_CFG, seed=7 + width))
+    batch = random_draft_batch(MOE_CFG, KV, width, seed=100 + width, num_drafts=K)
+    want_states = batch.clone_states()
+    want = EagerRunner(chain, params, want_states).run(batch.inputs)
+    shape = tm.StepShape(MOE_CFG, KV.block_size, KV.max_blocks_per_seq)
+    got_states = batch.clone_states()
+    x = batch.inputs
+    drafts, confs, hidden = tm.mtp_chain(
+        params, shape, tm.inv_freq(MOE_CFG.head_dim, MOE_CFG.rope_theta, "cpu"), K, x["tokens"],
+        x["hidden"], x["positions"], x["block_tables"].clamp(min=0), x["live_rows"],
+        got_states["k_cache"], got_states["v_cache"])
+    assert torch.equal(drafts, want["drafts"]), (drafts, want["drafts"])
+    torch.testing.assert_close(confs, want["confidences"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, want["hidden_out"], atol=1e-5, rtol=1e-5)
+    for name in ("k_cache", "v_cache"):
+        torch.testing.assert_close(got_states[name], want_states[name], atol=1e-5, rtol=0)
+
+
+def test_moe_floor_bytes_by_hand():
+    tiny = MoeConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=64,
+                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
+                     n_shared_experts=1)
+    # non-expert weights a step, in elements: norms 5 x 4 = 20; eh_proj 32; q 16; k, v 8 each;
+    # o 16; lm head 40 -> 140 x 2 bytes = 280; router gate 4 x 4 x 2 = 32; its fp32 bias 4 x 4 =
+    # 16; shared expert gate, up 3 x 4 and down 4 x 3 -> 36 x 2 = 72. No dense MLP.
+    assert dc.weight_bytes(tiny, 2) == 280 + 32 + 16 + 72 == 400
+    assert dc.expert_bytes(tiny, 2) == (3 * 4 + 3 * 4 + 4 * 3) * 2 == 72
+    parts = dc.floor_bytes(tiny, width=3, num_drafts=2, kv_rows=10, dtype_bytes=2, max_blocks=4)
+    # 3 rows picking 2 of 4 experts: 4 x (1 - (1/2)^3) = 3.5 distinct experts a step, 2 steps
+    assert parts["experts"] == 2 * 3.5 * 72 == 504
+    assert parts["weights"] == 2 * 400
+    assert parts["kv_read"] == 552 and parts["kv_write"] == 48 and parts["activations"] == 228
+    assert parts["total"] == 800 + 552 + 48 + 228 + 504 == 2132
+
+
+def test_moe_dry_run_every_strategy_agrees(tmp_path):
+    data = dc.main(["--dry-run", "--configs", "moe", "--out", str(tmp_path),
+                    "--results-md", str(tmp_path / "R.md")])
+    assert list(data["configs"]) == ["tiny_moe"]
+    cfg = data["configs"]["tiny_moe"]
+    row = cfg["widths"]["3"]
+    assert set(row) == set(dc.STRATEGIES)
+    for strategy, entry in row.items():
+        assert "error" not in entry, (strategy, entry)
+        assert entry["drafts_agree_eager"] == 1.0, strategy
+    assert cfg["floors"]["3"]["bytes"]["experts"] > 0 and cfg["torch_moe_mode"] == {"3": "dense"}
+    assert "MoE 8 experts" in (tmp_path / "R.md").read_text()
+    assert dc.parse_args([]).configs == "small,8b"  # moe runs only when asked
