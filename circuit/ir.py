@@ -24,9 +24,11 @@ Kind = Literal["input", "param", "state", "temp", "output"]
 DTYPES: dict[str, str] = {
     "float32": "f32", "float16": "f16", "bfloat16": "bf16",
     "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "b8",
+    "float8_e4m3fn": "f8e4m3",  # FP8 expert weights (DeepSeek-V3 block-scaled checkpoints)
 }
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1,
 }
 
 

@@ -13,21 +13,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from circuit.ir import DTYPE_BYTES, DTYPES, TensorSpec
+from circuit.ir import TensorSpec
 from ops.basic import linear_ref
-from ops.registry import (DTYPE_NAMES, GATHER, MATMUL, REDUCTION, TORCH_DTYPES, Cost, KernelBinding,
+from ops.registry import (GATHER, MATMUL, REDUCTION, Cost, KernelBinding,
                           OpDef, bind_kernel, check, default_cost, dim_eq, rank, register)
 
 FP8 = "float8_e4m3fn"
 SCALE_BLOCK = 128  # DeepSeek-V3's weight_scale_inv blocks: real weight = fp8 * scale of its block
 FLOATS = ("float32", "float16", "bfloat16")
 KILL_SWITCH = "CIRCUIT_NO_GROUPED_MOE_DECODE"
-
-# fp8 weights need a circuit dtype; registered here until circuit/ir.py and ops/registry.py list it
-DTYPES.setdefault(FP8, "f8e4m3")
-DTYPE_BYTES.setdefault(FP8, 1)
-TORCH_DTYPES.setdefault(FP8, torch.float8_e4m3fn)
-DTYPE_NAMES.setdefault(torch.float8_e4m3fn, FP8)
 
 
 def grouped_decode_switched_off() -> bool:
