@@ -20,6 +20,7 @@ from examples.engine.runner import TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft
+from ops.layers.moe import MoeConfig, MoeMtpHead
 from ops.layers.mtp import KvLayout, MtpHead
 from runners.kv_cache import BlockPool
 from runners.proposer import MtpProposer
@@ -89,7 +90,9 @@ class Engine:
     def _proposer(self, checkpoint: Checkpoint, kv: KvLayout) -> MtpProposer:
         cfg = self.config
         assert checkpoint.mtp is not None and checkpoint.mtp_config is not None
-        head = MtpHead(checkpoint.mtp_config, str(cfg.dtype).removeprefix("torch."))
+        # an MoE draft layer (DeepSeek-V3 / GLM names) gets the MoE head; the target stays dense
+        head_type = MoeMtpHead if isinstance(checkpoint.mtp_config, MoeConfig) else MtpHead
+        head = head_type(checkpoint.mtp_config, str(cfg.dtype).removeprefix("torch."))
         widths = tuple(w for w in cfg.widths if w >= 1)
         if not widths:
             raise EngineError(f"--widths {cfg.widths}: give at least one width >= 1")
