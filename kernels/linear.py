@@ -61,7 +61,9 @@ def linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool) -> None:
+def check_linear_operands(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                          silu_mul: bool) -> tuple[int, int, int, int]:
+    """The checks every linear launcher makes; returns (n, K, weight rows, output columns)."""
     name = "gate_up_weight" if silu_mul else "weight"
     check(x.dim() == 2, lambda: f"{describe('x', x)}: expected [n, K]")
     check(weight.dim() == 2, lambda: f"{describe(name, weight)}: expected [N, K]")
@@ -72,6 +74,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: 
     check_operand("x", x, (n, k), FLOAT_DTYPES, x.device)
     check_operand(name, weight, (rows, k), (x.dtype,), x.device)
     check_operand("out", out, (n, n_out), FLOAT_DTYPES, x.device)
+    return n, k, rows, n_out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool) -> None:
+    n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x)

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from kernels.linear import check_linear_operands
+from kernels._common import check, describe, launch_kwargs
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
 # Enough programs at n = 1 to fill a 132-SM H200: about 4 resident per SM (48 KB of shared
@@ -122,16 +123,7 @@ def _reduce_kernel(
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
             config: SplitKConfig | None, silu_mul: bool) -> None:
-    name = "gate_up_weight" if silu_mul else "weight"
-    check(x.dim() == 2, lambda: f"{describe('x', x)}: expected [n, K]")
-    check(weight.dim() == 2, lambda: f"{describe(name, weight)}: expected [N, K]")
-    n, k = x.shape
-    rows = weight.shape[0]
-    check(not silu_mul or rows % 2 == 0, lambda: f"{describe(name, weight)}: expected [2*I, K]")
-    n_out = rows // 2 if silu_mul else rows
-    check_operand("x", x, (n, k), FLOAT_DTYPES, x.device)
-    check_operand(name, weight, (rows, k), (x.dtype,), x.device)
-    check_operand("out", out, (n, n_out), FLOAT_DTYPES, x.device)
+    n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
     cfg = config or default_config(rows, k)
     pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_n, cfg.block_k))
     check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,

@@ -11,15 +11,7 @@ import torch
 from kernels._common import KernelInputError
 from kernels.linear import linear, linear_silu_mul
 
-
-def _has_cuda() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+from runners.testing import requires_cuda as cuda  # skips without a GPU
 
 # Accumulation order differs from torch's, so fp32 is compared relative to the size of the sums.
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),

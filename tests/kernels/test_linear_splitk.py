@@ -14,15 +14,7 @@ from kernels.linear_splitk import (MIN_SPLIT_K, SplitKConfig, default_config,
                                    linear_silu_mul_splitk, linear_splitk, num_splits,
                                    splitk_workspace_shape)
 
-
-def _has_cuda() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+from runners.testing import requires_cuda as cuda  # skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}

@@ -10,15 +10,7 @@ import torch
 from kernels._common import KernelInputError
 from kernels.silu_mul import silu_mul
 
-
-def _has_cuda() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+from runners.testing import requires_cuda as cuda  # skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
