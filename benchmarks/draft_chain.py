@@ -53,9 +53,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import torch_mtp as tm  # noqa: E402
-from ops.layers.config import MTP_PARAM_SHAPES, MtpConfig  # noqa: E402
-from ops.layers.moe import BIAS, MoeConfig, moe_checkpoint_shapes  # noqa: E402
-from ops.moe import expected_distinct_experts  # noqa: E402
+from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig  # noqa: E402
+from draft_circuit.circuit.layers.moe import BIAS, MoeConfig, moe_checkpoint_shapes  # noqa: E402
+from draft_circuit.ops.moe import expected_distinct_experts  # noqa: E402
 
 STRATEGIES = ("eager", "torch_compile", "graph_per_step", "graph_whole_chain", "circuit",
               "circuit_fast")
@@ -277,7 +277,7 @@ def random_weights(config: MtpConfig, s: Settings) -> dict[str, torch.Tensor]:
     """Canonical-name weights, made on the device: norms 1 + 0.1 N(0,1), embeddings N(0,1),
     projections N(0,1)/sqrt(fan_in) (so activations stay O(1), as runners.testing does). A
     MoeConfig: its checkpoint names (per-expert matrices), the routing bias 0.1 N(0,1) in fp32
-    (as ops.layers.moe.random_moe_weights)."""
+    (as circuit.layers.moe.random_moe_weights)."""
     g = torch.Generator(device=s.device).manual_seed(s.seed)
     out = {}
     moe = isinstance(config, MoeConfig)
@@ -300,8 +300,8 @@ class Bench:
     `max_blocks` scattered blocks of the pool; block 0 is the circuit's scratch block."""
 
     def __init__(self, name: str, config: MtpConfig, s: Settings) -> None:
-        from ops.layers.moe import MoeMtpHead
-        from ops.layers.mtp import MtpHead
+        from draft_circuit.circuit.layers.moe import MoeMtpHead
+        from draft_circuit.circuit.layers.mtp import MtpHead
         self.name, self.config, self.s = name, config, s
         self.head = (MoeMtpHead(config, s.dtype_name) if isinstance(config, MoeConfig)
                      else MtpHead(config, s.dtype_name))
@@ -353,7 +353,7 @@ class Bench:
                             inp["live_rows"], self.k_cache, self.v_cache)
 
     def kv(self):
-        from ops.layers.mtp import KvLayout
+        from draft_circuit.circuit.layers.mtp import KvLayout
         return KvLayout(num_blocks=self.num_blocks, block_size=self.s.block_size,
                         max_blocks_per_seq=self.s.max_blocks)
 
@@ -424,9 +424,9 @@ class CircuitBuild:
     """A compiled draft (all widths it was asked for) and its CircuitDraftRunner, built once."""
 
     def __init__(self, b: Bench, widths: list[int], fast: bool, bandwidth_gbps: float) -> None:
-        from circuit.planner import CompileOptions, compile_draft
-        from ops.layers.mtp import emit_draft_chain
-        from runners.draft import CircuitDraftRunner
+        from draft_circuit.circuit.planner import CompileOptions, compile_draft
+        from draft_circuit.circuit.layers.mtp import emit_draft_chain
+        from draft_circuit.runners.draft import CircuitDraftRunner
         s = b.s
         chain = emit_draft_chain(b.head, s.num_drafts, max_width=s.max_width, kv=b.kv())
         options = CompileOptions(kv_rows=round(b.mean_live), bandwidth_gbps=bandwidth_gbps,

@@ -23,10 +23,10 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ops.layers.config import MtpConfig
-from ops.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
                             MoeConfig)
-from ops.moe import MoeRouteAttrs, route_select
+from draft_circuit.ops.moe import MoeRouteAttrs, route_select
 
 GATE_UP = "mlp.gate_up_proj.weight"
 

@@ -35,9 +35,9 @@ if "--dry-run" in sys.argv:  # before triton is imported: its interpreter runs t
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import linear_splitk as sk  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_workspace_shape  # noqa: E402
-from kernels.linear import linear, linear_silu_mul  # noqa: E402
+from draft_circuit.kernels import linear_splitk as sk  # noqa: E402
+from draft_circuit.kernels.decode_attention import decode_attention, decode_attention_workspace_shape  # noqa: E402
+from draft_circuit.kernels.linear import linear, linear_silu_mul  # noqa: E402
 
 ROTATE_BYTES = 128 << 20  # > 2x the H200's 50 MB L2
 MAX_COPIES = 256

@@ -9,9 +9,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from circuit.ir import ROW, Circuit, CircuitError, Dim, Kind, Node, Value
-from circuit.verify import verify
-from ops.registry import ShapeError, get_op
+from draft_circuit.circuit.ir import ROW, Circuit, CircuitError, Dim, Kind, Node, Value
+from draft_circuit.circuit.verify import verify
+from draft_circuit.ops.registry import ShapeError, get_op
 
 
 class CircuitBuilder:

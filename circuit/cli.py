@@ -10,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from circuit.planner import CompileOptions, CompiledDraft, compile_draft
-from circuit.report import PlanReport
+from draft_circuit.circuit.planner import CompileOptions, CompiledDraft, compile_draft
+from draft_circuit.circuit.report import PlanReport
 
 
 def parse_widths(text: str) -> list[int]:
@@ -39,9 +39,9 @@ def add_chain_args(p: argparse.ArgumentParser) -> None:
 def compile_chain(args: argparse.Namespace) -> CompiledDraft:
     """The MTP chain of the checkpoint (or the embedded default) compiled for the widths.
     Without a checkpoint the params are shape-only (meta) tensors: a plan needs no values."""
-    from ops.layers.checkpoint import load_mtp_weights
-    from ops.layers.config import DEFAULT_CONFIG
-    from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+    from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
+    from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
+    from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 
     # a checkpoint is loaded (and so validated) for its config; the plan needs only shapes
     config = load_mtp_weights(args.checkpoint)[0] if args.checkpoint else DEFAULT_CONFIG
@@ -86,7 +86,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    from circuit.viz import write_all
+    from draft_circuit.circuit.viz import write_all
     report = PlanReport.from_json(args.report.read_text()) if args.report else \
         compile_chain(args).report()
     for path in write_all(report, args.out):

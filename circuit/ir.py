@@ -9,61 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import cached_property
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field
 
+from draft_circuit.circuit.types import (DTYPE_BYTES, DTYPES, ROW, CircuitError, Dim,  # noqa: F401
+                                         TensorSpec)
+
 SCHEMA_VERSION = 1
-ROW = "n"  # the row symbol: the batch width a program is specialised for
-
-Dim = Union[int, str]
 Kind = Literal["input", "param", "state", "temp", "output"]
-
-# dtype names as torch spells them; the short forms are for printing only
-DTYPES: dict[str, str] = {
-    "float32": "f32", "float16": "f16", "bfloat16": "bf16",
-    "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "b8",
-    "float8_e4m3fn": "f8e4m3",  # FP8 expert weights (DeepSeek-V3 block-scaled checkpoints)
-}
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1,
-}
-
-
-class CircuitError(ValueError):
-    """A malformed circuit or a failed circuit rule; names the node, the op and the shapes."""
-
-    def __init__(self, message: str, *, node: str | None = None, op: str | None = None,
-                 shapes: str | None = None) -> None:
-        self.node, self.op, self.shapes, self.detail = node, op, shapes, message
-        where = f"node {node!r}" + (f" (op {op})" if op else "") if node else (f"op {op}" if op else "")
-        text = f"{where}: {message}" if where else message
-        if shapes:
-            text += f" [{shapes}]"
-        super().__init__(text)
-
-
-class TensorSpec(BaseModel):
-    """The dtype and shape of a tensor; a shape entry is an int or a declared symbol (`n`)."""
-
-    model_config = ConfigDict(frozen=True)
-    dtype: str
-    shape: tuple[Dim, ...]
-
-    def __str__(self) -> str:
-        return f"{DTYPES.get(self.dtype, self.dtype)}[{','.join(str(d) for d in self.shape)}]"
-
-    def concrete(self, env: dict[str, int]) -> tuple[int, ...]:
-        """The shape with every symbol replaced by its value in `env`."""
-        return tuple(d if isinstance(d, int) else env[d] for d in self.shape)
-
-    def nbytes(self, env: dict[str, int]) -> int:
-        numel = 1
-        for d in self.concrete(env):
-            numel *= d
-        return numel * DTYPE_BYTES[self.dtype]
 
 
 class Value(BaseModel):

@@ -9,11 +9,11 @@ from typing import Mapping, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from circuit.ir import Circuit, CircuitError
-from circuit.passes import DEFAULT_PIPELINE, run_passes
-from circuit.program import Program, build_program
-from circuit.report import PlanReport, node_infos, width_report
-from circuit.verify import verify
+from draft_circuit.circuit.ir import Circuit, CircuitError
+from draft_circuit.circuit.passes import DEFAULT_PIPELINE, run_passes
+from draft_circuit.circuit.program import Program, build_program
+from draft_circuit.circuit.report import PlanReport, node_infos, width_report
+from draft_circuit.circuit.verify import verify
 
 
 class CompileOptions(BaseModel):
@@ -89,7 +89,7 @@ def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: 
                   notes: Mapping | None = None) -> CompiledDraft:
     """`notes`: plain data the layer states about its plan (e.g. which refused paths the n-row
     program could still serve), carried into the report unchanged."""
-    from runners.binding import check_params  # the same check every runner applies
+    from draft_circuit.circuit.binding import check_params  # the same check every runner applies
 
     options = options or CompileOptions()
     verify(circuit)

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from circuit.ir import ROW, Circuit, Node, TensorSpec
-from circuit.memory import Buffer, plan_memory
-from ops.registry import CostContext, KernelBinding, OpDef, get_op
+from draft_circuit.circuit.ir import ROW, Circuit, Node, TensorSpec
+from draft_circuit.circuit.memory import Buffer, plan_memory
+from draft_circuit.ops.registry import CostContext, KernelBinding, OpDef, get_op
 
 REFERENCE = "reference"
 _STEP = re.compile(r"^s(\d+)\.")

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from circuit.ir import Circuit
-from circuit.program import Launch, Program
+from draft_circuit.circuit.ir import Circuit
+from draft_circuit.circuit.program import Launch, Program
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -76,7 +76,7 @@ class PlanReport(BaseModel):
 
 
 def node_infos(c: Circuit) -> list[NodeInfo]:
-    from circuit.program import step_of
+    from draft_circuit.circuit.program import step_of
     return [NodeInfo(name=n.name, op=n.op, step=step_of(n.name), attrs=dict(n.attrs),
                      inputs=list(n.inputs), outputs=list(n.outputs),
                      shapes={v: str(c.value(v).spec) for v in (*n.inputs, *n.outputs)},

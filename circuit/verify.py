@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from circuit.ir import DTYPES, Circuit, CircuitError, Node
-from ops.registry import ShapeError, get_op
+from draft_circuit.circuit.ir import DTYPES, Circuit, CircuitError, Node
+from draft_circuit.ops.registry import ShapeError, get_op
 
 
 def verify(circuit: Circuit) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from ops.layers.config import DEFAULT_CONFIG, MtpConfig
+from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, MtpConfig
 
 # held out from training (those this Python has); prompts for the acceptance measure come from them
 HELD_OUT = ("bisect.py", "colorsys.py", "fnmatch.py", "heapq.py", "sched.py", "shlex.py",

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 import torch
 
-from kernels._common import KernelInputError, check, describe, launch_kwargs
+from draft_circuit.kernels._common import KernelInputError, check, describe, launch_kwargs
 
 # Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
 CHUNK = 2048  # vocab entries per step of the per-row loop in argmax_logprob

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 import torch
 
-from kernels._common import check, describe, launch_kwargs
+from draft_circuit.kernels._common import check, describe, launch_kwargs
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below

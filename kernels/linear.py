@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
 
 # Pinned: changing any of these changes the bits of every result (but never makes them depend on n).
 # BLOCK_M = 16 is the smallest tl.dot tile; BLOCK_N = 32 keeps >= 128 programs for N >= 4096.

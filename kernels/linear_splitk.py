@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear import check_linear_operands
-from kernels._common import check, describe, launch_kwargs
+from draft_circuit.kernels.linear import check_linear_operands
+from draft_circuit.kernels._common import check, describe, launch_kwargs
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
 # Enough programs at n = 1 to fill a 132-SM H200: about 4 resident per SM (48 KB of shared

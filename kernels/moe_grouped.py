@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check, check_operand, describe
+from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe
 
 # Launches: align (one program groups the n*k slots by expert into BLOCK_M-row blocks), gate_up
 # (SwiGLU into an [n*k, I] workspace, rounded to x's dtype as the reference rounds), down (times the

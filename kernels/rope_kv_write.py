@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from draft_circuit.kernels._common import (
     FLOAT_DTYPES, INDEX_DTYPES, check, check_operand, describe, interpreting, launch_kwargs,
 )
 

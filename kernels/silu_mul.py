@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
 
 BLOCK = 1024
 

@@ -11,8 +11,8 @@ import math
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from circuit.ir import ROW, TensorSpec
-from ops.registry import (FUSED, GATHER, WRITES_STATE, Cost, OpDef, check, dim_eq, elt, rank,
+from draft_circuit.circuit.types import ROW, TensorSpec
+from draft_circuit.ops.registry import (FUSED, GATHER, WRITES_STATE, Cost, OpDef, check, dim_eq, elt, rank,
                           register, same_dtype)
 
 INDEX_DTYPES = ("int32", "int64")

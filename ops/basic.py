@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from circuit.ir import DTYPES, TensorSpec
-from ops.registry import (ELEMENTWISE, FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost,
+from draft_circuit.circuit.types import DTYPES, TensorSpec
+from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost,
                           dim_eq, rank, register, same_dtype, torch_dtype)
 
 

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from circuit.ir import TensorSpec
-from ops.registry import KernelBinding, bind_kernel
+from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.ops.registry import KernelBinding, bind_kernel
 
 FLOATS = ("float32", "float16", "bfloat16")
 TRITON_DEVICES = ("cuda", "interpret")
@@ -34,7 +34,7 @@ def _triton(module: str, fn: str):
     def get():
         if "f" not in cache:
             import importlib
-            cache["f"] = getattr(importlib.import_module(f"kernels.{module}"), fn)
+            cache["f"] = getattr(importlib.import_module(f"draft_circuit.kernels.{module}"), fn)
         return cache["f"]
     return get
 

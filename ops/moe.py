@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from circuit.ir import TensorSpec
-from ops.basic import linear_ref
-from ops.registry import (GATHER, MATMUL, REDUCTION, Cost, KernelBinding,
+from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.ops.basic import linear_ref
+from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, KernelBinding,
                           OpDef, bind_kernel, check, default_cost, dim_eq, rank, register)
 
 FP8 = "float8_e4m3fn"
@@ -246,14 +246,14 @@ for _fp8, _name, _weights in ((False, "moe_experts", ("w_gate_up", "w_down")),
 # ---- kernels ----
 def _kernel(fn: str):
     """kernels.moe_grouped.<fn>, imported on first launch (so importing ops needs no triton)."""
-    return lru_cache(maxsize=1)(lambda: getattr(import_module("kernels.moe_grouped"), fn))
+    return lru_cache(maxsize=1)(lambda: getattr(import_module("draft_circuit.kernels.moe_grouped"), fn))
 
 
 _grouped, _grouped_ws = _kernel("moe_grouped"), _kernel("moe_grouped_workspace")
 
 
 def _route_launch(ins: list, outs: list, ws: list, a: MoeRouteAttrs) -> None:
-    import_module("kernels.linear").linear(ins[0], ins[1], ws[0])  # fp32 logits, one launch
+    import_module("draft_circuit.kernels.linear").linear(ins[0], ins[1], ws[0])  # fp32 logits, one launch
     ids, weights = route_select(ws[0], ins[2] if len(ins) > 2 else None, a)  # exact ops
     outs[0].copy_(ids)
     outs[1].copy_(weights)

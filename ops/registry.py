@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from circuit.ir import DTYPE_BYTES, CircuitError, TensorSpec
+from draft_circuit.circuit.types import DTYPE_BYTES, CircuitError, TensorSpec
 
 # op groups, as declared tags
 ELEMENTWISE = "elementwise"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from circuit.ir import TensorSpec
-from ops.basic import _infer_linear, linear_ref
-from ops.registry import FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, register
+from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.ops.basic import _infer_linear, linear_ref
+from draft_circuit.ops.registry import FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, register
 
 
 def mask_words(vocab: int) -> int:

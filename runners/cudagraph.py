@@ -17,11 +17,11 @@ from typing import Mapping
 
 import torch
 
-from circuit.planner import CompiledDraft
-from runners.binding import WidthError, check_inputs
-from runners.padding import fill_neutral
-from runners.program import ProgramRunner, debug_level
-from runners.testing import cuda_available
+from draft_circuit.circuit.planner import CompiledDraft
+from draft_circuit.circuit.binding import WidthError, check_inputs
+from draft_circuit.runners.padding import fill_neutral
+from draft_circuit.runners.program import ProgramRunner, debug_level
+from draft_circuit.runners.device import cuda_available
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,12 @@ class GraphRunner:
         """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback)."""
         if not cuda_available():
             raise CaptureError("GraphRunner needs a CUDA device; use ProgramRunner on CPU")
-        self.program = ProgramRunner(compiled, states)
+        # per-launch checks sync the host: never inside a capture
+        self.program = ProgramRunner(compiled, states, debug=0)
         self.compiled, self.strict, self.scratch_block = compiled, strict, scratch_block
         self.stats = CaptureStats()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.program._debug = 0  # per-launch checks sync: never inside a capture
         fill_neutral(self.program.static_inputs, 0, scratch_block)  # warm-up writes no KV
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
         for i, w in enumerate(widths):

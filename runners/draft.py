@@ -13,11 +13,11 @@ from typing import Literal, Mapping, Protocol
 
 import torch
 
-from circuit.ir import ROW
-from circuit.planner import CompiledDraft
-from runners.binding import WidthError, check_inputs, root_states
-from runners.padding import fill_neutral
-from runners.program import ProgramRunner
+from draft_circuit.circuit.ir import ROW
+from draft_circuit.circuit.planner import CompiledDraft
+from draft_circuit.circuit.binding import WidthError, check_inputs, root_states
+from draft_circuit.runners.padding import fill_neutral
+from draft_circuit.runners.program import ProgramRunner
 
 
 class DraftRunner(Protocol):
@@ -85,7 +85,7 @@ class CircuitDraftRunner:
         self.compiled, self.scratch_block = compiled, scratch_block
         if backend is None:
             if torch.device(compiled.device).type == "cuda":
-                from runners.cudagraph import GraphRunner
+                from draft_circuit.runners.cudagraph import GraphRunner
                 backend = GraphRunner(compiled, states, scratch_block=scratch_block)
             else:
                 backend = ProgramRunner(compiled, states)

@@ -7,9 +7,9 @@ from typing import Mapping
 
 import torch
 
-from circuit.ir import ROW, Circuit, Node
-from ops.registry import get_op
-from runners.binding import check_inputs, check_params, check_states, state_view
+from draft_circuit.circuit.ir import ROW, Circuit, Node
+from draft_circuit.ops.registry import get_op
+from draft_circuit.circuit.binding import check_inputs, check_params, check_states, state_view
 
 
 class RunError(RuntimeError):

@@ -14,11 +14,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from circuit.ir import ROW, Circuit
-from circuit.planner import CompiledDraft
-from circuit.program import REFERENCE, Launch, Slot
-from ops.registry import get_op, torch_dtype
-from runners.binding import WidthError, check_inputs, check_states, state_view
+from draft_circuit.circuit.ir import ROW, Circuit
+from draft_circuit.circuit.planner import CompiledDraft
+from draft_circuit.circuit.program import REFERENCE, Launch, Slot
+from draft_circuit.ops.registry import get_op, torch_dtype
+from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
 
 LaunchFn = Callable[[list, list, list, Any], None]
 
@@ -74,7 +74,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 class ProgramRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor],
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, debug: int | None = None) -> None:
+        """`debug`: the CIRCUIT_DEBUG level this runner checks at (None: the environment's)."""
         circuit = compiled.circuit
         check_states(circuit, states)
         self.compiled, self.circuit = compiled, circuit
@@ -92,7 +93,7 @@ class ProgramRunner:
         self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
                              if s.where == "output"}
                          for w, p in compiled.programs.items()}
-        self._debug = debug_level()
+        self._debug = debug_level() if debug is None else debug
 
     @property
     def widths(self) -> tuple[int, ...]:

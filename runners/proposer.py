@@ -17,15 +17,15 @@ from typing import Literal, Mapping, Sequence
 
 import torch
 
-from circuit.ir import Circuit
-from circuit.planner import compile_draft
-from ops.attention import TokenError
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from ops.sampling import mask_words
-from runners.draft import CircuitDraftRunner, WidthPolicy
-from runners.eager import EagerRunner
-from runners.kv_cache import BlockPool, SequenceBlocks
-from runners.proposer_state import (MtpProposerState, ProposerError, kept_drafts,
+from draft_circuit.circuit.ir import Circuit
+from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.ops.attention import TokenError
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.ops.sampling import mask_words
+from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
+from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, kept_drafts,
                                     rows_to_trim)
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runners.kv_cache import SequenceBlocks
+from draft_circuit.runners.kv_cache import SequenceBlocks
 
 
 class ProposerError(ValueError):

@@ -11,15 +11,9 @@ from typing import Mapping
 
 import torch
 
-from ops.layers.config import MTP_PARAM_SHAPES, MtpConfig
-from ops.layers.mtp import KvLayout
-
-
-def cuda_available() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:  # a CPU build may raise on CUDA queries
-        return False
+from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout
+from draft_circuit.runners.device import cuda_available  # noqa: F401  (public here too)
 
 
 def random_mtp_weights(config: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from circuit.ir import Circuit, CircuitError
-from circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
-from circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
-from circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
-from circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
-from circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
-from circuit.verify import verify
+from draft_circuit.circuit.ir import Circuit, CircuitError
+from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
+from draft_circuit.circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from draft_circuit.circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
+from draft_circuit.circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
+from draft_circuit.circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
+from draft_circuit.circuit.verify import verify
 
 Pass = Callable[[Circuit], Circuit]
 

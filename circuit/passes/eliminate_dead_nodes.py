@@ -1,8 +1,8 @@
 """eliminate_dead_nodes: drop every node none of whose outputs reaches a circuit output."""
 from __future__ import annotations
 
-from circuit.ir import Circuit
-from circuit.passes.rewrite import rewrite
+from draft_circuit.circuit.ir import Circuit
+from draft_circuit.circuit.passes.rewrite import rewrite
 
 
 def eliminate_dead_nodes(c: Circuit) -> Circuit:

@@ -3,8 +3,8 @@ residual sum and the normed value in one pass over the row. The sum may have oth
 the residual stream); only its first rmsnorm is fused."""
 from __future__ import annotations
 
-from circuit.ir import Circuit, Node
-from circuit.passes.rewrite import fused_node, rewrite
+from draft_circuit.circuit.ir import Circuit, Node
+from draft_circuit.circuit.passes.rewrite import fused_node, rewrite
 
 
 def fuse_add_rmsnorm(c: Circuit) -> Circuit:

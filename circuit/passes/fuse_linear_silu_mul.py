@@ -2,8 +2,8 @@
 the [n, 2I] activations never reach memory."""
 from __future__ import annotations
 
-from circuit.ir import Circuit, Node
-from circuit.passes.rewrite import fused_node, rewrite, sole_user
+from draft_circuit.circuit.ir import Circuit, Node
+from draft_circuit.circuit.passes.rewrite import fused_node, rewrite, sole_user
 
 
 def fuse_linear_silu_mul(c: Circuit) -> Circuit:

@@ -3,8 +3,8 @@ linear_argmax_logprob, whose kernel reduces over the vocabulary without keeping 
 (in fp32, whatever the linear's out_dtype was)."""
 from __future__ import annotations
 
-from circuit.ir import Circuit, Node
-from circuit.passes.rewrite import fused_node, rewrite, sole_user
+from draft_circuit.circuit.ir import Circuit, Node
+from draft_circuit.circuit.passes.rewrite import fused_node, rewrite, sole_user
 
 
 def fuse_lm_head_argmax(c: Circuit) -> Circuit:

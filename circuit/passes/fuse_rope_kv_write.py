@@ -3,8 +3,8 @@ q and k and writes k and v to their paged slots in one launch. The q rope must u
 positions and rope attrs as the k rope, and both rotated values may have no other readers."""
 from __future__ import annotations
 
-from circuit.ir import Circuit, Node
-from circuit.passes.rewrite import fused_node, rewrite, sole_user
+from draft_circuit.circuit.ir import Circuit, Node
+from draft_circuit.circuit.passes.rewrite import fused_node, rewrite, sole_user
 
 
 def _q_rope(c: Circuit, k_rope: Node, done: dict) -> Node | None:

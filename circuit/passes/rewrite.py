@@ -2,7 +2,7 @@
 prunes the temps nothing references any more. Passes stay pure: every call returns a new Circuit."""
 from __future__ import annotations
 
-from circuit.ir import Circuit, Node
+from draft_circuit.circuit.ir import Circuit, Node
 
 
 def sole_user(c: Circuit, value: str) -> Node | None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, Union
 
-from circuit.report import PlanReport
-from circuit.viz.dot import to_dot, write_dot
-from circuit.viz.html import render_html, write_html
-from circuit.viz.trace import trace_events, write_trace
+from draft_circuit.circuit.report import PlanReport
+from draft_circuit.circuit.viz.dot import to_dot, write_dot
+from draft_circuit.circuit.viz.html import render_html, write_html
+from draft_circuit.circuit.viz.trace import trace_events, write_trace
 
 __all__ = ["write_all", "write_html", "write_dot", "write_trace", "render_html", "to_dot",
            "trace_events"]

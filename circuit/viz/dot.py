@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from circuit.report import NodeInfo, PlanReport
-from circuit.viz.graph import GROUPS, Edge, bands, edges, kernels, op_group, tint
+from draft_circuit.circuit.report import NodeInfo, PlanReport
+from draft_circuit.circuit.viz.graph import GROUPS, Edge, bands, edges, kernels, op_group, tint
 
 
 def quote(text: str) -> str:

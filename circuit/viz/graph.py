@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from circuit.report import NodeInfo, PlanReport, WidthReport
+from draft_circuit.circuit.report import NodeInfo, PlanReport, WidthReport
 
 # (substring of an op name, group): the first match wins. A presentational table, not op
 # semantics: an op it does not know is drawn as "other", never refused.

@@ -8,10 +8,10 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from circuit.report import PlanReport, WidthReport
-from circuit.viz.graph import GROUPS, op_group, tint
-from circuit.viz.layout import kernel_line
-from circuit.viz.svg import EDGE_COLOURS, dag_svg
+from draft_circuit.circuit.report import PlanReport, WidthReport
+from draft_circuit.circuit.viz.graph import GROUPS, op_group, tint
+from draft_circuit.circuit.viz.layout import kernel_line
+from draft_circuit.circuit.viz.svg import EDGE_COLOURS, dag_svg
 
 STATIC = Path(__file__).with_name("static")
 NONE = "—"  # a value the report does not have (capture time before a GPU run)

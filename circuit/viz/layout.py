@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from circuit.report import NodeInfo, PlanReport
-from circuit.viz.graph import Band, Edge, bands, edges, kernels, short_name
+from draft_circuit.circuit.report import NodeInfo, PlanReport
+from draft_circuit.circuit.viz.graph import Band, Edge, bands, edges, kernels, short_name
 
 CHAR_W = 6.6  # px per character at the 11px name font: DejaVu Sans' average, rounded up
 SMALL_W = 6.0  # the same at 10px

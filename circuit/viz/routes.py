@@ -4,7 +4,7 @@ row, runs in a lane (its column's, or right of all of them) and arrives through 
 target's row."""
 from __future__ import annotations
 
-from circuit.viz.layout import BAND_PAD, LANE_W, MARGIN, OUTER, V_GAP, DagLayout, Route
+from draft_circuit.circuit.viz.layout import BAND_PAD, LANE_W, MARGIN, OUTER, V_GAP, DagLayout, Route
 
 CORNER = 6.0
 GAP_IN = V_GAP / 3  # leaving runs this far below a row, arriving this far above one: no overlap

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from html import escape
 
-from circuit.report import PlanReport
-from circuit.viz.graph import GROUPS, op_group, tint
-from circuit.viz.layout import LINE_H, PART_H, TITLE_Y, Box, DagLayout, Frame, Route, place_dag
-from circuit.viz.routes import route_dag
+from draft_circuit.circuit.report import PlanReport
+from draft_circuit.circuit.viz.graph import GROUPS, op_group, tint
+from draft_circuit.circuit.viz.layout import LINE_H, PART_H, TITLE_Y, Box, DagLayout, Frame, Route, place_dag
+from draft_circuit.circuit.viz.routes import route_dag
 
 # edge kind -> stroke colour; the arrowhead marker of the same name matches it
 EDGE_COLOURS = {"step": "#7b8494", "cross": "#c77c11", "band": "#5b6b8c"}

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from circuit.report import PlanReport, WidthReport
-from circuit.viz.graph import live_bytes
+from draft_circuit.circuit.report import PlanReport, WidthReport
+from draft_circuit.circuit.viz.graph import live_bytes
 
 LAUNCH_TID = 0
 COUNTER = "arena live bytes"

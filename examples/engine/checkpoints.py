@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ops.layers.checkpoint import (CheckpointError, MissingMtpLayerError, load_mtp_weights,
+from draft_circuit.circuit.layers.checkpoint import (CheckpointError, MissingMtpLayerError, load_mtp_weights,
                                    load_target_weights, read_config)
-from ops.layers.config import ConfigError, MtpConfig
+from draft_circuit.circuit.layers.config import ConfigError, MtpConfig
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "tiny"
 HELD_OUT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "heldout_prompts.json"

@@ -20,10 +20,10 @@ from examples.engine.runner import TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft
-from ops.layers.moe import MoeConfig, MoeMtpHead
-from ops.layers.mtp import KvLayout, MtpHead
-from runners.kv_cache import BlockPool
-from runners.proposer import MtpProposer
+from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
+from draft_circuit.runners.kv_cache import BlockPool
+from draft_circuit.runners.proposer import MtpProposer
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from circuit.builder import CircuitBuilder
-from circuit.ir import ROW, Circuit
-from ops.layers.config import TARGET_PARAM_SHAPES, MtpConfig
-from ops.layers.mtp import KvLayout
-from circuit.planner import compile_draft
-from runners.draft import CircuitDraftRunner, WidthPolicy
-from runners.eager import EagerRunner
+from draft_circuit.circuit.builder import CircuitBuilder
+from draft_circuit.circuit.ir import ROW, Circuit
+from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout
+from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
+from draft_circuit.runners.eager import EagerRunner
 
 GATE_UP = "mlp.gate_up_proj.weight"  # per layer: gate rows, then up rows (what silu_mul reads)
 

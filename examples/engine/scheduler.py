@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from examples.engine.sequence import Request, Sequence
-from runners.kv_cache import BlockPool, SequenceBlocks
+from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 
 
 def worst_rows(request: Request, num_drafts: int) -> int:

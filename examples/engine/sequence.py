@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from runners.kv_cache import SequenceBlocks
+from draft_circuit.runners.kv_cache import SequenceBlocks
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ import torch
 
 from benchmarks import draft_chain as dc
 from benchmarks import torch_mtp as tm
-from ops.basic import linear_ref
-from ops.layers.config import MtpConfig
-from ops.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
+from draft_circuit.ops.basic import linear_ref
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
                             MoeConfig, MoeMtpHead, random_moe_weights)
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from runners.eager import EagerRunner
-from ops.moe import experts_ref, route_select
-from runners.testing import random_draft_batch, random_mtp_weights
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.ops.moe import experts_ref, route_select
+from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
 
 CFG = MtpConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,

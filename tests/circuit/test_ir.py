@@ -4,10 +4,10 @@ import sys
 
 import pytest
 
-from circuit import CircuitBuilder, CircuitError
-from circuit.ir import SCHEMA_VERSION, Circuit
-from ops.layers.config import DEFAULT_CONFIG
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit import CircuitBuilder, CircuitError
+from draft_circuit.circuit.ir import SCHEMA_VERSION, Circuit
+from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 
 KV = KvLayout(num_blocks=32, block_size=16, max_blocks_per_seq=4)
 
@@ -37,8 +37,8 @@ def test_json_round_trip_and_schema_version():
 
 
 def test_fingerprint_is_stable_across_processes():
-    code = ("from ops.layers.config import DEFAULT_CONFIG as C;"
-            "from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain;"
+    code = ("from circuit.layers.config import DEFAULT_CONFIG as C;"
+            "from circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain;"
             "print(emit_draft_chain(MtpHead(C), 2, max_width=8, kv=KvLayout(32, 16, 4)).fingerprint())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from circuit.memory import (
+from draft_circuit.circuit.memory import (
     STRATEGIES, Buffer, MemoryPlanError, Placement, check_placement, lower_bound, place_by_lifetime,
     place_greedy_by_size, plan_memory,
 )

@@ -1,13 +1,13 @@
 """Each pass, text in and text out on a small example; the pipeline verifies after every pass."""
 import pytest
 
-from circuit import CircuitBuilder, CircuitError
-from circuit.passes import PassError, run_passes
-from circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
-from circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
-from circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
-from circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
-from circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
+from draft_circuit.circuit import CircuitBuilder, CircuitError
+from draft_circuit.circuit.passes import PassError, run_passes
+from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
+from draft_circuit.circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from draft_circuit.circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
+from draft_circuit.circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
+from draft_circuit.circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
 
 
 def body(c) -> str:
@@ -106,7 +106,7 @@ def test_whole_pipeline_text():
 
 
 def test_pipeline_names_the_failing_pass(monkeypatch):
-    import circuit.passes as passes
+    import draft_circuit.circuit.passes as passes
 
     def break_it(c):
         return c.replace(outputs=("nothing",))

@@ -5,14 +5,14 @@ import json
 import pytest
 import torch
 
-from circuit.memory import Buffer, Placement, check_placement
-from circuit.planner import CompileOptions, PlanError, compile_draft
-from ops.layers.config import MtpConfig
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from runners.binding import WidthError
-from runners.eager import EagerRunner
-from runners.program import ProgramRunner
-from runners.testing import poison_, random_draft_batch, random_mtp_weights
+from draft_circuit.circuit.memory import Buffer, Placement, check_placement
+from draft_circuit.circuit.planner import CompileOptions, PlanError, compile_draft
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.binding import WidthError
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import poison_, random_draft_batch, random_mtp_weights
 
 CFG = MtpConfig(vocab_size=211, hidden_size=40, intermediate_size=72, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -134,7 +134,7 @@ def test_run_path_allocates_nothing_of_its_own(setup, monkeypatch):
 
 
 def test_compile_time_and_arena_ratio_default_chain():
-    from ops.layers.config import DEFAULT_CONFIG
+    from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
     head = MtpHead(DEFAULT_CONFIG, "bfloat16")
     chain = emit_draft_chain(head, 4, max_width=64, kv=KvLayout(64 * 64 + 1, 16, 64))
     params = {k: torch.empty(s, device="meta", dtype=torch.bfloat16)

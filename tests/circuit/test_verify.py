@@ -1,8 +1,8 @@
 """One test per verifier failure class; each error names the node, the op and the shapes."""
 import pytest
 
-from circuit import CircuitBuilder, CircuitError, Node, Value, verify
-from circuit.ir import Circuit
+from draft_circuit.circuit import CircuitBuilder, CircuitError, Node, Value, verify
+from draft_circuit.circuit.ir import Circuit
 
 
 def small() -> Circuit:

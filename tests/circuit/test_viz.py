@@ -14,14 +14,14 @@ from urllib.parse import quote
 import pytest
 import torch
 
-from circuit import CircuitBuilder
-from circuit.cli import main
-from circuit.planner import compile_draft
-from circuit.report import PlanReport
-from circuit.viz import render_html, to_dot, trace_events, write_all
-from circuit.viz.graph import GROUPS, bands, op_group, tint
-from circuit.viz.layout import place_dag
-from circuit.viz.routes import route_dag
+from draft_circuit.circuit import CircuitBuilder
+from draft_circuit.circuit.cli import main
+from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.circuit.report import PlanReport
+from draft_circuit.circuit.viz import render_html, to_dot, trace_events, write_all
+from draft_circuit.circuit.viz.graph import GROUPS, bands, op_group, tint
+from draft_circuit.circuit.viz.layout import place_dag
+from draft_circuit.circuit.viz.routes import route_dag
 
 
 @pytest.fixture(scope="module")

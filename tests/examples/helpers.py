@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
-from ops.layers.config import DEFAULT_CONFIG
+from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
 
 # GQA (6 query heads over 2 kv heads), head_dim 24 (not a power of two), non-default rope_theta
 SMALL = dataclasses.replace(DEFAULT_CONFIG, hidden_size=96, intermediate_size=160,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from examples.engine.checkpoints import EMBEDDED
-from runners.testing import cuda, requires_cuda
+from draft_circuit.runners.testing import cuda, requires_cuda
 from tests.examples.helpers import SMALL, generate, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 6, seed=13)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from examples.engine.__main__ import main
-from ops.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
 from tests.examples.helpers import SMALL
 
 

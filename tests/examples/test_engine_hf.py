@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples.engine import Engine, EngineConfig, load_checkpoint
-from ops.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
 from tests.examples.helpers import SMALL, random_requests
 
 transformers = pytest.importorskip("transformers")

@@ -2,8 +2,8 @@
 output is still the target's own greedy output, on both forwards."""
 import pytest
 
-from ops.layers.checkpoint import write_random_checkpoint
-from ops.layers.moe import MoeConfig
+from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.moe import MoeConfig
 from helpers import generate, random_requests
 
 CFG = MoeConfig(vocab_size=120, hidden_size=32, intermediate_size=48, num_attention_heads=2,

@@ -11,8 +11,8 @@ from examples import train_tiny
 from examples.engine import load_checkpoint
 from examples.engine.checkpoints import EMBEDDED
 from examples.engine.model import TargetModel, TargetRows
-from ops.layers.mtp import KvLayout, MtpHead
-from runners.proposer import MtpProposer
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
+from draft_circuit.runners.proposer import MtpProposer
 from tests.examples.helpers import SMALL
 
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import kernels.argmax_logprob as argmax_module
-from kernels._common import KernelInputError
-from kernels.argmax_logprob import (
+import draft_circuit.kernels.argmax_logprob as argmax_module
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.argmax_logprob import (
     CHUNK, LINEAR_BLOCK_V, argmax_logprob, linear_argmax_logprob, linear_argmax_workspace_shape,
 )
 

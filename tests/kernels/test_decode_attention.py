@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.decode_attention import decode_attention, decode_attention_workspace_shape
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.decode_attention import decode_attention, decode_attention_workspace_shape
 
 # the interpreter evaluates both sides of tl.where, so masked-off lanes may warn; they are expected
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

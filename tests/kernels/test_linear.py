@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.linear import linear, linear_silu_mul
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.linear import linear, linear_silu_mul
 
-from runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
 
 # Accumulation order differs from torch's, so fp32 is compared relative to the size of the sums.
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),

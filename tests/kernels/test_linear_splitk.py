@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.linear_splitk import (MIN_SPLIT_K, SplitKConfig, default_config,
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.linear_splitk import (MIN_SPLIT_K, SplitKConfig, default_config,
                                    linear_silu_mul_splitk, linear_splitk, num_splits,
                                    splitk_workspace_shape)
 
-from runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
@@ -117,8 +117,8 @@ def test_default_config_follows_the_measured_rule(rows, k):
 
 # ---- the bindings: chosen ahead of the single-pass kernels where K splits, run through a Program
 def _one_op_circuit(op: str, k: int, rows: int, attrs: dict | None = None):
-    from circuit.builder import CircuitBuilder
-    from circuit.ir import ROW
+    from draft_circuit.circuit.builder import CircuitBuilder
+    from draft_circuit.circuit.ir import ROW
     b = CircuitBuilder("one_linear", max_width=4)
     x = b.input("x", "float32", (ROW, k))
     w = b.param("w", "float32", (rows, k))
@@ -134,9 +134,9 @@ def _one_op_circuit(op: str, k: int, rows: int, attrs: dict | None = None):
     ("linear_silu_mul", 2100, 48, None, "triton_linear_silu_mul"),  # never split (measured)
 ])
 def test_binding_chosen_and_matches_eager(op, k, rows, attrs, want):
-    from circuit.planner import CompileOptions, compile_draft
-    from runners.eager import EagerRunner
-    from runners.program import ProgramRunner
+    from draft_circuit.circuit.planner import CompileOptions, compile_draft
+    from draft_circuit.runners.eager import EagerRunner
+    from draft_circuit.runners.program import ProgramRunner
     c = _one_op_circuit(op, k, rows, attrs)
     params = {"w": torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) / k ** 0.5}
     compiled = compile_draft(c, params, [1, 3], options=CompileOptions(interpret_kernels=True))

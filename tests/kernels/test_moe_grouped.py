@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.moe_grouped import (BLOCK_M, max_blocks, moe_align_kernel, moe_grouped,
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.moe_grouped import (BLOCK_M, max_blocks, moe_align_kernel, moe_grouped,
                                  moe_grouped_workspace)
-from ops.layers.moe import quantize_blocks
-from ops.moe import dequantize_blocks, experts_ref
-from runners.testing import cuda, requires_cuda
+from draft_circuit.circuit.layers.moe import quantize_blocks
+from draft_circuit.ops.moe import dequantize_blocks, experts_ref
+from draft_circuit.runners.testing import cuda, requires_cuda
 
 
 def make(n, h, e, i, k, shared, dtype, device="cpu", seed=0, masked=True):

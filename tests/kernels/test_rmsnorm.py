@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.rmsnorm import add_rmsnorm, rmsnorm
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.rmsnorm import add_rmsnorm, rmsnorm
 
-from runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

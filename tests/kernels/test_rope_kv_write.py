@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import KernelInputError
-from kernels.rope_kv_write import rope_kv_write
+from draft_circuit.kernels._common import KernelInputError
+from draft_circuit.kernels.rope_kv_write import rope_kv_write
 
-from runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}

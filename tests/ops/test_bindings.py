@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from circuit.planner import CompileOptions, compile_draft
-from ops.layers.config import MtpConfig
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from runners.eager import EagerRunner
-from runners.program import ProgramRunner
-from runners.testing import random_draft_batch, random_mtp_weights
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
 
 CFG = MtpConfig(vocab_size=133, hidden_size=40, intermediate_size=72, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=10000.0,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ops.layers import checkpoint as ckpt
-from ops.layers.checkpoint import (
+from draft_circuit.circuit.layers import checkpoint as ckpt
+from draft_circuit.circuit.layers.checkpoint import (
     CorruptFileError, MissingConfigError, MissingMtpLayerError, MissingTensorError, TensorShapeError,
     UnexpectedTensorError, load_mtp_weights, load_target_weights, read_config, write_random_checkpoint,
 )
-from ops.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
+from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
 
 CFG = DEFAULT_CONFIG
 L = CFG.num_hidden_layers

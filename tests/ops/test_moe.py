@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from circuit.ir import TensorSpec
-from circuit.planner import CompileOptions, compile_draft
-from ops import moe as ops_moe
-from ops.layers import checkpoint as ckpt
-from ops.layers.config import ConfigError
-from ops.layers.moe import MoeConfig, MoeMtpHead, MoeWeightError, quantize_blocks, random_moe_weights
-from ops.layers.mtp import KvLayout, emit_draft_chain
-from ops.registry import CostContext, ShapeError, get_op
-from runners.eager import EagerRunner
-from runners.program import ProgramRunner
-from runners.testing import random_draft_batch
+from draft_circuit.circuit.ir import TensorSpec
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.ops import moe as ops_moe
+from draft_circuit.circuit.layers import checkpoint as ckpt
+from draft_circuit.circuit.layers.config import ConfigError
+from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, MoeWeightError, quantize_blocks, random_moe_weights
+from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
+from draft_circuit.ops.registry import CostContext, ShapeError, get_op
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import random_draft_batch
 
 CFG = MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0,

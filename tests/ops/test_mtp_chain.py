@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.layers.config import MtpConfig
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from runners.eager import EagerRunner
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.runners.eager import EagerRunner
 
 CFG = MtpConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -20,7 +20,7 @@ KV = KvLayout(num_blocks=48, block_size=8, max_blocks_per_seq=6)
 
 
 def random_weights(cfg: MtpConfig, seed: int) -> dict[str, torch.Tensor]:
-    from ops.layers.config import MTP_PARAM_SHAPES
+    from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in MTP_PARAM_SHAPES(cfg).items():
@@ -116,7 +116,7 @@ def test_eager_chain_matches_independent_reference(width):
 
 
 def _stop_setup(log_tau: float, width: int = 3):
-    from runners.testing import random_draft_batch
+    from draft_circuit.runners.testing import random_draft_batch
     head = MtpHead(CFG)
     chain = emit_draft_chain(head, 4, max_width=8, kv=KV, confidence_stop=True, embed_target=True)
     batch = random_draft_batch(CFG, KV, width, seed=4, num_drafts=4)
@@ -145,7 +145,7 @@ def test_no_stop_threshold_equals_the_plain_chain():
 
 
 def test_nan_confidence_never_stops():
-    from ops.sampling import confidence_gate_ref
+    from draft_circuit.ops.sampling import confidence_gate_ref
     active = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
     logprob = torch.tensor([float("nan"), -5.0, -0.1, -0.1])
     got = confidence_gate_ref(active, logprob, torch.full((4,), -1.0))

@@ -5,8 +5,8 @@ Each op needs an example here; a newly registered op without one fails `test_eve
 import pytest
 import torch
 
-from circuit.ir import ROW, TensorSpec
-from ops.registry import REGISTRY, CostContext, torch_dtype
+from draft_circuit.circuit.ir import ROW, TensorSpec
+from draft_circuit.ops.registry import REGISTRY, CostContext, torch_dtype
 
 NB, BS, HKV, D = 12, 4, 2, 8
 

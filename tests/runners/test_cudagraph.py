@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from circuit.planner import CompileOptions, compile_draft
-from ops.layers.config import MtpConfig
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from runners.testing import (assert_no_allocation, compare_drafts, cuda, poison_runner,
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.runners.testing import (assert_no_allocation, compare_drafts, cuda, poison_runner,
                              random_draft_batch, random_mtp_weights, requires_cuda)
 
 CFG = MtpConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_attention_heads=8,
@@ -22,7 +22,7 @@ WIDTHS = list(range(1, 65))
 
 
 def test_capture_code_imports_without_a_gpu():
-    import runners.cudagraph  # noqa: F401  (every CUDA call is behind a guard)
+    import draft_circuit.runners.cudagraph  # noqa: F401  (every CUDA call is behind a guard)
 
 
 def _build(dtype: str, widths, **options):
@@ -42,7 +42,7 @@ def _batch(n: int, dtype: str, seed: int):
 
 def _eager_with_gaps(chain, params, batch):
     """The oracle's outputs, its KV writes and each draft's top-2 log-probability gap."""
-    from runners.eager import EagerRunner
+    from draft_circuit.runners.eager import EagerRunner
     states = batch.clone_states()
     keep = tuple(f"s{j}.lm_head" for j in range(K))
     out = EagerRunner(chain, params, states).run(batch.inputs, keep=keep)
@@ -55,7 +55,7 @@ def _eager_with_gaps(chain, params, batch):
 
 @pytest.fixture(scope="module")
 def bf16():
-    from runners.cudagraph import GraphRunner
+    from draft_circuit.runners.cudagraph import GraphRunner
     chain, params, compiled = _build("bfloat16", WIDTHS)
     pool = _batch(1, "bfloat16", 0)
     start = time.perf_counter()
@@ -73,7 +73,7 @@ def test_every_width_matches_eager(bf16):
     (drafts, confidences, hidden, KV). Against the eager oracle (the unfused circuit, torch
     references) bf16 pipelines that round in different places drift: drafts are compared under
     the near-tie rule and at most 5% of compared drafts may differ (fp32 below: none may)."""
-    from runners.program import ProgramRunner
+    from draft_circuit.runners.program import ProgramRunner
     chain, params, compiled, runner = bf16
     assert runner.widths == tuple(WIDTHS), runner.stats.failures
     compared = mismatched = 0
@@ -116,7 +116,7 @@ def test_replay_allocates_nothing_and_writes_every_output(bf16):
 @cuda
 @requires_cuda
 def test_padded_rows_are_inert():
-    from runners.draft import CircuitDraftRunner, WidthPolicy
+    from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
     chain, params, compiled = _build("float32", [1, 8])
     for n in range(2, 8):
         batch = _batch(n, "float32", seed=n)
@@ -138,7 +138,7 @@ def test_padded_rows_are_inert():
 @cuda
 @requires_cuda
 def test_forced_capture_failure_leaves_other_widths_served():
-    from runners.cudagraph import CaptureError, GraphRunner
+    from draft_circuit.runners.cudagraph import CaptureError, GraphRunner
     _, _, compiled = _build("bfloat16", [1, 2, 4])
     batch = _batch(1, "bfloat16", 3)
     runner = GraphRunner(compiled, batch.clone_states(), fail_widths=frozenset({2}))
@@ -174,7 +174,7 @@ def test_whole_chain_row_alone_equals_row_in_batch(bf16):
 @cuda
 @requires_cuda
 def test_fp32_graph_matches_eager_tightly():
-    from runners.cudagraph import GraphRunner
+    from draft_circuit.runners.cudagraph import GraphRunner
     chain, params, compiled = _build("float32", [1, 5, 16])
     runner = GraphRunner(compiled, _batch(1, "float32", 0).clone_states())
     compared = 0

@@ -3,13 +3,13 @@ padded rows inert (no KV write anywhere, stale rows from an earlier call harmles
 import pytest
 import torch
 
-from circuit.planner import compile_draft
-from ops.layers.config import MtpConfig
-from ops.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from runners.binding import WidthError
-from runners.draft import CircuitDraftRunner, WidthPolicy, plan_widths
-from runners.eager import EagerRunner
-from runners.testing import random_draft_batch, random_mtp_weights
+from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.binding import WidthError
+from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy, plan_widths
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
 
 CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,

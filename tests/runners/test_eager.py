@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from circuit import CircuitBuilder
-from runners.binding import BindingError, WidthError
-from runners.eager import EagerRunner, RunError, last_uses
+from draft_circuit.circuit import CircuitBuilder
+from draft_circuit.circuit.binding import BindingError, WidthError
+from draft_circuit.runners.eager import EagerRunner, RunError, last_uses
 
 
 def tiny():

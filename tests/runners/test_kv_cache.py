@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runners.kv_cache import (
+from draft_circuit.runners.kv_cache import (
     BlockInUse, BlockOutOfRange, BlockPool, DoubleFree, ForeignBlock, KVCacheError, PoolExhausted,
     RowOutOfRange, SequenceBlocks, TableTooLong,
 )

@@ -11,13 +11,13 @@ import logging
 import pytest
 import torch
 
-from circuit.planner import compile_draft
-from ops import moe as ops_moe
-from ops.layers.moe import MoeConfig, MoeMtpHead, moe_plan_note, random_moe_weights
-from ops.layers.mtp import KvLayout, emit_draft_chain
-from runners import proposer as proposer_module
-from runners.proposer import MtpProposer
-from runners.testing import compare_drafts, cuda, random_draft_batch, requires_cuda
+from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.ops import moe as ops_moe
+from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, moe_plan_note, random_moe_weights
+from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
+from draft_circuit.runners import proposer as proposer_module
+from draft_circuit.runners.proposer import MtpProposer
+from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch, requires_cuda
 
 CFG = MoeConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -73,7 +73,7 @@ def test_refused_batch_returns_none_and_per_sequence_equals_the_batch(refusal, f
     if refusal == "kill_switch":
         monkeypatch.setenv(ops_moe.KILL_SWITCH, "1")
     runs = {kind: dict(counts) for kind, counts in refused.stats.items()}
-    with caplog.at_level(logging.WARNING, logger="runners.proposer"):
+    with caplog.at_level(logging.WARNING, logger="draft_circuit.runners.proposer"):
         assert refused.propose_batch(tokens, hid, positions, K, mine) is None
         assert refused.propose_batch(tokens, hid, positions, K, mine) is None
     logged = [r.message for r in caplog.records if "propose_batch refused" in r.message]
@@ -112,7 +112,7 @@ GPU_WIDTHS = [1, 2, 3, 8, 16]
 def _eager_with_gaps(chain, params, batch):
     """The oracle's outputs and, per (row, step), the smaller of the lm_head top-2 gap and the
     routing margin (k-th minus (k+1)-th selection score): near ties any rounding may flip."""
-    from runners.eager import EagerRunner
+    from draft_circuit.runners.eager import EagerRunner
     keep = tuple(f"s{j}.{v}" for j in range(K) for v in ("lm_head", "post_attention_layernorm"))
     out = EagerRunner(chain, params, batch.clone_states()).run(batch.inputs, keep=keep)
     k, gaps = GPU_CFG.num_experts_per_tok, []
@@ -130,7 +130,7 @@ def _eager_with_gaps(chain, params, batch):
 @requires_cuda
 @pytest.mark.parametrize("variant", ["dense", "fp8", "kill_switch"])
 def test_captured_moe_chain_matches_eager(variant, monkeypatch):
-    from runners.cudagraph import GraphRunner
+    from draft_circuit.runners.cudagraph import GraphRunner
     if variant == "kill_switch":
         monkeypatch.setenv(ops_moe.KILL_SWITCH, "1")  # planned with the reference experts
     head = MoeMtpHead(GPU_CFG, "float32", fp8_experts=variant == "fp8")

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from ops.attention import TokenError
-from ops.layers.config import MtpConfig
-from ops.layers.mtp import MtpHead
-from runners.kv_cache import ForeignBlock, PoolExhausted
-from runners.proposer import MtpProposer
-from runners.proposer_state import ProposerError, rows_to_trim
-from runners.testing import random_mtp_weights
+from draft_circuit.ops.attention import TokenError
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import MtpHead
+from draft_circuit.runners.kv_cache import ForeignBlock, PoolExhausted
+from draft_circuit.runners.proposer import MtpProposer
+from draft_circuit.runners.proposer_state import ProposerError, rows_to_trim
+from draft_circuit.runners.testing import random_mtp_weights
 
 CFG = MtpConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,

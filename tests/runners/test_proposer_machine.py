@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runners.kv_cache import KVCacheError
+from draft_circuit.runners.kv_cache import KVCacheError
 from test_proposer import CFG, K, hidden, make
 
 

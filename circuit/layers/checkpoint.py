@@ -15,9 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ops.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
-from ops.layers.moe import SCALE, MoeConfig, is_moe_hf_config, moe_checkpoint_shapes, quantize_blocks
-from ops.moe import SCALE_BLOCK, dequantize_blocks
+from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
+from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, is_moe_hf_config, moe_checkpoint_shapes, quantize_blocks
+from draft_circuit.ops.moe import SCALE_BLOCK, dequantize_blocks
 
 __all__ = [
     "CheckpointError", "MissingConfigError", "MissingMtpLayerError", "MissingTensorError",

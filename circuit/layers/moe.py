@@ -13,11 +13,11 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from circuit.builder import CircuitBuilder
-from ops import moe as moe_ops  # registers the MoE ops
-from ops.layers.config import _NUM_EXPERTS_ALIASES, MTP_PARAM_SHAPES, ConfigError, MtpConfig, _is_int
-from ops.layers.mtp import GATE_UP, MtpHead
-from ops.moe import FP8, KILL_SWITCH, SCALE_BLOCK, dequantize_blocks, expand_block_scales
+from draft_circuit.circuit.builder import CircuitBuilder
+from draft_circuit.ops import moe as moe_ops  # registers the MoE ops
+from draft_circuit.circuit.layers.config import _NUM_EXPERTS_ALIASES, MTP_PARAM_SHAPES, ConfigError, MtpConfig, _is_int
+from draft_circuit.circuit.layers.mtp import GATE_UP, MtpHead
+from draft_circuit.ops.moe import FP8, KILL_SWITCH, SCALE_BLOCK, dequantize_blocks, expand_block_scales
 
 GATE, BIAS = "mlp.gate.weight", "mlp.gate.e_score_correction_bias"
 EXPERTS_GATE_UP, EXPERTS_DOWN = "mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight"

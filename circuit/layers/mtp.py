@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from circuit.builder import CircuitBuilder
-from circuit.ir import ROW, Circuit
-from ops.layers.config import MTP_PARAM_SHAPES, MtpConfig
-from ops.sampling import mask_words
+from draft_circuit.circuit.builder import CircuitBuilder
+from draft_circuit.circuit.ir import ROW, Circuit
+from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig
+from draft_circuit.ops.sampling import mask_words
 
 GATE_UP = "mlp.gate_up_proj.weight"  # the one derived param: gate rows, then up rows
 

@@ -9,8 +9,8 @@ from typing import Mapping
 
 import torch
 
-from circuit.ir import ROW, Circuit, Value
-from ops.registry import DTYPE_NAMES
+from draft_circuit.circuit.ir import ROW, Circuit, Value
+from draft_circuit.ops.registry import DTYPE_NAMES
 
 
 class BindingError(ValueError):
