@@ -10,30 +10,47 @@ from typing import Sequence
 
 import torch
 
+from draft_circuit.circuit import cli_args
 from draft_circuit.circuit.planner import CompileOptions, CompiledDraft, compile_draft
-from draft_circuit.circuit.report import PlanReport
+from draft_circuit.circuit.report import PlanReport, ReportError
 
 
-def parse_widths(text: str) -> list[int]:
-    try:
-        widths = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"widths must be comma-separated ints, got {text!r}")
-    if not widths or widths[0] < 1:
-        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
-    return widths
+# the flags that shape a compile; `circuit viz --report` renders a saved report and takes none
+CHAIN_DEFAULTS = {"widths": [1, 2, 4, 8], "num_drafts": 4, "dtype": "bfloat16", "block_size": 16,
+                  "max_kv_rows": 1024, "kv_rows": 100, "bandwidth_gbps": 4800.0, "device": "cuda"}
 
 
 def add_chain_args(p: argparse.ArgumentParser) -> None:
+    """Defaults are filled in after parsing (`fill_chain_defaults`), so a flag given alongside
+    `--report` can be told apart from a default and refused."""
     p.add_argument("--checkpoint", type=Path, help="HF-layout checkpoint dir (default: embedded)")
-    p.add_argument("--widths", type=parse_widths, default=[1, 2, 4, 8])
-    p.add_argument("--num-drafts", type=int, default=4)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-kv-rows", type=int, default=1024, help="drafter-KV rows a sequence may hold")
-    p.add_argument("--kv-rows", type=int, default=100, help="live rows assumed by the cost model")
-    p.add_argument("--bandwidth-gbps", type=float, default=4800.0, help="for the floor time")
-    p.add_argument("--device", default="cuda", help="the device kernels are chosen for")
+    p.add_argument("--widths", type=cli_args.widths, help="comma-separated, default 1,2,4,8")
+    p.add_argument("--num-drafts", type=cli_args.int_in(1, cli_args.MAX_NUM_DRAFTS, "--num-drafts"),
+                   help="default 4")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default bfloat16")
+    p.add_argument("--block-size", type=cli_args.int_in(1, 4096, "--block-size"), help="default 16")
+    p.add_argument("--max-kv-rows", type=cli_args.int_in(1, None, "--max-kv-rows"),
+                   help="drafter-KV rows a sequence may hold (default 1024)")
+    p.add_argument("--kv-rows", type=cli_args.int_in(0, None, "--kv-rows"),
+                   help="live rows assumed by the cost model (default 100)")
+    p.add_argument("--bandwidth-gbps", type=cli_args.positive_float("--bandwidth-gbps"),
+                   help="for the floor time (default 4800, the H200's datasheet)")
+    p.add_argument("--device", type=cli_args.device,
+                   help="the device kernels are chosen for (default cuda: a plan needs no GPU)")
+
+
+def fill_chain_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    given = [k for k in CHAIN_DEFAULTS if getattr(args, k, None) is not None]
+    if getattr(args, "report", None) is not None and (given or args.checkpoint is not None):
+        flags = ", ".join("--" + k.replace("_", "-") for k in given + (["checkpoint"] if
+                                                                       args.checkpoint else []))
+        parser.error(f"--report renders a saved plan; {flags} only apply when compiling one")
+    for k, v in CHAIN_DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.num_drafts > args.max_kv_rows:
+        parser.error(f"--num-drafts {args.num_drafts} writes more drafter rows than "
+                     f"--max-kv-rows {args.max_kv_rows} holds")
 
 
 def compile_chain(args: argparse.Namespace) -> CompiledDraft:
@@ -87,9 +104,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_viz(args: argparse.Namespace) -> int:
     from draft_circuit.circuit.viz import write_all
-    report = PlanReport.from_json(args.report.read_text()) if args.report else \
-        compile_chain(args).report()
-    for path in write_all(report, args.out):
+    report = PlanReport.read(args.report) if args.report else compile_chain(args).report()
+    try:
+        paths = write_all(report, args.out)
+    except (KeyError, IndexError, TypeError, ZeroDivisionError) as e:
+        # schema-valid but self-inconsistent (a schedule naming a node the report lacks, say)
+        raise ReportError(f"{args.report or 'the plan'}: inconsistent plan report, cannot render "
+                          f"it ({type(e).__name__}: {e})") from None
+    for path in paths:
         print(path)
     return 0
 
@@ -99,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="compile the draft chain and print the per-width plan")
     add_chain_args(plan)
-    plan.add_argument("--json", type=Path, help="write the plan report here")
+    plan.add_argument("--json", type=cli_args.writable_file, help="write the plan report here")
     plan.set_defaults(func=cmd_plan)
     viz = sub.add_parser("viz", help="write plan.html, circuit.dot and schedule.json")
     add_chain_args(viz)
@@ -107,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     viz.add_argument("--out", type=Path, required=True)
     viz.set_defaults(func=cmd_viz)
     args = parser.parse_args(argv)
+    fill_chain_defaults(sub.choices[args.command], args)
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # typed project errors are ValueErrors: one clear line

@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from draft_circuit.circuit.ir import Circuit
 from draft_circuit.circuit.program import Launch, Program
 
 REPORT_SCHEMA_VERSION = 1
+
+
+class ReportError(ValueError):
+    """A plan report that cannot be read: names the file (when there is one) and what is wrong."""
 
 
 class NodeInfo(BaseModel):
@@ -64,15 +70,41 @@ class PlanReport(BaseModel):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "PlanReport":
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = "plan report") -> "PlanReport":
+        """Parse and validate; every failure is a `ReportError` naming `source` (a file name)."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:  # truncated, not JSON, or nested too deep
+            raise ReportError(f"{source}: not a readable JSON plan report ({type(e).__name__}: "
+                              f"{str(e)[:200]})") from None
+        if not isinstance(data, dict):
+            raise ReportError(f"{source}: a plan report is a JSON object, got "
+                              f"{type(data).__name__}")
         if data.get("schema_version") != REPORT_SCHEMA_VERSION:
-            raise ValueError(f"plan report schema_version {data.get('schema_version')!r}; this "
-                             f"build reads {REPORT_SCHEMA_VERSION}")
-        return cls.model_validate(data)
+            raise ReportError(f"{source}: plan report schema_version "
+                              f"{data.get('schema_version')!r}; this build reads "
+                              f"{REPORT_SCHEMA_VERSION}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise ReportError(f"{source}: invalid plan report at {where or 'top level'}: "
+                              f"{first['msg']} ({e.error_count()} errors)") from None
+
+    @classmethod
+    def read(cls, path: "str | Path") -> "PlanReport":
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ReportError(f"cannot read plan report {str(path)!r}: {e}") from None
+        return cls.from_json(text, source=str(path))
 
     def width(self, n: int) -> WidthReport:
-        return next(w for w in self.widths if w.width == n)
+        for w in self.widths:
+            if w.width == n:
+                return w
+        raise ReportError(f"the plan has no width {n}; it has {[w.width for w in self.widths]}")
 
 
 def node_infos(c: Circuit) -> list[NodeInfo]:

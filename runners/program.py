@@ -57,12 +57,19 @@ def kernel_launch(op_name: str, kernel: str) -> LaunchFn:
     raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
 
 
+class DebugLevelError(ValueError):
+    """CIRCUIT_DEBUG holds something other than 0, 1, 2 or 3."""
+
+
 def debug_level() -> int:
-    """CIRCUIT_DEBUG (0-3), the one graded debug knob (README: "Debugging")."""
-    try:
-        return max(0, min(3, int(os.environ.get("CIRCUIT_DEBUG", "0"))))
-    except ValueError:
+    """CIRCUIT_DEBUG (0-3, unset or empty: 0), the one graded debug knob (README: "Debugging").
+    Any other value is refused: a typo must not silently turn the checks off."""
+    text = os.environ.get("CIRCUIT_DEBUG", "").strip()
+    if text == "":
         return 0
+    if text not in ("0", "1", "2", "3"):
+        raise DebugLevelError(f"CIRCUIT_DEBUG must be 0, 1, 2 or 3, got {text!r}")
+    return int(text)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -21,6 +21,7 @@ FLOORS = {
     "runners": 5,
     "runners.testing": 6,      # public test helpers: the runtime never imports them
     "circuit.cli": 7,          # a command line over layers and planner
+    "circuit.cli_args": 7,     # argument types shared by the command lines
 }
 
 
