@@ -48,18 +48,46 @@ class RowOutOfRange(KVCacheError):
     """A row count or row index outside the storage a table has."""
 
 
+class BlockId(int):
+    """A block id that remembers the pool it came from (a host holding a drafter pool and a
+    target pool cannot free one's blocks into the other). Compares, hashes and indexes as the
+    plain int; plain ints are still accepted where a host keeps ids untagged."""
+
+    pool: int  # the serial of the pool that handed it out
+
+    def __new__(cls, value: int, pool: int) -> "BlockId":
+        self = super().__new__(cls, value)
+        self.pool = pool
+        return self
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self):  # pickles and deep-copies with its pool tag
+        return (BlockId, (int(self), self.pool))
+
+
+_POOL_SERIAL = 0
+_POOL_NAMES: dict[int, str] = {}  # serial -> name, for the messages that name another pool
+
+
 class BlockPool:
     """Block ids 0..num_blocks-1; the first `reserved` ids are never handed out nor freed.
 
     Reserved ids are for scratch (padded rows write there). `alloc` hands out the lowest free ids
-    first, in ascending order, so a given history of calls always yields the same ids.
+    first, in ascending order, so a given history of calls always yields the same ids. Ids are
+    `BlockId`s tagged with this pool: another pool's ids are refused as foreign.
     """
 
-    def __init__(self, num_blocks: int, *, reserved: int = 0) -> None:
+    def __init__(self, num_blocks: int, *, reserved: int = 0, name: str = "") -> None:
         if not _is_int(num_blocks) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if not _is_int(reserved) or not 0 <= reserved <= num_blocks:
             raise ValueError(f"reserved must be an int in [0, {num_blocks}], got {reserved!r}")
+        global _POOL_SERIAL
+        _POOL_SERIAL += 1
+        self.serial, self.name = _POOL_SERIAL, name or f"pool#{_POOL_SERIAL}"
+        _POOL_NAMES[self.serial] = self.name
         self._num_blocks, self._reserved = num_blocks, reserved
         self._state = bytearray([_RESERVED] * reserved + [_UNUSED] * (num_blocks - reserved))
         self._free_heap = list(range(reserved, num_blocks))  # ascending, hence already a heap
@@ -96,7 +124,7 @@ class BlockPool:
             return False
 
     def __repr__(self) -> str:
-        return (f"BlockPool(num_blocks={self._num_blocks}, reserved={self._reserved}, "
+        return (f"BlockPool({self.name!r}, num_blocks={self._num_blocks}, reserved={self._reserved}, "
                 f"free={self.num_free}, used={self.num_used})")
 
     # The methods below are the protocol between the pool and SequenceBlocks, which must move
@@ -109,7 +137,7 @@ class BlockPool:
             raise PoolExhausted(
                 f"requested {count} blocks but only {len(self._free_heap)} of {self._num_blocks} "
                 f"are free ({self._reserved} reserved, {self.num_used} in use)")
-        taken = [heapq.heappop(self._free_heap) for _ in range(count)]
+        taken = [BlockId(heapq.heappop(self._free_heap), self.serial) for _ in range(count)]
         for block in taken:
             self._state[block] = state
         return taken
@@ -135,7 +163,7 @@ class BlockPool:
             seen.add(block)
             if self._state[block] != expected:
                 raise self._wrong_state(block, action)
-            ids.append(block)
+            ids.append(BlockId(block, self.serial))
         return ids
 
     def _wrong_state(self, block: int, action: str) -> KVCacheError:
@@ -163,6 +191,9 @@ class BlockPool:
                 f"block id {raw!r} ({type(raw).__name__}) is not an integer") from None
         if not 0 <= block < self._num_blocks:
             raise BlockOutOfRange(f"block id {block} is outside [0, {self._num_blocks})")
+        if isinstance(raw, BlockId) and raw.pool != self.serial:
+            raise ForeignBlock(f"block {block} was handed out by pool "
+                               f"{_POOL_NAMES.get(raw.pool, raw.pool)!r}, not by {self.name!r}")
         return block
 
 
