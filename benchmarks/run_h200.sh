@@ -26,8 +26,8 @@ for mode in circuit eager; do engine "tiny_$mode" --forward "$mode"; done
 engine tiny_nospec --no-speculation
 python3 - <<'PY'
 import json, os, torch
-from ops.layers.checkpoint import write_random_checkpoint
-from ops.layers.config import MtpConfig
+from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.config import MtpConfig
 cfg = MtpConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                 num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=8192)
