@@ -15,46 +15,26 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from draft_circuit.circuit.layers.checkpoint_errors import (
+    CheckpointError, CorruptFileError, MissingConfigError, MissingMtpLayerError, MissingTensorError,
+    NonFiniteTensorError, TensorDtypeError, TensorShapeError, UnexpectedTensorError, UnsupportedTensorError)
 from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
+from draft_circuit.circuit.layers.families import (UnsupportedArchitectureError, UnsupportedConfigError,
+                                                   check_family, family_label)
+from draft_circuit.circuit.layers.tensor_checks import check_finite, check_stored_dtype, refuse_unimplemented
 from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, is_moe_hf_config, moe_checkpoint_shapes, quantize_blocks
 from draft_circuit.ops.moe import SCALE_BLOCK, dequantize_blocks
 
 __all__ = [
     "CheckpointError", "MissingConfigError", "MissingMtpLayerError", "MissingTensorError",
-    "TensorShapeError", "CorruptFileError", "UnexpectedTensorError", "ConfigError",
+    "TensorShapeError", "CorruptFileError", "UnexpectedTensorError", "UnsupportedTensorError",
+    "TensorDtypeError", "NonFiniteTensorError", "ConfigError", "UnsupportedConfigError",
+    "UnsupportedArchitectureError",
     "read_config", "load_mtp_weights", "load_target_weights", "write_random_checkpoint",
 ]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory cannot give the weights asked for."""
-
-
-class MissingConfigError(CheckpointError):
-    """No config.json and no config passed."""
-
-
-class MissingMtpLayerError(CheckpointError):
-    """The config declares an MTP layer but no `eh_proj` is where one may sit."""
-
-
-class MissingTensorError(CheckpointError):
-    """A needed tensor is in no file (after the documented fallbacks)."""
-
-
-class TensorShapeError(CheckpointError):
-    """A tensor's stored shape is not the one the config implies."""
-
-
-class CorruptFileError(CheckpointError):
-    """A safetensors, index or config file is truncated, malformed, absent or contradicts another."""
-
-
-class UnexpectedTensorError(CheckpointError):
-    """strict=True and the checkpoint holds tensors under the loaded prefix that no parameter uses."""
 
 
 @dataclass(frozen=True)
@@ -111,18 +91,35 @@ def _inventory_from_index(root: Path, index: Path) -> _Inventory:
     return _Inventory(root, tuple(sorted(set(where.values()))), where)
 
 
-def read_config(path: str | os.PathLike) -> MtpConfig:
-    """The config of a checkpoint directory's config.json: a `MoeConfig` when it names an expert
-    count (the MTP layer's MLP is then a MoE), else an `MtpConfig`."""
-    file = Path(path) / CONFIG_NAME
+def _raw_config(root: Path) -> dict[str, Any]:
+    file = root / CONFIG_NAME
     if not file.is_file():
         raise MissingConfigError(f"{file} not found: a checkpoint needs a config.json, or pass config=")
     try:
         d = json.loads(file.read_text())
     except ValueError as e:
         raise CorruptFileError(f"{file}: not valid JSON: {e}") from e
-    moe = isinstance(d, dict) and is_moe_hf_config(d)
-    return (MoeConfig if moe else MtpConfig).from_hf(d, source=os.fspath(file))
+    if not isinstance(d, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def read_config(path: str | os.PathLike) -> MtpConfig:
+    """The config of a checkpoint directory's config.json: a `MoeConfig` when it names an expert
+    count (the MTP layer's MLP is then a MoE), else an `MtpConfig`. Its family must be in the
+    table and every field that changes the math set to what the head implements (families.py)."""
+    file = Path(path) / CONFIG_NAME
+    d = _raw_config(Path(path))
+    check_family(d, source=os.fspath(file))
+    return (MoeConfig if is_moe_hf_config(d) else MtpConfig).from_hf(d, source=os.fspath(file))
+
+
+def _label(root: Path) -> str:
+    """The architecture a directory's config.json names, for tensor refusals."""
+    try:
+        return family_label(_raw_config(root))
+    except CheckpointError:
+        return "architecture unknown: no readable config.json, config passed in"
 
 
 def _layer_shapes(config: MtpConfig) -> dict[str, tuple[int, ...]]:
@@ -141,16 +138,22 @@ def _read(inv: _Inventory, plan: dict[str, str], shapes: dict[str, tuple[int, ..
         with _open(path) as handle:
             for key, shape in expected.items():
                 t = _read_one(handle, path, key, shape)  # fp8 stays fp8: its scales make it real
-                loaded[key] = t.to(device=device, dtype=t.dtype if t.dtype == torch.float8_e4m3fn else dtype)
+                check_finite(path, key, t)
+                out = t.to(device=device, dtype=t.dtype if t.dtype == torch.float8_e4m3fn else dtype)
+                if out.dtype == torch.float16 != t.dtype:  # the one target dtype of smaller range
+                    check_finite(path, key, out, converted_to=out.dtype)
+                loaded[key] = out
     return {name: loaded[key] for name, key in plan.items()}
 
 
 def _read_one(handle: Any, path: Path, key: str, shape: tuple[int, ...]) -> torch.Tensor:
     # The header gives the shape, so a wrong shape is refused before any data is read.
     try:
-        actual = tuple(handle.get_slice(key).get_shape())
+        header = handle.get_slice(key)
+        actual = tuple(header.get_shape())
         if actual != shape:
             raise TensorShapeError(f"{path}: tensor {key!r} has shape {list(actual)}, expected {list(shape)}")
+        check_stored_dtype(path, key, header.get_dtype())
         return handle.get_tensor(key)
     except SafetensorError as e:
         raise CorruptFileError(f"{path}: cannot read tensor {key!r} (truncated or corrupt?): {e}") from e
@@ -197,9 +200,12 @@ def load_mtp_weights(
 
     `config` overrides config.json. Fallbacks: `embed_tokens` absent at the layer -> the target's
     `model.embed_tokens.weight`; `shared_head.head` absent -> `lm_head.weight`, or when tied the
-    embedding resolved above. Lenient by default: tensors under the MTP prefix that no parameter
-    uses are ignored (real checkpoints carry extras, and the target's layers sit beside the MTP
-    layer); strict=True raises on them. Tensors outside the prefix are never checked here.
+    embedding resolved above. Refused always (`UnsupportedTensorError`): a tensor inside a module
+    the head runs that it does not use (`self_attn.q_proj.bias`, `self_attn.q_norm.weight`, an
+    MoE gate under a dense MLP); ignored: tensors of other layers and modules (the target's
+    layers sit beside the MTP layer) and RoPE's saved `inv_freq`; strict=True also raises on any
+    other tensor under the MTP prefix. Every weight read must be a finite float (TensorDtypeError,
+    NonFiniteTensorError).
     A MoE config loads per-expert tensors (`moe_checkpoint_shapes`); the routing bias is read in
     fp32. A weight stored with `<name>_scale_inv` (DeepSeek-V3 fp8, 128x128 blocks) is dequantised
     to `dtype`, or with keep_fp8 an fp8 one comes back as stored with its fp32 scales beside it.
@@ -217,6 +223,7 @@ def load_mtp_weights(
             continue
         plan[name] = _first_present(inv, f"MTP tensor {name!r}", [prefix + name, *fallbacks.get(name, [])])
     scales = {name + SCALE: key + SCALE for name, key in plan.items() if key + SCALE in inv.where}
+    refuse_unimplemented(inv.where, {*plan.values(), *scales.values()}, [prefix], _label(root))
     if strict:
         known = {prefix + name for name in shapes} | set(scales.values())
         _reject_extras(inv, sorted(k for k in inv.where if k.startswith(prefix) and k not in known),
@@ -230,6 +237,8 @@ def load_mtp_weights(
             out[s] = scale
         else:
             out[w] = dequantize_blocks(out[w], scale).to(dtype)
+            if dtype == torch.float16:  # a block scale may carry a weight past float16's range
+                check_finite(inv.where[plan[w]], plan[w], out[w], converted_to=dtype)
     for name, t in out.items():
         if t.dtype == torch.float8_e4m3fn and name + SCALE not in out:
             raise CorruptFileError(f"{inv.where[plan[name]]}: tensor {plan[name]!r} is float8_e4m3fn "
@@ -244,7 +253,9 @@ def load_target_weights(
     """The Llama target's weights under their HF names (see `TARGET_PARAM_SHAPES`).
 
     Tied embeddings: `lm_head.weight` is the `model.embed_tokens.weight` tensor (a stored copy is
-    not read). strict=True raises on tensors that are neither target nor MTP-layer weights.
+    not read). As for the MTP layer, a tensor inside a module the target runs that it does not
+    use is refused (`model.layers.0.self_attn.q_proj.bias`); strict=True also raises on tensors
+    that are neither target nor MTP-layer weights.
     """
     root = Path(path)
     config = config if config is not None else read_config(root)
@@ -259,6 +270,8 @@ def load_target_weights(
             for name in shapes if not (name == "lm_head.weight" and config.tie_word_embeddings)}
     if config.tie_word_embeddings:
         plan["lm_head.weight"] = plan["model.embed_tokens.weight"]
+    refuse_unimplemented(inv.where, plan.values(), [f"model.layers.{i}." for i in range(config.num_hidden_layers)],
+                         _label(root))
     if strict:
         mtp = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(config.num_nextn_predict_layers))
         _reject_extras(inv, sorted(k for k in inv.where if k not in shapes and not k.startswith(mtp)),

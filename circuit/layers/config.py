@@ -5,6 +5,7 @@ Hugging Face `config.json`. Every bad field, and every pair of aliases that disa
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -127,10 +128,15 @@ def _agreed(d: Mapping[str, Any], aliases: tuple[str, ...]) -> Any:
     """The one value the present aliases share, or None when none is present."""
     found = {name: v for name in aliases if (v := _lookup(d, name)) is not _MISSING}
     values = list(found.values())
-    if any(v != values[0] for v in values[1:]):
+    if any(not _same(v, values[0]) for v in values[1:]):
         listed = ", ".join(f"{name}={v!r}" for name, v in found.items())
         raise ConfigError(f"config aliases disagree: {listed}; make them equal or drop all but one")
     return values[0] if values else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    # NaN != NaN: two NaN aliases agree, and the value check then names the field
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def _is_int(v: Any) -> bool:
@@ -147,9 +153,14 @@ def _validate(c: MtpConfig) -> None:
         raise ConfigError(f"config field 'num_nextn_predict_layers' = {n!r}: must be an int >= 0")
     for name in ("rms_norm_eps", "rope_theta"):
         v = getattr(c, name)
-        if not (_is_int(v) or isinstance(v, float)) or not v > 0:
-            raise ConfigError(f"config field {name!r} = {v!r}: must be a positive number")
-        object.__setattr__(c, name, float(v))  # 10000 and 10000.0 compare and print the same
+        # Infinity passes `v > 0`; json.loads reads the bare token Infinity (and NaN) as floats
+        try:
+            fv = float(v) if _is_int(v) or isinstance(v, float) else math.nan
+        except OverflowError:  # an int past float's range
+            fv = math.inf
+        if not 0 < fv < math.inf:
+            raise ConfigError(f"config field {name!r} = {v!r}: must be a positive finite number")
+        object.__setattr__(c, name, fv)  # 10000 and 10000.0 compare and print the same
     if not isinstance(c.tie_word_embeddings, bool):
         raise ConfigError(f"config field 'tie_word_embeddings' = {c.tie_word_embeddings!r}: must be a bool")
     if c.num_attention_heads % c.num_key_value_heads:

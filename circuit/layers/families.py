@@ -1,0 +1,202 @@
+"""The family table, as data: each architecture / `model_type` the loader knows, its drafter
+layout, what loads, what runs (target, drafter), what is refused and why. `check_family` applies
+it to a raw config.json: a family not in the table, a family that cannot run, or a field set to a
+value that changes the math in a way the head does not implement raises an
+`UnsupportedConfigError` naming the field, the architecture and the file. README's "Supported
+architectures" section is `markdown_table()`, checked equal by a test.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from draft_circuit.circuit.layers.config import ConfigError
+
+__all__ = ["UnsupportedConfigError", "UnsupportedArchitectureError", "FieldRule", "Family",
+           "FAMILIES", "check_family", "family_label", "markdown_table"]
+
+_MISSING = object()
+
+
+class UnsupportedConfigError(ConfigError):
+    """A config field changes the math to something the head does not implement."""
+
+
+class UnsupportedArchitectureError(UnsupportedConfigError):
+    """The architecture / model_type is not in the family table, or is but cannot run."""
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """`field` (dotted into nested objects) must be one of `allowed`; absent means `default`,
+    the value the family's transformers config class assumes."""
+
+    field: str
+    allowed: tuple[Any, ...]
+    default: Any
+    why: str
+
+    def value(self, d: Mapping[str, Any]) -> Any:
+        cur: Any = d
+        for part in self.field.split("."):
+            if not isinstance(cur, Mapping) or cur.get(part) is None:
+                return self.default
+            cur = cur[part]
+        return cur
+
+    def violated(self, d: Mapping[str, Any]) -> bool:
+        v = self.value(d)
+        # `True == 1` in Python: a bool field must be a bool, not an int that compares equal
+        return not any(v == a and type(v) is type(a) or (_number(v) and _number(a) and v == a)
+                       for a in self.allowed)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table. `blocked` non-empty: the family is known but cannot run; each entry
+    names the tensors / fields and the op or layer the project lacks."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    drafter: str    # the MTP layer's layout, by its real names
+    loads: str
+    target: str     # what runs as the engine's target
+    runs: str       # what runs as the drafter
+    rules: tuple[FieldRule, ...] = ()
+    blocked: tuple[str, ...] = ()
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        by_rule = tuple(f"`{r.field}` other than {' / '.join(repr(a) for a in r.allowed)}: {r.why}"
+                        for r in self.rules)
+        return self.blocked + by_rule
+
+
+_NO_BIAS = "the projections have no bias: `add` takes equal shapes, no [out] bias broadcast over rows"
+_ROPE = "the rope op is default RoPE over the whole head (no scaling)"
+# Fields every runnable family reads the same way (transformers' Llama semantics).
+_COMMON = (
+    FieldRule("hidden_act", ("silu",), "silu", "the MLP is SwiGLU (silu_mul)"),
+    FieldRule("rope_parameters.rope_type", ("default",), "default", _ROPE),
+    FieldRule("rope_scaling.rope_type", ("default",), "default", _ROPE),
+    FieldRule("rope_scaling.type", ("default",), "default", _ROPE),
+)
+_TENSORS = ("any tensor inside a module the head runs that it has no use for (a `.bias`, "
+            "`self_attn.q_norm` / `k_norm`, an MoE gate under a dense MLP): it changes that "
+            "module's math")
+_MTP_NAMES = ("`embed_tokens`, `enorm`, `hnorm`, `eh_proj`, the decoder block, `shared_head.norm`, "
+              "`shared_head.head` under `model.layers.{num_hidden_layers}.` (or `model.layers.0.` "
+              "exported alone)")
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "llama", ("LlamaForCausalLM",),
+        drafter=f"DeepSeek-V3 MTP names: {_MTP_NAMES}; Llama block; MLP dense SwiGLU, or MoE when "
+                "config.json names an expert count (`mlp.gate`, `e_score_correction_bias`, "
+                "`mlp.experts.{e}.*`, `mlp.shared_experts.*`, bf16 or fp8 with `weight_scale_inv`)",
+        loads="target: `model.embed_tokens`, `model.layers.{l}`, `model.norm`, `lm_head` (tied or "
+              "not); MTP layer, its embed / head falling back to the target's",
+        target="yes: dense Llama (examples/engine)", runs="yes: `MtpHead` (dense), `MoeMtpHead` (MoE)",
+        rules=_COMMON + (
+            FieldRule("attention_bias", (False,), False, _NO_BIAS),
+            FieldRule("mlp_bias", (False,), False, _NO_BIAS),
+        ),
+    ),
+    Family(
+        "deepseek_v3", ("DeepseekV3ForCausalLM",),
+        drafter=f"{_MTP_NAMES}; MLA block (`self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj`, "
+                "`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`); MoE MLP",
+        loads="nothing", target="no: MLA and MoE layers", runs="no",
+        blocked=("MLA attention (`q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`): the layer "
+                 "library has no MLA head yet",),
+    ),
+    Family(
+        "qwen2", ("Qwen2ForCausalLM",),
+        drafter=f"{_MTP_NAMES}; Qwen2 block", loads="nothing", target="no", runs="no",
+        blocked=("q/k/v biases (`self_attn.q_proj.bias`, `k_proj.bias`, `v_proj.bias`; "
+                 "Qwen2Attention always has them): needs an `add` broadcasting an [out] param over "
+                 "rows, or a `linear` with a bias input",),
+    ),
+    Family(
+        "qwen3", ("Qwen3ForCausalLM",),
+        drafter=f"{_MTP_NAMES}; Qwen3 block", loads="nothing", target="no", runs="no",
+        blocked=("per-head q/k RMSNorm before RoPE (`self_attn.q_norm.weight`, "
+                 "`self_attn.k_norm.weight`, [head_dim]): needs an RMSNorm over each head_dim group "
+                 "of an [n, heads * head_dim] row (or a reshape to [n * heads, head_dim])",),
+    ),
+    Family(
+        "glm4_moe", ("Glm4MoeForCausalLM",),
+        drafter=f"{_MTP_NAMES} (`num_nextn_predict_layers`); GLM-4.5 block; MoE MLP (sigmoid "
+                "routing, `e_score_correction_bias`, shared experts)",
+        loads="nothing", target="no: MoE layers after `first_k_dense_replace`", runs="no",
+        blocked=("partial rotary (`partial_rotary_factor`, 0.5 by default): the rope op rotates "
+                 "the whole head; q/k/v biases when `attention_bias`; per-head q/k norms when "
+                 "`use_qk_norm`",),
+    ),
+    Family(
+        "qwen3_next", ("Qwen3NextForCausalLM",),
+        drafter="`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, "
+                "`mtp.layers.0.*`, `mtp.norm` (embedding and head shared with the target)",
+        loads="nothing", target="no: linear-attention (Gated DeltaNet) layers", runs="no",
+        blocked=("its own MTP names (`mtp.*`, `fc` on [embedding, hidden]) and a gated attention "
+                 "(`q_proj` emits query and gate), zero-centred RMSNorms (weight + 1), per-head "
+                 "q/k norms, partial rotary, a MoE with `shared_expert_gate`: none in the layer "
+                 "library yet",),
+    ),
+)
+
+_BY_TYPE = {f.model_type: f for f in FAMILIES}
+_BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
+
+
+def family_label(d: Mapping[str, Any]) -> str:
+    """`Arch (model_type 'x')` as a config names it, for messages."""
+    archs, mt = d.get("architectures"), d.get("model_type")
+    arch = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures"
+    return f"{arch} (model_type {mt!r})"
+
+
+def check_family(d: Mapping[str, Any], source: str = "config") -> Family:
+    """The family a config.json describes, after every rule of it passed; raises otherwise."""
+    label = family_label(d)
+    archs, mt = d.get("architectures"), d.get("model_type")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise UnsupportedArchitectureError(f"{source}: config field 'architectures' = {archs!r}: "
+                                           "expected a list of class names")
+    by_arch = {_BY_ARCH.get(a) for a in archs or []}
+    if mt is None and not archs:
+        raise UnsupportedArchitectureError(f"{source}: neither 'model_type' nor 'architectures' is "
+                                           f"set, so the family is unknown; known: {_known()}")
+    family = _BY_TYPE.get(mt) if mt is not None else next(iter(by_arch))
+    if family is None or None in by_arch or len(by_arch - {family}) > 0:
+        what = "not in the family table" if family is None or None in by_arch else \
+            "disagree (architectures and model_type name different families)"
+        raise UnsupportedArchitectureError(f"{source}: {label}: {what}; known: {_known()}")
+    if family.blocked:
+        raise UnsupportedArchitectureError(
+            f"{source}: {label} is a known family that cannot run yet: {'; '.join(family.blocked)}")
+    for rule in family.rules:
+        if rule.violated(d):
+            raise UnsupportedConfigError(
+                f"{source}: config field {rule.field!r} = {rule.value(d)!r} ({label}): the head "
+                f"implements only {' / '.join(repr(a) for a in rule.allowed)}; {rule.why}")
+    return family
+
+
+def _known() -> str:
+    return ", ".join(f"{f.architectures[0]} ({f.model_type})" for f in FAMILIES)
+
+
+def markdown_table() -> str:
+    """The README's "Supported architectures" table."""
+    rows = ["| architecture / `model_type` | drafter layout | loads | target | drafter | refused, and why |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for f in FAMILIES:
+        refused = "<br>".join([*f.refused, *(() if f.blocked else (_TENSORS,))])
+        rows.append(f"| {', '.join(f.architectures)} / `{f.model_type}` | {f.drafter} | {f.loads} | "
+                    f"{f.target} | {f.runs} | {refused} |")
+    return "\n".join(rows) + "\n"
