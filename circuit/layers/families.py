@@ -7,6 +7,7 @@ architectures" section is `markdown_table()`, checked equal by a test.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -71,9 +72,13 @@ class Family:
 
     @property
     def refused(self) -> tuple[str, ...]:
-        by_rule = tuple(f"`{r.field}` other than {' / '.join(repr(a) for a in r.allowed)}: {r.why}"
-                        for r in self.rules)
-        return self.blocked + by_rule
+        """`blocked`, then the rules grouped by reason: `a`, `b` other than x: why."""
+        by_why: dict[str, list[FieldRule]] = {}
+        for r in self.rules:
+            by_why.setdefault(r.why, []).append(r)
+        return self.blocked + tuple(
+            f"{', '.join(f'`{r.field}`' for r in rules)} other than "
+            f"{' / '.join(json.dumps(a) for a in rules[0].allowed)}: {why}" for why, rules in by_why.items())
 
 
 _NO_BIAS = "the projections have no bias: `add` takes equal shapes, no [out] bias broadcast over rows"
@@ -88,14 +93,14 @@ _COMMON = (
 _TENSORS = ("any tensor inside a module the head runs that it has no use for (a `.bias`, "
             "`self_attn.q_norm` / `k_norm`, an MoE gate under a dense MLP): it changes that "
             "module's math")
-_MTP_NAMES = ("`embed_tokens`, `enorm`, `hnorm`, `eh_proj`, the decoder block, `shared_head.norm`, "
-              "`shared_head.head` under `model.layers.{num_hidden_layers}.` (or `model.layers.0.` "
-              "exported alone)")
+_MTP_NAMES = "DeepSeek-V3 MTP names (as for `llama`)"
 
 FAMILIES: tuple[Family, ...] = (
     Family(
         "llama", ("LlamaForCausalLM",),
-        drafter=f"DeepSeek-V3 MTP names: {_MTP_NAMES}; Llama block; MLP dense SwiGLU, or MoE when "
+        drafter="DeepSeek-V3 MTP names: `embed_tokens`, `enorm`, `hnorm`, `eh_proj`, the decoder "
+                "block, `shared_head.norm`, `shared_head.head` under `model.layers.{num_hidden_layers}.` "
+                "(or `model.layers.0.` exported alone); Llama block; MLP dense SwiGLU, or MoE when "
                 "config.json names an expert count (`mlp.gate`, `e_score_correction_bias`, "
                 "`mlp.experts.{e}.*`, `mlp.shared_experts.*`, bf16 or fp8 with `weight_scale_inv`)",
         loads="target: `model.embed_tokens`, `model.layers.{l}`, `model.norm`, `lm_head` (tied or "
