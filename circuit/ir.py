@@ -3,38 +3,60 @@
 A `Circuit` is plain data (frozen pydantic models) that prints as a program, round-trips through
 versioned JSON and has a stable `fingerprint()`. Passes reach its graph only through
 `topo_order()`, `users()` and `producer()`; the networkx graph behind them is built once, lazily.
+Each node records its `origin` (the layer line that built it): carried in JSON, shown in errors,
+never printed and never part of the fingerprint. An input may declare its `neutral` value: what
+an inert (padded) row holds.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import networkx as nx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draft_circuit.circuit.types import (DTYPE_BYTES, DTYPES, ROW, CircuitError, Dim,  # noqa: F401
                                          TensorSpec)
 
 SCHEMA_VERSION = 1
 Kind = Literal["input", "param", "state", "temp", "output"]
+FUSED_SEP = "+"  # fusion passes name a fused node part+part: no other node may use it
+SCRATCH_BLOCK = "scratch_block"  # a neutral that stands for the runner's scratch block id
+Neutral = Union[int, float, Literal["scratch_block"], None]
+MAX_JSON_DEPTH = 64  # circuit JSON is shallow (attrs are numbers and short lists)
 
 
 class Value(BaseModel):
     """A named tensor of the circuit. A state value is one version of a storage owned outside."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
     name: str
     dtype: str
     shape: tuple[Dim, ...]
     kind: Kind
     storage: str | None = None  # state values: the root state all versions share
     version: int = 0
+    # inputs: what an inert row holds (None: zero); "scratch_block": the runner's scratch block
+    neutral: Neutral = None
 
     @property
     def spec(self) -> TensorSpec:
         return TensorSpec(dtype=self.dtype, shape=self.shape)
+
+
+class Origin(BaseModel):
+    """Where a node was built: the repo-relative file and line that called the builder, and the
+    builder scope it was in ("" outside any)."""
+
+    model_config = ConfigDict(frozen=True)
+    file: str
+    line: int
+    scope: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}" + (f" in scope {self.scope}" if self.scope else "")
 
 
 class Node(BaseModel):
@@ -47,12 +69,19 @@ class Node(BaseModel):
     outputs: tuple[str, ...]
     attrs: dict[str, Any] = Field(default_factory=dict)
     fused: tuple[str, ...] = ()  # the original nodes a fusion pass replaced with this one
+    # one entry per original node (a fused node keeps its parts' origins, in `fused` order)
+    origin: tuple[Origin, ...] = ()
+
+    @property
+    def where(self) -> str | None:
+        """The origin as one line for messages (None when the node records none)."""
+        return "; ".join(dict.fromkeys(str(o) for o in self.origin)) or None
 
 
 class Circuit(BaseModel):
     """An immutable DAG of nodes over values, with row-symbol bounds and named outputs."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
     schema_version: int = SCHEMA_VERSION
     name: str
     symbols: dict[str, tuple[int, int]]  # symbol -> inclusive (low, high) bounds
@@ -174,17 +203,33 @@ class Circuit(BaseModel):
         return self.model_dump_json(indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "Circuit":
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> "Circuit":
+        """The circuit a `to_json()` text holds; anything else is a CircuitError saying why."""
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise CircuitError(f"circuit JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
+        except (TypeError, ValueError) as e:  # JSONDecodeError and undecodable bytes
+            raise CircuitError(f"circuit JSON does not parse: {e}") from None
+        if not isinstance(data, dict):
+            raise CircuitError(f"circuit JSON must be an object, got {type(data).__name__}")
+        if _depth(data) > MAX_JSON_DEPTH:
+            raise CircuitError(f"circuit JSON nests deeper than {MAX_JSON_DEPTH} levels")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise CircuitError(f"circuit JSON schema_version {version!r}; this build reads "
                                f"{SCHEMA_VERSION}")
-        return cls.model_validate(data)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise CircuitError(f"circuit JSON does not fit the schema: "
+                               f"{e.errors(include_url=False)}") from None
 
     def fingerprint(self) -> str:
-        """sha256 of the canonical JSON: stable across processes, the compiled-program cache key."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical JSON: stable across processes, the compiled-program cache key.
+        Origins are left out: moving a layer's line must not invalidate compiled programs."""
+        data = self.model_dump(mode="json", exclude={"nodes": {"__all__": {"origin"}}})
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def replace(self, *, nodes: tuple[Node, ...] | list[Node] | None = None,
@@ -195,6 +240,18 @@ class Circuit(BaseModel):
                        values=tuple(self.values if values is None else values),
                        nodes=tuple(self.nodes if nodes is None else nodes),
                        outputs=tuple(self.outputs if outputs is None else outputs))
+
+
+def _depth(data: Any) -> int:
+    """How deep lists and objects nest in loaded JSON (iterative: no recursion to exhaust)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return deepest
 
 
 def _fmt_attr(v: Any) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from draft_circuit.circuit.ir import Circuit
+from draft_circuit.circuit.ir import Circuit, Origin
 from draft_circuit.circuit.program import Launch, Program
 
 REPORT_SCHEMA_VERSION = 1
@@ -30,6 +30,7 @@ class NodeInfo(BaseModel):
     outputs: list[str]
     shapes: dict[str, str]  # value -> printed spec, for every input and output
     fused: list[str]
+    origin: list[Origin] = []  # the layer lines that built it (a fused node: each part's)
 
 
 class WidthReport(BaseModel):
@@ -112,7 +113,7 @@ def node_infos(c: Circuit) -> list[NodeInfo]:
     return [NodeInfo(name=n.name, op=n.op, step=step_of(n.name), attrs=dict(n.attrs),
                      inputs=list(n.inputs), outputs=list(n.outputs),
                      shapes={v: str(c.value(v).spec) for v in (*n.inputs, *n.outputs)},
-                     fused=list(n.fused))
+                     fused=list(n.fused), origin=list(n.origin))
             for n in c.topo_order()]
 
 

@@ -26,15 +26,19 @@ DTYPE_BYTES: dict[str, int] = {
 
 
 class CircuitError(ValueError):
-    """A malformed circuit or a failed circuit rule; names the node, the op and the shapes."""
+    """A malformed circuit or a failed circuit rule; names the node, the op, the shapes and the
+    origin (the layer line that built the node, when known)."""
 
     def __init__(self, message: str, *, node: str | None = None, op: str | None = None,
-                 shapes: str | None = None) -> None:
+                 shapes: str | None = None, origin: str | None = None) -> None:
         self.node, self.op, self.shapes, self.detail = node, op, shapes, message
+        self.origin = origin
         where = f"node {node!r}" + (f" (op {op})" if op else "") if node else (f"op {op}" if op else "")
         text = f"{where}: {message}" if where else message
         if shapes:
             text += f" [{shapes}]"
+        if origin:
+            text += f" (built at {origin})"
         super().__init__(text)
 
 

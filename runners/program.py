@@ -34,6 +34,7 @@ class BoundLaunch:
     op: str
     kernel: str
     slots: tuple[str, ...]  # where each output lives (debug checks skip states)
+    origin: str = ""  # " (built at <layer line>)" for debug messages; "" when unknown
 
 
 def reference_launch(op_name: str) -> LaunchFn:
@@ -143,14 +144,16 @@ class ProgramRunner:
             fresh = [o for o, slot in zip(x.outputs, x.slots) if slot != "state"]
             for t in fresh:
                 if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise FloatingPointError(f"launch {x.node!r} wrote a non-finite value")
+                    raise FloatingPointError(f"launch {x.node!r} wrote a non-finite value"
+                                             f"{x.origin}")
             if self._debug >= 3 and x.kernel != REFERENCE:
                 want = get_op(x.op).reference([t.clone() for t in x.inputs], x.attrs)
                 for got, ref, slot in zip(x.outputs, want, x.slots):
                     if slot != "state" and not torch.allclose(got.float(), ref.float(),
                                                               atol=2e-2, rtol=2e-2):
                         raise FloatingPointError(f"launch {x.node!r} ({x.kernel}) differs from "
-                                                 f"its reference by {(got.float() - ref.float()).abs().max()}")
+                                                 f"its reference by {(got.float() - ref.float()).abs().max()}"
+                                                 f"{x.origin}")
 
     # ---- binding ----
     def _bind(self, launch: Launch, width: int) -> BoundLaunch:
@@ -160,7 +163,8 @@ class ProgramRunner:
                            outputs=[self._view(s, width) for s in launch.outputs],
                            workspace=[self._view(s, width) for s in launch.workspace],
                            attrs=op.parse_attrs(launch.attrs), node=launch.node, op=launch.op,
-                           kernel=launch.kernel, slots=tuple(s.where for s in launch.outputs))
+                           kernel=launch.kernel, slots=tuple(s.where for s in launch.outputs),
+                           origin=_built_at(self.circuit, launch.node))
 
     def _view(self, s: Slot, width: int) -> torch.Tensor:
         dtype = torch_dtype(s.dtype)
@@ -173,6 +177,11 @@ class ProgramRunner:
             return state_view(self.circuit, s.name, self.states[s.name], width)
         return _leading((self.static_inputs if s.where == "input" else self.static_outputs)[s.name],
                         s.shape)
+
+
+def _built_at(c: Circuit, node: str) -> str:
+    where = c.node(node).where  # launches are the compiled circuit's nodes
+    return f" (built at {where})" if where else ""
 
 
 def _leading(buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,36 +1,40 @@
 """The MTP draft proposer: what a host engine calls (DESIGN.md, "The proposer contract").
 
 `propose` drafts one sequence on the one-row program; `propose_batch` drafts n sequences in one
-run of the n-row program, or returns None ("not served here: propose each alone") before
-anything runs. Both forwards, `circuit` (compiled programs, CUDA graphs on a GPU) and `eager`
-(the oracle), share one code path that differs only in the runner that executes the chain, so
-they behave the same. Drafter KV lives in a paged pool whose block 0 is the scratch block inert
-rows point at. This module is the contract's glue; the rules live in proposer_state.py.
+n-row run, or returns None ("not served here: propose each alone") before anything runs, and
+records how it was served in `last_served`. Chains run on `DraftRunner`s (runners/protocol.py)
+that a factory builds at construction (compiled programs for `forward="circuit"`, the eager
+oracle for `"eager"`) and that a host may replace (`set_circuit_draft`): one code path, whatever
+runs the chain. Drafter KV lives in a paged pool whose block 0 is the scratch block inert rows
+point at. This module is the contract only: the rules live in proposer_state.py, the checks and
+runner inputs in proposer_inputs.py, the runners and their factories in chains.py.
 """
 from __future__ import annotations
 
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
 import torch
 
-from draft_circuit.circuit.ir import Circuit
-from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.ops.attention import TokenError
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from draft_circuit.ops.sampling import mask_words
-from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
-from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.chains import (ChainRunners, DraftBinding, RunnerFactory,
+                                          compiled_runners, eager_runner)
+from draft_circuit.runners.contract import Served
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
-from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, kept_drafts,
-                                    rows_to_trim)
+from draft_circuit.runners.protocol import DraftRunner
+from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, catchup_chunks,
+                                                   chain_inputs, check_bitmask, check_tokens,
+                                                   grow_all)
+from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, free_all,
+                                                  install_kv, kept_drafts, record_drafts, settle,
+                                                  take_kv, trim_after_verify)
+
+__all__ = ["DraftBinding", "MtpProposer", "SCRATCH_BLOCK", "Served"]
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # once-per-process warnings
-SCRATCH_BLOCK = 0
 
 
 def warn_once(key: str, message: str) -> None:
@@ -39,21 +43,17 @@ def warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
-@dataclass(frozen=True)
-class DraftBinding:
-    """A draft circuit and the params it binds: what a host compiles for `--forward circuit`."""
-
-    circuit: Circuit
-    params: Mapping[str, torch.Tensor]
-
-
 class MtpProposer:
     def __init__(self, head: MtpHead, params: Mapping[str, torch.Tensor], *, num_drafts: int,
                  num_blocks: int, block_size: int = 16, max_blocks_per_seq: int,
                  max_width: int = 64, widths: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                  forward: Literal["eager", "circuit"] = "circuit", device: str = "cpu",
                  kv_exact: bool = True, refeed: bool = False,
-                 draft_confidence_stop: float | None = None) -> None:
+                 draft_confidence_stop: float | None = None,
+                 factory: RunnerFactory | None = None) -> None:
+        """`factory` builds each chain's runner (default: compiled at `widths` for "circuit",
+        the eager oracle for "eager"); the chains every step uses are built here, not on the
+        first propose."""
         if forward not in ("eager", "circuit"):
             raise ProposerError(f"forward must be 'eager' or 'circuit', got {forward!r}")
         if draft_confidence_stop is not None and not 0 < draft_confidence_stop <= 1:
@@ -73,56 +73,57 @@ class MtpProposer:
         self.states = {"k_cache": torch.zeros(shape, dtype=dt, device=device),
                        "v_cache": torch.zeros(shape, dtype=dt, device=device),
                        "embed_target": torch.zeros(max_width, c.hidden_size, dtype=dt, device=device)}
-        self._runners: dict[tuple[int, bool], object] = {}
-        self._installed: object | None = None
+        if factory is None:
+            factory = compiled_runners(self.widths, device=device) if forward == "circuit" \
+                else eager_runner
+        self.chains = ChainRunners(self.circuit_draft, factory)
         self._deferred: torch.Tensor | None = None
         self.stats: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        if forward == "circuit":
-            self.warm_up()
+        self.last_served: Served | None = None
+        self.warm_up()
 
     def warm_up(self) -> None:
-        """Compile (and on a GPU capture) the chains every engine step uses, now rather than on
-        the first propose: the k-step chain and the one-step catch-up chain. A masked chain or
-        another k is compiled on first use."""
-        self._runner(self.num_drafts, False)
-        self._runner(1, False)
+        """Build (compile, and on a GPU capture) the chains every engine step uses: the k-step
+        chain and the one-step catch-up chain. A masked chain or another k is built on first use."""
+        self.chains.get(self.num_drafts, False)
+        self.chains.get(1, False)
 
-    # ---- circuit binding (the host may compile and install the runner itself) ----
+    # ---- circuit binding (the host may compile and install the runners itself) ----
     def circuit_draft(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftBinding:
-        return DraftBinding(self._chain(num_drafts or self.num_drafts, bitmask), self.params)
+        """The chain of `num_drafts` steps (default: the proposer's k) and what its runner binds."""
+        k = num_drafts or self.num_drafts
+        chain = emit_draft_chain(self.head, k, max_width=self.max_width, kv=self.kv,
+                                 bitmask=bitmask, embed_target=True, confidence_stop=True)
+        return DraftBinding(chain, self.params, self.states, SCRATCH_BLOCK, row_order=k == 1,
+                            notes=self.head.plan_notes())
 
-    def set_circuit_draft(self, runner: object | None) -> None:
-        """Install the host-compiled runner of the default chain, or remove it (eager drafting)."""
-        self._installed = runner
-        self.forward = "circuit" if runner is not None else "eager"
-        self._runners.clear()
+    def set_circuit_draft(self, runner: DraftRunner | None, *, num_drafts: int | None = None,
+                          bitmask: bool = False) -> None:
+        """Install a host-built runner for one chain (default: the k-step chain; build it from
+        `circuit_draft` with the same arguments, bound to its states), or, with None, remove every
+        installed runner: all chains then draft on the eager oracle."""
+        if runner is None:
+            self.chains.reset(eager_runner)
+            self.forward = "eager"
+            return
+        if not isinstance(runner, DraftRunner) or not runner.serves(1):
+            raise ProposerError(f"set_circuit_draft: {runner!r} is not a DraftRunner serving width 1 "
+                                "(propose drafts one sequence on the one-row program)")
+        self.chains.install((num_drafts or self.num_drafts, bitmask), runner)
+        self.forward = "circuit"
 
-    def _chain(self, k: int, bitmask: bool) -> Circuit:
-        return emit_draft_chain(self.head, k, max_width=self.max_width, kv=self.kv, bitmask=bitmask,
-                                embed_target=True, confidence_stop=True)
+    def chain_runner(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftRunner:
+        """The runner that drafts `num_drafts` steps (built now if it was not yet)."""
+        return self.chains.get(num_drafts or self.num_drafts, bitmask)
 
-    def _runner(self, k: int, bitmask: bool):
-        key = (k, bitmask)
-        if key not in self._runners:
-            if self.forward == "eager":
-                self._runners[key] = EagerRunner(self._chain(k, bitmask), self.params, self.states)
-            elif self._installed is not None and key == (self.num_drafts, False):
-                self._runners[key] = self._installed
-            else:
-                compiled = compile_draft(self._chain(k, bitmask), self.params, self.widths,
-                                         device=self.device, notes=self.head.plan_notes())
-                # catch-up rows of one sequence must run in row order: pad, never split
-                policy = WidthPolicy(allow_split=k > 1)
-                self._runners[key] = CircuitDraftRunner(compiled, self.states,
-                                                        scratch_block=SCRATCH_BLOCK, policy=policy)
-        return self._runners[key]
-
-    def _execute(self, k: int, bitmask: bool, n: int, inputs: dict) -> dict[str, torch.Tensor]:
-        runner = self._runner(k, bitmask)
-        if isinstance(runner, EagerRunner):
-            self.stats["eager"][n] += 1
-            return runner.run(inputs)
+    def _execute(self, k: int, rows: ChainRows,
+                 bitmask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        runner, n = self.chains.get(k, bitmask is not None), len(rows.tokens)
         self.stats[runner.plan(n).kind][n] += 1
+        inputs = chain_inputs(rows, log_tau=self.log_tau, dtype=getattr(torch, self.head.dtype),
+                              device=self.device)
+        if bitmask is not None:
+            inputs["bitmask"] = bitmask
         return runner.run(n, inputs)
 
     # ---- states ----
@@ -131,23 +132,15 @@ class MtpProposer:
                                 blocks=SequenceBlocks(self.pool, self.kv.block_size,
                                                       self.kv.max_blocks_per_seq))
 
+    def _is_mine(self, state: object) -> bool:
+        return isinstance(state, MtpProposerState) and state.owner == id(self)
+
     def _own(self, state: object) -> MtpProposerState:
-        if not isinstance(state, MtpProposerState) or state.owner != id(self):
+        if not self._is_mine(state):
             raise ProposerError(f"state {state!r} does not belong to this proposer")
-        self._settle(state)
+        assert isinstance(state, MtpProposerState)
+        settle(state)
         return state
-
-    def _settle(self, state: MtpProposerState) -> None:
-        """Read a deferred propose's drafts (the one host sync it postponed) into the state."""
-        if state.pending is not None:
-            drafts, rows, position = state.pending
-            state.pending = None
-            self._record(state, kept_drafts(drafts.tolist()), rows, position)
-
-    def _record(self, state: MtpProposerState, drafts: list[int], rows: int, position: int) -> None:
-        state.blocks.set_rows(rows + len(drafts))  # a stopped row wrote no further row
-        state.last_num_drafted, state.last_drafts = len(drafts), drafts
-        state.last_pair_key = position + len(drafts) - 1 if drafts else state.last_pair_key
 
     def drafter_rows(self, state: MtpProposerState) -> int:
         return self._own(state).rows
@@ -157,8 +150,7 @@ class MtpProposer:
 
     # ---- drafting ----
     def propose_batch_max(self) -> int:
-        runner = self._runner(self.num_drafts, False)
-        return runner.max_width if not isinstance(runner, EagerRunner) else self.max_width
+        return self.chains.get(self.num_drafts, False).max_width
 
     def refusal(self, n: int) -> str | None:
         """Why a batch of n cannot take the n-row path (None: it can); the head decides (an MoE
@@ -167,7 +159,7 @@ class MtpProposer:
 
     def propose(self, last_token: int, target_hidden: torch.Tensor, position: int,
                 num_drafts: int, state: MtpProposerState, *, embed_target: torch.Tensor | None = None,
-                bitmask: torch.Tensor | None = None):
+                bitmask: torch.Tensor | None = None) -> list[int] | torch.Tensor:
         """One sequence on the one-row program. With `embed_target` the drafts stay on the device
         (returned as a tensor, -1 after a stop) and the last kept draft's embedding is written
         into it; nothing is copied to the host before this returns."""
@@ -180,36 +172,44 @@ class MtpProposer:
             state.pending = (drafts, rows[0], position)
             self._deferred = drafts
             return drafts
-        self._record(state, kept_drafts(out["drafts"][0].tolist()), rows[0], position)
+        record_drafts(state, kept_drafts(out["drafts"][0].tolist()), rows[0], position)
         return state.last_drafts
 
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
                       positions: Sequence[int], num_drafts: int, states: Sequence[object], *,
                       bitmask: torch.Tensor | None = None,
                       out_conf: list | None = None) -> list[list[int]] | None:
+        """Every sequence in one n-row run, or None before anything runs (then propose each
+        alone). `last_served` says which, and why when refused; `out_conf` receives each kept
+        draft's confidence (its top-1 log-probability)."""
         n = len(last_tokens)
-        if not all(isinstance(s, MtpProposerState) and s.owner == id(self) for s in states):
-            return None  # a state of another proposer: the caller drafts each alone
-        runner = self._runner(num_drafts, bitmask is not None)
-        if not isinstance(runner, EagerRunner) and not runner.serves(n):
-            return None
-        if n > self.max_width:
-            return None
-        reason = self.refusal(n)
+        reason = self._batch_refusal(n, num_drafts, states, bitmask is not None)
         if reason is not None:
-            warn_once(f"refuse:{reason}", f"propose_batch refused ({reason}); drafting each "
-                                          "sequence alone")
+            self.last_served = Served("refused", n, reason)
             return None
-        states = [self._own(s) for s in states]
-        out, rows = self._draft(last_tokens, target_hiddens, positions, num_drafts, states, bitmask)
+        mine = [self._own(s) for s in states]
+        out, rows = self._draft(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask)
+        self.last_served = Served(self.chains.get(num_drafts, bitmask is not None).plan(n).kind, n)
         drafts, confs = out["drafts"].tolist(), out["confidences"].tolist()
         result = []
-        for state, row, conf, r, p in zip(states, drafts, confs, rows, positions):
-            self._record(state, kept_drafts(row), r, p)
+        for state, row, r, p in zip(mine, drafts, rows, positions):
+            record_drafts(state, kept_drafts(row), r, p)
             result.append(state.last_drafts)
         if out_conf is not None:
             out_conf[:] = [c[:len(d)] for c, d in zip(confs, result)]
         return result
+
+    def _batch_refusal(self, n: int, k: int, states: Sequence[object], masked: bool) -> str | None:
+        if not all(self._is_mine(s) for s in states):
+            return "a state of another proposer"  # the caller drafts each alone
+        runner = self.chains.get(k, masked)
+        if not runner.serves(n):
+            return f"width {n} is not served (the {k}-step chain serves up to {runner.max_width})"
+        reason = self.refusal(n)
+        if reason is not None:
+            warn_once(f"refuse:{reason}", f"propose_batch refused ({reason}); drafting each "
+                                          "sequence alone")
+        return reason
 
     def _draft(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
                k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None):
@@ -221,45 +221,21 @@ class MtpProposer:
             raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
                                 f"[{n}, {c.hidden_size}]; got {len(states)} states, "
                                 f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
-        _check_tokens(tokens, c.vocab_size)
+        check_tokens(tokens, c.vocab_size)
         if bitmask is not None:
-            bitmask = _check_bitmask(bitmask, n, c.vocab_size).to(self.device)
+            bitmask = check_bitmask(bitmask, n, c.vocab_size).to(self.device)
             if k > 1:
                 warn_once("mask", "grammar-masked drafting with num_drafts > 1: the mask is held "
                                   "fixed across draft positions; acceptance may drop")
-        rows = [s.rows for s in states]
-        self._grow(states, [r + k for r in rows])
-        inputs = self._rows_inputs(tokens, hiddens, positions, states, rows)
-        if bitmask is not None:
-            inputs["bitmask"] = bitmask
+        live = [s.rows for s in states]
+        grow_all(states, [r + k for r in live])
+        rows = ChainRows(list(tokens), hiddens, list(positions), states, live)
         try:
-            return self._execute(k, bitmask is not None, n, inputs), rows
+            return self._execute(k, rows, bitmask), live
         except Exception:
             for s in states:
                 s.blocks.release_unused()
             raise
-
-    def _grow(self, states: list[MtpProposerState], rows: list[int]) -> None:
-        grown = []
-        try:
-            for s, r in zip(states, rows):
-                s.blocks.ensure_rows(r)
-                grown.append(s)
-        except Exception:
-            for s in grown:  # nothing half-allocated: give back what this call took
-                s.blocks.release_unused()
-            raise
-
-    def _rows_inputs(self, tokens, hiddens, positions, states, live) -> dict[str, torch.Tensor]:
-        dev, n = self.device, len(tokens)
-        tables = [s.blocks.table_row(SCRATCH_BLOCK) for s in states]
-        return {"tokens": torch.tensor(list(tokens), dtype=torch.int32, device=dev),
-                "hidden": hiddens.to(device=dev, dtype=getattr(torch, self.head.dtype)),
-                "positions": torch.tensor(list(positions), dtype=torch.int32, device=dev),
-                "block_tables": torch.tensor(tables, dtype=torch.int32, device=dev),
-                "live_rows": torch.tensor(list(live), dtype=torch.int32, device=dev),
-                "active": torch.ones(n, dtype=torch.int32, device=dev),
-                "log_tau": torch.full((n,), self.log_tau, dtype=torch.float32, device=dev)}
 
     def read_deferred_draft_token(self) -> int:
         """The last kept draft of the latest deferred propose (this is where the host syncs)."""
@@ -300,76 +276,31 @@ class MtpProposer:
             if not 0 <= b <= s.rows:
                 raise ProposerError(f"catch-up row_base {b} must be within 0..{s.rows}")
         for ts in tokens:
-            _check_tokens(list(ts), self.head.config.vocab_size)
-        self._grow(states, [b + len(t) for b, t in zip(bases, tokens)])
-        flat = [(s, t, h, p + i, b + i) for s, ts, hs, p, b in zip(states, tokens, hiddens, first_pos, bases)
-                for i, (t, h) in enumerate(zip(ts, hs))]
-        for start in range(0, len(flat), self.max_width):
-            chunk = flat[start:start + self.max_width]
-            inputs = self._rows_inputs([t for _, t, _, _, _ in chunk],
-                                       torch.stack([h for _, _, h, _, _ in chunk]),
-                                       [p for _, _, _, p, _ in chunk], [s for s, *_ in chunk],
-                                       [r for *_, r in chunk])
-            self._execute(1, False, len(chunk), inputs)
+            check_tokens(list(ts), self.head.config.vocab_size)
+        grow_all(states, [b + len(t) for b, t in zip(bases, tokens)])
+        chunks = catchup_chunks(tokens, hiddens, first_pos, states, bases, self.max_width)
+        for chunk in chunks:
+            self._execute(1, chunk)
         for s, b, t, p in zip(states, bases, tokens, first_pos):
             if t:
                 s.blocks.set_rows(max(s.rows, b + len(t)))
                 s.last_pair_key = p + len(t) - 1
-        return len(flat)
+        return sum(len(c.tokens) for c in chunks)
 
     # ---- after verify and hand-over ----
     def after_verify(self, num_accepted: int, state: MtpProposerState) -> None:
-        state = self._own(state)
-        if not 0 <= num_accepted <= max(state.last_num_drafted, 0):
-            raise ProposerError(f"num_accepted {num_accepted} exceeds the {state.last_num_drafted} "
-                                "drafts of the last propose")
-        trim = min(rows_to_trim(state.last_num_drafted, num_accepted, kv_exact=self.kv_exact,
-                                refeed=self.refeed), state.rows)
-        if trim:
-            state.blocks.set_rows(state.rows - trim)
-            if state.last_pair_key is not None:
-                state.last_pair_key -= trim
-        state.last_num_drafted = 0  # a second call trims nothing more
+        trim_after_verify(self._own(state), num_accepted, kv_exact=self.kv_exact, refeed=self.refeed)
 
     def take_drafter_kv(self, state: MtpProposerState) -> tuple[list[int], int, int | None] | None:
-        state = self._own(state)
-        if not state.blocks.blocks or state.rows == 0:
-            return None
-        key = state.last_pair_key
-        blocks, rows = state.blocks.take()
-        state.last_pair_key, state.last_num_drafted = None, 0
-        return blocks, rows, key
+        return take_kv(self._own(state))
 
     def install_drafter_kv(self, state: MtpProposerState, blocks: Sequence[int], rows: int,
                            last_pair_key: int | None) -> bool:
-        state = self._own(state)
-        if not state.is_empty() or not state.blocks.install(blocks, rows):
-            return False
-        state.last_pair_key = last_pair_key
-        return True
+        return install_kv(self._own(state), blocks, rows, last_pair_key)
 
     def free_drafter_kv(self, blocks: Sequence[int]) -> None:
         if blocks:
             self.pool.free(blocks)
 
     def free_state(self, state: MtpProposerState) -> None:
-        state = self._own(state)
-        state.blocks.free()
-        state.last_pair_key, state.last_num_drafted, state.last_drafts = None, 0, []
-
-
-def _check_tokens(tokens: Sequence[int], vocab: int) -> None:
-    for i, t in enumerate(tokens):
-        if not isinstance(t, int) or not 0 <= t < vocab:
-            raise TokenError(f"token {t!r} at row {i} is outside the vocabulary [0, {vocab})")
-
-
-def _check_bitmask(bitmask: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
-    words = mask_words(vocab)
-    if bitmask.dtype != torch.int32:
-        raise ProposerError(f"bitmask must be int32, got {bitmask.dtype}")
-    mask = bitmask.view(1, -1) if bitmask.dim() == 1 else bitmask
-    if mask.shape != (n, words):
-        raise ProposerError(f"bitmask must be [{n}, {words}] (ceil({vocab}/32) words a row), got "
-                            f"{list(bitmask.shape)}")
-    return mask
+        free_all(self._own(state))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_circuit.circuit.builder import CircuitBuilder
-from draft_circuit.circuit.ir import ROW, Circuit
+from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig
 from draft_circuit.ops.sampling import mask_words
 
@@ -135,14 +135,19 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     c, dt = head.config, head.dtype
     b = CircuitBuilder(name, max_width=max_width)
-    tokens = b.input("tokens", "int32", (ROW,))
-    hidden = b.input("hidden", dt, (ROW, c.hidden_size))
-    positions = b.input("positions", "int32", (ROW,))
-    tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq))
-    live = b.input("live_rows", "int32", (ROW,))
-    active = b.input("active", "int32", (ROW,))
-    mask = b.input("bitmask", "int32", (ROW, mask_words(c.vocab_size))) if bitmask else None
-    log_tau = b.input("log_tau", "float32", (ROW,)) if confidence_stop else None
+    # neutral: what an inert (padded) row holds. It drafts nothing and writes no KV (active 0);
+    # every block it could follow is the runner's scratch block, so even a kernel that ignored
+    # `active` could only touch scratch; its mask allows every token and it never stops early.
+    tokens = b.input("tokens", "int32", (ROW,), neutral=0)
+    hidden = b.input("hidden", dt, (ROW, c.hidden_size), neutral=0)
+    positions = b.input("positions", "int32", (ROW,), neutral=0)
+    tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq), neutral=SCRATCH_BLOCK)
+    live = b.input("live_rows", "int32", (ROW,), neutral=0)
+    active = b.input("active", "int32", (ROW,), neutral=0)
+    mask = b.input("bitmask", "int32", (ROW, mask_words(c.vocab_size)), neutral=-1) \
+        if bitmask else None
+    log_tau = b.input("log_tau", "float32", (ROW,), neutral=float("-inf")) \
+        if confidence_stop else None
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
     k_cache, v_cache = b.state("k_cache", dt, cache_shape), b.state("v_cache", dt, cache_shape)
     target = b.state("embed_target", dt, (ROW, c.hidden_size)) if embed_target else None

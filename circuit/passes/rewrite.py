@@ -30,4 +30,6 @@ def fused_node(name: str, op: str, inputs: tuple[str, ...], outputs: tuple[str, 
                attrs: dict, parts: tuple[Node, ...]) -> Node:
     """A node standing for `parts`, recording their names so programs can show the group."""
     fused = tuple(x for p in parts for x in (p.fused or (p.name,)))
-    return Node(name=name, op=op, inputs=inputs, outputs=outputs, attrs=attrs, fused=fused)
+    origin = tuple(o for p in parts for o in p.origin)  # the parts' layer lines, in fused order
+    return Node(name=name, op=op, inputs=inputs, outputs=outputs, attrs=attrs, fused=fused,
+                origin=origin)

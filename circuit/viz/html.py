@@ -1,6 +1,7 @@
 """`write_html(report, path)`: plan.html, one self-contained page (inline CSS, JS and SVG; the
 report embedded as JSON; nothing fetched) showing the DAG by draft step, a width's arena plan
-over schedule time, the per-width table and, on hover or click, a node's attrs, shapes, cost."""
+over schedule time, the per-width table and, on hover or click, a node's attrs, shapes, cost and
+the layer line that built it."""
 from __future__ import annotations
 
 import json

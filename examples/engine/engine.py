@@ -1,7 +1,8 @@
 """`Engine`: batched greedy speculative decoding over a Llama target and its MTP head.
 
 The constructor reads as the lifecycle: size the KV pools, build the target circuit, build the
-proposer (compiling the draft chain's widths for --forward circuit), then the scheduler. Each
+proposer (for --forward circuit, compile its chains' bindings and install the runners), then the
+scheduler. Each
 `step` admits and prefills what fits, then runs one decode step for the whole running batch:
 draft, verify every sequence's [last token, drafts...] in one target pass, accept, trim, catch
 up. The output is target-only greedy decoding's, token for token.
@@ -22,6 +23,7 @@ from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
+from draft_circuit.runners.chains import compile_chain
 from draft_circuit.runners.kv_cache import BlockPool
 from draft_circuit.runners.proposer import MtpProposer
 
@@ -96,11 +98,18 @@ class Engine:
         widths = tuple(w for w in cfg.widths if w >= 1)
         if not widths:
             raise EngineError(f"--widths {cfg.widths}: give at least one width >= 1")
-        return MtpProposer(head, head.bind(checkpoint.mtp), num_drafts=cfg.num_drafts,
-                           num_blocks=kv.num_blocks, block_size=kv.block_size,
-                           max_blocks_per_seq=kv.max_blocks_per_seq, max_width=max(widths),
-                           widths=widths, forward=cfg.forward, device=cfg.device,
-                           draft_confidence_stop=cfg.draft_confidence_stop)
+        # the proposer starts on the eager oracle; --forward circuit compiles the chains a step
+        # uses (k-step propose, one-step catch-up) from its bindings and installs them
+        proposer = MtpProposer(head, head.bind(checkpoint.mtp), num_drafts=cfg.num_drafts,
+                               num_blocks=kv.num_blocks, block_size=kv.block_size,
+                               max_blocks_per_seq=kv.max_blocks_per_seq, max_width=max(widths),
+                               widths=widths, forward="eager", device=cfg.device,
+                               draft_confidence_stop=cfg.draft_confidence_stop)
+        if cfg.forward == "circuit":
+            for k in sorted({cfg.num_drafts, 1}):
+                runner = compile_chain(proposer.circuit_draft(k), proposer.widths, device=cfg.device)
+                proposer.set_circuit_draft(runner, num_drafts=k)
+        return proposer
 
     # ---- checks, all before anything runs ----
     def check(self, requests: Seq[Request]) -> None:

@@ -35,16 +35,12 @@ class DraftStats:
                 for n in widths}
 
 
-def _counts(stats) -> dict[tuple[str, int], int]:
-    return {(kind, n): c for kind, per in stats.items() for n, c in per.items()}
-
-
 def draft(proposer, seqs: list[Sequence], num_drafts: int, stats: DraftStats) -> list[list[int]]:
     """Drafts for every running sequence: one n-row run when the proposer serves the width,
-    else each sequence alone on the one-row program."""
+    else each sequence alone on the one-row program. How the batch was served is the
+    proposer's own record of that call (`last_served`)."""
     n = len(seqs)
     hiddens = torch.stack([s.hidden for s in seqs if s.hidden is not None])  # [n, H]: behind each last token
-    before = _counts(proposer.stats)
     drafts = proposer.propose_batch([s.last_token for s in seqs], hiddens,
                                     [s.position for s in seqs], num_drafts,
                                     [s.draft_state for s in seqs])
@@ -52,7 +48,5 @@ def draft(proposer, seqs: list[Sequence], num_drafts: int, stats: DraftStats) ->
         stats.batches["per_sequence"][n] += 1
         return [proposer.propose(s.last_token, s.hidden, s.position, num_drafts, s.draft_state)
                 for s in seqs]
-    ran = [key for key, c in _counts(proposer.stats).items() if c != before.get(key, 0)]
-    kind = ran[0][0] if len(ran) == 1 else "batch"
-    stats.batches[kind][n] += 1
+    stats.batches[proposer.last_served.kind][n] += 1
     return drafts

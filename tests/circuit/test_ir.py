@@ -1,11 +1,12 @@
 """The IR: printing, JSON round trip, fingerprint stability, graph queries, builder rules."""
+import json
 import subprocess
 import sys
 
 import pytest
 
 from draft_circuit.circuit import CircuitBuilder, CircuitError
-from draft_circuit.circuit.ir import SCHEMA_VERSION, Circuit
+from draft_circuit.circuit.ir import SCHEMA_VERSION, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 
@@ -82,3 +83,69 @@ def test_builder_names_and_checks():
     b.output(y, "y")
     c = b.build()
     assert c.outputs == ("y",) and c.value("y").kind == "output"
+
+
+# ---- Circuit.from_json on what is not a circuit (issue 19 item 12): a CircuitError, never a
+# raw AttributeError, RecursionError or pydantic error
+@pytest.mark.parametrize("text,why", [
+    ("[]", "must be an object, got list"),
+    ('"circuit"', "must be an object, got str"),
+    ("null", "must be an object, got NoneType"),
+    ("3", "must be an object, got int"),
+    ("{", "does not parse"),
+    ("", "does not parse"),
+    (b"\xff\xfe{", "does not parse"),
+    ("[" * 100_000 + "]" * 100_000, "nests deeper than"),
+    ('{"schema_version": 1, "x": ' + "[" * 200 + "]" * 200 + "}", "nests deeper than"),
+    ('{"schema_version": 1}', "does not fit the schema"),
+    ('{"schema_version": 1, "name": 3, "symbols": {}, "values": 5, "nodes": [], "outputs": []}',
+     "does not fit the schema"),
+])
+def test_from_json_refuses_what_is_not_a_circuit(text, why):
+    with pytest.raises(CircuitError, match=why):
+        Circuit.from_json(text)
+
+
+def test_deep_attrs_are_refused_not_recursed():
+    data = json.loads(chain().to_json())
+    nested: list = []
+    for _ in range(500):
+        nested = [nested]
+    data["nodes"][0]["attrs"] = {"deep": nested}
+    with pytest.raises(CircuitError, match="nests deeper than 64 levels"):
+        Circuit.from_json(json.dumps(data))
+
+
+# ---- neutral values: declared beside the layer, carried in JSON, not printed
+def test_chain_inputs_declare_their_neutrals():
+    c = chain(bitmask=True, confidence_stop=True)
+    neutral = {v.name: v.neutral for v in c.inputs_of_kind("input")}
+    assert neutral == {"tokens": 0, "hidden": 0, "positions": 0, "block_tables": SCRATCH_BLOCK,
+                       "live_rows": 0, "active": 0, "bitmask": -1, "log_tau": float("-inf")}
+    back = Circuit.from_json(c.to_json())  # -inf survives JSON (as -Infinity)
+    assert back.value("log_tau").neutral == float("-inf") and back == c
+    assert back.fingerprint() == c.fingerprint()
+    assert "neutral" not in str(c) and "inf" not in str(c)
+
+
+def test_an_undeclared_neutral_is_none_and_changes_the_fingerprint_when_declared():
+    b = CircuitBuilder("b", max_width=2)
+    x = b.input("x", "float32", ("n", 4))
+    b.output(b.op1("add", [x, x]), "y")
+    plain = b.build()
+    assert plain.value("x").neutral is None
+    b = CircuitBuilder("b", max_width=2)
+    x = b.input("x", "float32", ("n", 4), neutral=1.0)
+    b.output(b.op1("add", [x, x]), "y")
+    assert b.build().fingerprint() != plain.fingerprint()  # runners read it: part of the key
+
+
+def test_builder_output_refuses_unknown_and_repeated_values():
+    b = CircuitBuilder("b", max_width=2)
+    x = b.input("x", "float32", ("n", 4))
+    y = b.op1("add", [x, x])
+    with pytest.raises(CircuitError, match="output 'nope' names no value"):
+        b.output("nope")
+    b.output(y, "y")
+    with pytest.raises(CircuitError, match="'add' is already an output"):
+        b.output(y, "y2")

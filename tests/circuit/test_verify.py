@@ -174,3 +174,144 @@ def test_bad_symbol_bounds():
     c = small()
     fails(Circuit(name="c", symbols={"n": (0, 8)}, values=c.values, nodes=c.nodes,
                   outputs=c.outputs), "bounds [0, 8]")
+
+
+# ---- node names (issue 19 item 2): the program keys launches by name, so two alike lose one
+def test_two_nodes_of_one_name_are_refused():
+    c = small()
+    twin = c.node("double").model_copy(update={"outputs": ("z2",)})
+    c = c.replace(values=list(c.values) + [Value(name="z2", dtype="float32", shape=("n", 3),
+                                                 kind="output")],
+                  nodes=list(c.nodes) + [twin], outputs=c.outputs + ("z2",))
+    e = fails(c, "node name used twice", "'double'", "add")
+    assert e.node == "double"
+
+
+def residual_norm(name: str):
+    """add then rmsnorm, plus a third node named `name`: the fused add+rmsnorm is `res+norm`."""
+    b = CircuitBuilder("fusable", max_width=4)
+    x, w = b.input("x", "float32", ("n", 4)), b.param("w", "float32", (4,))
+    s = b.op1("add", [x, x], name="res")
+    y = b.op1("rmsnorm", [s, w], name="norm")
+    b.output(b.op1("add", [y, s], name=name), "y")
+    return b
+
+
+def test_builder_refuses_a_node_named_like_a_fused_node():
+    with pytest.raises(CircuitError, match=r"node 'res\+norm' \(op add\).*may not contain '\+'"):
+        residual_norm("res+norm")
+
+
+def test_a_circuit_naming_a_node_like_a_fused_one_never_compiles():
+    """The same circuit arriving as JSON (no builder on the way): refused by verify, so the
+    fusion pass can never make a second `res+norm` that the program would silently drop."""
+    import torch
+
+    from draft_circuit.circuit.planner import compile_draft
+    c = residual_norm("last").build()
+    c = c.replace(nodes=[n.model_copy(update={"name": "res+norm"}) if n.name == "last" else n
+                         for n in c.nodes])
+    back = Circuit.from_json(c.to_json())
+    fails(back, "only fused nodes may have '+'", "res+norm")
+    with pytest.raises(CircuitError, match=r"res\+norm"):
+        compile_draft(back, {"w": torch.ones(4)}, [1], device="cpu")
+
+
+# ---- outputs recorded as temps (issue 19 item 7): refused before any runner sees them
+def temp_output() -> Circuit:
+    c = small()
+    return c.replace(values=[v.model_copy(update={"kind": "temp"}) if v.name == "z" else v
+                             for v in c.values])
+
+
+def test_an_output_recorded_as_a_temp_is_refused():
+    e = fails(temp_output(), "circuit output 'z' is recorded as a temp", "kind 'output'")
+    assert e.node == "double" and e.op == "add"
+
+
+def test_eager_and_program_runners_both_refuse_a_temp_output():
+    """Eager used to return it and the program runners to drop it; now neither runs it."""
+    import torch
+
+    from draft_circuit.circuit.planner import compile_draft
+    from draft_circuit.runners.eager import EagerRunner
+    c = temp_output()
+    params = {"w": torch.ones(3, 4)}
+    states = {"kc": torch.zeros(5, 2, 1, 3), "vc": torch.zeros(5, 2, 1, 3)}
+    with pytest.raises(CircuitError, match="recorded as a temp"):
+        EagerRunner(c, params, states)
+    with pytest.raises(CircuitError, match="recorded as a temp"):
+        compile_draft(c, params, [2], device="cpu")  # what a ProgramRunner is built from
+    EagerRunner(small(), params, states)  # the same circuit with its output kind is run
+
+
+# ---- what passed verify and failed only at run time (issue 19 item 11)
+def test_a_param_may_not_use_the_row_symbol():
+    fails(edit_value(small(), "w", shape=("n", 4)), "param 'w'", "uses a symbol", "f32[n,4]")
+
+
+def test_a_shape_rule_that_raises_is_a_circuit_error(monkeypatch):
+    """Whatever a shape rule trips on (here a division by zero) is reported as a CircuitError
+    naming the node, the op and the shapes, never raised raw."""
+    from draft_circuit.ops import registry
+
+    def infer(ins, attrs):
+        return [ins[0]] * (1 // (len(ins[0].shape) - 2))  # rank 2: ZeroDivisionError
+
+    op = registry.OpDef(name="test_divides", inputs=("x",), outputs=("out",), infer=infer,
+                        reference=lambda t, a: (t[0],))
+    monkeypatch.setitem(registry.REGISTRY, "test_divides", op)
+    c = edit_node(small(), "double", op="test_divides", inputs=("proj",))
+    e = fails(c, "shape rule failed: ZeroDivisionError", "'double'", "test_divides", "f32[n,3]")
+    assert e.op == "test_divides"
+    b = CircuitBuilder("b", max_width=2)
+    x = b.input("x", "float32", ("n", 4))
+    with pytest.raises(CircuitError, match=r"node 'test_divides'.*ZeroDivisionError.*f32\[n,4\]"):
+        b.op1("test_divides", [x])
+
+
+def test_rope_head_dim_zero_is_a_circuit_error():
+    b = CircuitBuilder("b", max_width=2)
+    x, pos = b.input("x", "float32", ("n", 8)), b.input("pos", "int32", ("n",))
+    with pytest.raises(CircuitError, match=r"node 'rope' \(op rope\)"):
+        b.op1("rope", [x, pos], {"head_dim": 0})
+    ok = b.op1("rope", [x, pos], {"head_dim": 4}, name="ok")
+    b.output(ok, "y")
+    c = b.build()
+    with pytest.raises(CircuitError, match=r"node 'ok' \(op rope\)"):
+        verify(edit_node(c, "ok", attrs={"head_dim": 0}))
+
+
+def test_builder_checks_an_ops_input_count():
+    b = CircuitBuilder("b", max_width=2)
+    x = b.input("x", "float32", ("n", 4))
+    with pytest.raises(CircuitError, match=r"node 'add' \(op add\).*takes 2 inputs.*got 1.*x: f32"):
+        b.op1("add", [x])
+    w = b.param("w", "float32", (4,))
+    with pytest.raises(CircuitError, match=r"takes 2 inputs .*got 3"):
+        b.op1("rmsnorm", [x, w, w])
+    with pytest.raises(CircuitError, match="takes one or more inputs, got 0"):
+        b.op1("concat", [])
+
+
+# ---- neutral values of inputs
+@pytest.mark.parametrize("kind,dtype,neutral,why", [
+    ("param", "float32", 0.0, "only inputs have one"),
+    ("input", "float32", "scratch_block", "block id"),
+    ("input", "int32", float("-inf"), "not an integer"),
+    ("input", "int32", 0.5, "not an integer"),
+])
+def test_a_neutral_must_fit_its_input(kind, dtype, neutral, why):
+    c = small()
+    c = c.replace(values=list(c.values) + [Value(name="extra", dtype=dtype, shape=(3,),
+                                                 kind=kind, neutral=neutral)])
+    fails(c, "'extra'", why)
+
+
+def test_neutrals_that_fit_pass():
+    c = small()
+    c = c.replace(values=list(c.values) + [
+        Value(name="tau", dtype="float32", shape=("n",), kind="input", neutral=float("-inf")),
+        Value(name="tab", dtype="int32", shape=("n", 2), kind="input", neutral="scratch_block"),
+        Value(name="mask", dtype="int32", shape=("n", 3), kind="input", neutral=-1)])
+    verify(c)

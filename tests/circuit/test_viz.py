@@ -302,7 +302,10 @@ def test_page_address_opens_a_width_with_a_node_pinned(report, tmp_path):
     assert re.search(rf'<tr data-width="{width}" tabindex="0" class="selected">', dom.stdout)
     details = dom.stdout.split('id="detail-body"')[1].split("</aside>")[0]
     assert f"<h3>{html.escape(fused.name)}</h3>" in details and "pinned" in details
-    assert all(f"<li><code>{html.escape(p)}</code></li>" in details for p in fused.fused)
+    assert len(fused.origin) == len(fused.fused) > 1
+    for part, o in zip(fused.fused, fused.origin):  # each part and the layer line that built it
+        assert (f'<li><code>{html.escape(part)}</code> built at <code class="origin" title="'
+                f'builder scope {o.scope}">{html.escape(o.file)}:{o.line}</code></li>') in details
     launch = next(x for x in report.width(width).schedule if x.node == fused.name)
     assert f"{launch.kernel} (width {width})" in details
     assert re.search(rf'class="node [^"]*hot[^"]*" data-node="{re.escape(html.escape(fused.name))}"', dom.stdout)

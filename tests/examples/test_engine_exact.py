@@ -38,6 +38,11 @@ def test_speculative_equals_greedy(small_checkpoint, greedy, forward, k, tau, wi
     seen = {kind for per in stats.draft_batches.table().values() for kind in per}
     assert kinds <= seen, seen
     assert stats.verifies and stats.drafted >= stats.verifies
+    # --forward circuit drafts on the runners the engine compiled and installed
+    want = "eager" if forward == "eager" else "own"
+    proposer = engine.proposer
+    assert proposer.chain_runner(k).plan(1).kind == proposer.chain_runner(1).plan(1).kind == want
+    assert set(proposer.chains.installed) == (set() if forward == "eager" else {(k, False), (1, False)})
     # every block is back in both pools once everything finished
     assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from examples.engine import Engine, EngineConfig, load_checkpoint
+from draft_circuit.runners.contract import Served
 from tests.examples.helpers import SMALL, generate, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 6, seed=5, min_prompt=2, max_new=(10, 30))
@@ -31,7 +32,8 @@ class OracleProposer:
     def __init__(self, truths: list[list[int]], p_wrong: float, seed: int) -> None:
         self.truths, self.p_wrong = truths, p_wrong
         self.gen = torch.Generator().manual_seed(seed)
-        self.stats = defaultdict(lambda: defaultdict(int))
+        self.stats = defaultdict(lambda: defaultdict(int))  # the summary reads it
+        self.last_served: Served | None = None
 
     def alloc_state(self) -> OracleState:
         return OracleState()
@@ -51,13 +53,13 @@ class OracleProposer:
         return self._drafts(position, k, state)
 
     def propose(self, last_token, hidden, position, k, state):
-        self.stats["own"][1] += 1
         return self._one(last_token, hidden, position, k, state)
 
     def propose_batch(self, last_tokens, hiddens, positions, k, states, **_):
         if len(states) % 2:
+            self.last_served = Served("refused", len(states), "odd width")
             return None
-        self.stats["own"][len(states)] += 1
+        self.last_served = Served("own", len(states))
         return [self._one(*args, k, s) for *args, s in zip(last_tokens, hiddens, positions, states)]
 
     def after_verify(self, a: int, state: OracleState) -> None:

@@ -115,8 +115,9 @@ def test_confidence_stop_keeps_the_low_draft_and_stops(forward):
     assert len(drafts) == 1 and p.drafter_rows(s) == 11 and s.last_num_drafted == 1
     q = make(forward, draft_confidence_stop=1e-9)  # nothing is that unlikely
     t, _ = prefilled(q, 5)
-    assert q.propose(3, hidden(6), 11, K, t)[0] == drafts[0]
-    assert len(q.last_drafts if hasattr(q, "last_drafts") else t.last_drafts) == K
+    full = q.propose(3, hidden(6), 11, K, t)
+    assert full[0] == drafts[0] and len(full) == K  # the same first draft; no stop at all
+    assert t.last_drafts == full and t.last_num_drafted == K and q.drafter_rows(t) == 10 + K
 
 
 @pytest.mark.parametrize("forward", FORWARDS)

@@ -140,10 +140,16 @@ window.addEventListener("error", (e) => { document.body.dataset.error = String(e
       html("div", { class: "slot" }, html("span", { class: "where" }, slots[i] ? slots[i].where : "?"), " ",
         html("code", {}, slotText(slots[i]))))));
   }
+  function builtAt(o) { // a node's origin: the layer line that built it (scope in the tooltip)
+    return o ? html("code", { class: "origin", title: o.scope ? `builder scope ${o.scope}` : "outside any scope" },
+      `${o.file}:${o.line}`) : "—";
+  }
   function showNode(name, hint) {
     const node = nodes.get(name), plan = plans.get(state.width);
     const index = launchAt.get(state.width).get(name), x = plan.schedule[index];
     const body = $("detail-body"), colour = colourOf(node.op);
+    const origin = node.origin || []; // reports written before origins were recorded have none
+    const aligned = node.fused.length > 0 && origin.length === node.fused.length; // one per part
     const moved = x ? x.bytes_read + x.bytes_written : 0, bw = view.bandwidth_gbps;
     body.replaceChildren(
       html("div", { class: "d-head" }, html("span", { class: "swatch", style: `background:${colour[1]};border-color:${colour[0]}` }),
@@ -152,9 +158,11 @@ window.addEventListener("error", (e) => { document.body.dataset.error = String(e
       ...(hint ? [html("p", { class: "d-hint" }, hint)] : []),
       table([[["step", "k"], node.step === null ? "outside the steps" : `s${node.step}`],
         [["kernel", "k"], x ? `${x.kernel} (width ${state.width})` : "not launched"],
-        [["launch", "k"], x ? `#${index} of ${plan.schedule.length}` : "—"]]),
+        [["launch", "k"], x ? `#${index} of ${plan.schedule.length}` : "—"],
+        ...(aligned ? [] : [[["built at", "k"], origin.length ? html("span", {}, ...origin.map(builtAt)) : "—"]])]),
       ...(node.fused.length ? [html("h4", {}, `fused from ${node.fused.length} nodes`),
-        html("ul", {}, ...node.fused.map((p) => html("li", {}, html("code", {}, p))))] : []),
+        html("ul", {}, ...node.fused.map((p, i) => html("li", {}, html("code", {}, p),
+          ...(aligned ? [" built at ", builtAt(origin[i])] : []))))] : []),
       html("h4", {}, "attrs"),
       Object.keys(node.attrs).length ? table(Object.entries(node.attrs).map(([k, v]) => [[k, "k"], html("code", {}, JSON.stringify(v))]))
         : html("div", { class: "d-hint" }, "none"),
