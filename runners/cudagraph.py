@@ -59,7 +59,8 @@ class GraphRunner:
         self.stats = CaptureStats()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        fill_neutral(self.program.static_inputs, 0, scratch_block)  # warm-up writes no KV
+        # warm-up writes no KV
+        fill_neutral(compiled.circuit, self.program.static_inputs, 0, scratch_block)
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
         for i, w in enumerate(widths):
             self._capture(w, warmup, fail=w in fail_widths)

@@ -132,7 +132,7 @@ class CircuitDraftRunner:
         for name, dst in buffers.items():
             dst[:rows].copy_(inputs[name][start:start + rows], non_blocking=True)
         if rows < w:
-            fill_neutral(buffers, rows, self.scratch_block)
+            fill_neutral(self.compiled.circuit, buffers, rows, self.scratch_block)
         self.backend.execute(w)
         return {k: v[:rows] for k, v in self.backend.output_buffers(w).items()}
 

@@ -8,6 +8,7 @@ from typing import Mapping
 import torch
 
 from draft_circuit.circuit.ir import ROW, Circuit, Node
+from draft_circuit.circuit.verify import verify
 from draft_circuit.ops.registry import get_op
 from draft_circuit.circuit.binding import check_inputs, check_params, check_states, state_view
 
@@ -46,6 +47,7 @@ class EagerRunner:
 
     def __init__(self, circuit: Circuit, params: Mapping[str, torch.Tensor],
                  states: Mapping[str, torch.Tensor]) -> None:
+        verify(circuit)  # the oracle refuses what the compiled runners refuse (a temp output)
         check_params(circuit, params)
         check_states(circuit, states)
         self.circuit, self.params, self.states = circuit, dict(params), dict(states)

@@ -1,23 +1,29 @@
 """Neutral values for rows that carry no sequence (padding, warm-up, capture).
 
-An inert row drafts nothing and writes no drafter KV (`active` 0), and every index it could
-follow points at the runner's scratch block, so even a kernel that ignored `active` could only
-touch scratch. Every other input is zero (a valid token, position and live-row count)."""
+Each circuit input declares the value an inert row holds beside the layer that emits it
+(`CircuitBuilder.input(..., neutral=)`); an input that declares none is zero. The layer picks
+them so an inert row drafts nothing and writes no KV, and a block id it could follow is the
+runner's scratch block (`SCRATCH_BLOCK`), so even a kernel that ignored `active` could only
+touch scratch. This module only reads those declarations: it knows no input names."""
 from __future__ import annotations
 
 from typing import Mapping
 
 import torch
 
-# input name -> value for inert rows; the block tables get the scratch block instead
-_NEUTRAL = {"active": 0, "bitmask": -1, "log_tau": float("-inf")}
+from draft_circuit.circuit.ir import SCRATCH_BLOCK, Circuit
 
 
-def fill_neutral(inputs: Mapping[str, torch.Tensor], start: int, scratch_block: int) -> None:
-    """Make rows start.. of every (max-width) static input buffer inert."""
+def neutral_value(circuit: Circuit, name: str, scratch_block: int) -> int | float:
+    """What an inert row of input `name` holds, with the scratch block id filled in."""
+    neutral = circuit.value(name).neutral
+    if neutral is None:
+        return 0
+    return scratch_block if neutral == SCRATCH_BLOCK else neutral
+
+
+def fill_neutral(circuit: Circuit, inputs: Mapping[str, torch.Tensor], start: int,
+                 scratch_block: int) -> None:
+    """Make rows start.. of every (max-width) static input buffer of `circuit` inert."""
     for name, buf in inputs.items():
-        rows = buf[start:]
-        if name == "block_tables":
-            rows.fill_(scratch_block)
-        else:
-            rows.fill_(_NEUTRAL.get(name, 0))
+        buf[start:].fill_(neutral_value(circuit, name, scratch_block))

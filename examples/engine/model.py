@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_circuit.circuit.builder import CircuitBuilder
-from draft_circuit.circuit.ir import ROW, Circuit
+from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout
 from draft_circuit.circuit.planner import compile_draft
@@ -62,9 +62,9 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
     b = CircuitBuilder(name, max_width=max_rows)
     tokens = b.input("tokens", "int32", (ROW,))
     positions = b.input("positions", "int32", (ROW,))
-    tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq))
+    tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq), neutral=SCRATCH_BLOCK)
     live = b.input("live_rows", "int32", (ROW,))
-    active = b.input("active", "int32", (ROW,))
+    active = b.input("active", "int32", (ROW,), neutral=0)  # inert rows write no KV
     for pname, shape in target_param_shapes(c).items():
         b.param(pname, dtype, shape)
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
