@@ -54,24 +54,25 @@ def fill_chain_defaults(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def compile_chain(args: argparse.Namespace) -> CompiledDraft:
-    """The MTP chain of the checkpoint (or the embedded default) compiled for the widths.
-    Without a checkpoint the params are shape-only (meta) tensors: a plan needs no values."""
-    from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
+    """The MTP chain of the checkpoint (or the embedded default) compiled for the widths, through
+    the head the checkpoint describes (dense, or MoE with its plan notes). The params are
+    shape-only (meta) tensors of the chain's own param dtypes: a plan needs no values."""
     from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
-    from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+    from draft_circuit.circuit.layers.heads import describe_head, head_for, load_head
+    from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
 
-    # a checkpoint is loaded (and so validated) for its config; the plan needs only shapes
-    config = load_mtp_weights(args.checkpoint)[0] if args.checkpoint else DEFAULT_CONFIG
-    head = MtpHead(config, args.dtype)
+    # a checkpoint is loaded (and so validated, every refusal applied) to choose its head
+    head = load_head(args.checkpoint, args.dtype)[0] if args.checkpoint else head_for(DEFAULT_CONFIG, args.dtype)
     blocks = math.ceil(args.max_kv_rows / args.block_size)
     max_width = max(args.widths)
     kv = KvLayout(num_blocks=max_width * blocks + 1, block_size=args.block_size,
                   max_blocks_per_seq=blocks)
     chain = emit_draft_chain(head, args.num_drafts, max_width=max_width, kv=kv)
-    params = {k: torch.empty(s, device="meta", dtype=getattr(torch, args.dtype))
-              for k, s in head.param_shapes().items()}
+    params = {v.name: torch.empty(v.shape, device="meta", dtype=getattr(torch, v.dtype))
+              for v in chain.values if v.kind == "param"}
     options = CompileOptions(kv_rows=args.kv_rows, bandwidth_gbps=args.bandwidth_gbps)
-    return compile_draft(chain, params, args.widths, device=args.device, options=options)
+    return compile_draft(chain, params, args.widths, device=args.device, options=options,
+                         notes={"head": describe_head(head), **head.plan_notes()})
 
 
 def _kib(nbytes: int) -> str:
@@ -95,6 +96,7 @@ def format_table(report: PlanReport) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     report = compile_chain(args).report()
+    print(f"head: {report.notes.get('head', 'unknown')}")
     print(format_table(report))
     if args.json:
         args.json.write_text(report.to_json())

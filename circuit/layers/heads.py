@@ -1,0 +1,56 @@
+"""The draft head a checkpoint describes, one rule for every caller (`circuit plan`, the engine):
+`MoeMtpHead` when the MTP layer's MLP is a MoE (its config names an expert count), with fp8
+experts when every routed expert is stored fp8 e4m3 beside its block scales; else `MtpHead`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, MoeMtpHead
+from draft_circuit.circuit.layers.mtp import MtpHead
+
+__all__ = ["head_for", "load_head", "describe_head"]
+
+
+def _fp8_experts(config: MoeConfig, weights: dict[str, torch.Tensor]) -> bool:
+    names = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(config.n_routed_experts)
+             for p in ("gate", "up", "down")]
+    return all(n in weights and weights[n].dtype == torch.float8_e4m3fn and n + SCALE in weights
+               for n in names)
+
+
+def head_for(config: MtpConfig, dtype: str = "float32",
+             weights: dict[str, torch.Tensor] | None = None) -> MtpHead:
+    """`weights` (canonical names, as `load_mtp_weights(keep_fp8=True)` gives them) decide
+    whether the experts stay fp8; without them a MoE head's experts are in `dtype`."""
+    if isinstance(config, MoeConfig):
+        return MoeMtpHead(config, dtype, fp8_experts=weights is not None and _fp8_experts(config, weights))
+    return MtpHead(config, dtype)
+
+
+def load_head(path: str | os.PathLike, dtype: str = "float32", *, device: str | torch.device = "cpu",
+              strict: bool = False) -> tuple[MtpHead, dict[str, torch.Tensor]]:
+    """The checkpoint's MTP layer, loaded (every refusal applied) and its head chosen; the
+    weights are the head's `bind` input (a MoE head dequantises what it keeps in `dtype`)."""
+    torch_dtype = getattr(torch, dtype)
+    config, weights = load_mtp_weights(path, dtype=torch_dtype, device=device, strict=strict,
+                                       keep_fp8=True)
+    head = head_for(config, dtype, weights)
+    if not isinstance(head, MoeMtpHead) and any(w.dtype == torch.float8_e4m3fn for w in weights.values()):
+        # the dense head's bind only casts: give it the weights dequantised at load
+        _, weights = load_mtp_weights(path, config, dtype=torch_dtype, device=device, strict=strict)
+    return head, weights
+
+
+def describe_head(head: MtpHead) -> str:
+    """One line for people: which head, its MLP, its dtype."""
+    c = head.config
+    if isinstance(head, MoeMtpHead):
+        experts = "fp8 e4m3 experts" if head.fp8_experts else f"{head.dtype} experts"
+        return (f"MoeMtpHead: {c.n_routed_experts} experts, top-{c.num_experts_per_tok}, "
+                f"{c.n_shared_experts} shared, {c.scoring_func} routing, {experts}")
+    return f"MtpHead: dense SwiGLU MLP, {head.dtype}"
