@@ -1,5 +1,5 @@
 """Public test helpers for draft runners: random weights and batches for the MTP chain, runner
-comparison against the eager oracle, arena poisoning, and the `cuda` pytest marker.
+comparison against the eager oracle, arena poisoning, and the `cuda` pytest mark (marks and skips).
 
 Host engines use these in their own test suites; the project's tests use them too.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, TypeVar
 
 import torch
 
@@ -105,15 +105,45 @@ def assert_outputs_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, tor
                                        msg=lambda m: f"output {name!r}: {m}")
 
 
-# ---- graph-capture helpers (used by the project's GPU tests; public for host engines) ----
-try:
-    import pytest as _pytest
+# ---- the GPU test mark and graph-capture helpers (used by the project's GPU tests) ----
+NEEDS_CUDA = "needs a CUDA GPU"
+_T = TypeVar("_T")
 
-    #: mark a test as needing a GPU: selected by `-m cuda`, skipped where there is none
-    cuda = _pytest.mark.cuda
-    requires_cuda = _pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+
+class CudaMark:
+    """`@cuda`: one decorator that marks a test (function or class) `cuda`, so `-m cuda` selects
+    it, and skips it where there is no GPU. `pytestmark = cuda.marks` does both for a module."""
+
+    def __init__(self) -> None:
+        import pytest  # a test extra: imported only where a test suite uses the mark
+
+        self.marks = [pytest.mark.cuda,
+                      pytest.mark.skipif(not cuda_available(), reason=NEEDS_CUDA)]
+
+    def __call__(self, test: _T) -> _T:
+        for mark in self.marks:
+            test = mark(test)
+        return test
+
+
+def skip_cuda_without_gpu(items: list) -> None:
+    """The body of a `pytest_collection_modifyitems` hook: every collected test marked `cuda`
+    (also spelled `@pytest.mark.cuda`) is skipped when no GPU is present."""
+    if cuda_available():
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason=NEEDS_CUDA)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+try:
+    cuda = CudaMark()
 except ImportError:  # pytest is a test extra; the helpers below do not need it
-    cuda = requires_cuda = None  # type: ignore[assignment]
+    cuda = None  # type: ignore[assignment]
+requires_cuda = cuda  # the former second decorator, now the same one mark (kept for callers)
 
 
 def compare_drafts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],

@@ -1,15 +1,23 @@
-"""Test-wide setup: Triton runs in its interpreter when no GPU is present.
+"""Test-wide setup: Triton runs in its interpreter when no GPU is present; a test marked `cuda`
+(`runners.testing.cuda` or plain `@pytest.mark.cuda`) is skipped when no GPU is present.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here,
-before any test module imports the packages.
+before any test module imports the packages (runners.device imports torch only).
 """
 import os
 
-import torch
+from draft_circuit.runners.device import cuda_available
 
-try:
-    _HAS_CUDA = torch.cuda.is_available()
-except Exception:  # a CPU build may raise on CUDA queries
-    _HAS_CUDA = False
-if not _HAS_CUDA:
+if not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--regen-golden", action="store_true",
+                     help="rewrite tests/golden/* from the current code instead of comparing")
+
+
+def pytest_collection_modifyitems(config, items):
+    from draft_circuit.runners.testing import skip_cuda_without_gpu
+
+    skip_cuda_without_gpu(items)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 
 from examples.engine.checkpoints import EMBEDDED
-from draft_circuit.runners.testing import cuda, requires_cuda
+from draft_circuit.runners.testing import cuda
 from tests.examples.helpers import SMALL, generate, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 6, seed=13)
 
 
 @cuda
-@requires_cuda
 @pytest.mark.parametrize("target_forward", ["eager", "circuit"])
 def test_speculative_equals_greedy_on_gpu(small_checkpoint, target_forward):
     common = dict(device="cuda", target_forward=target_forward, max_rows=64)
@@ -26,7 +25,6 @@ def test_speculative_equals_greedy_on_gpu(small_checkpoint, target_forward):
 
 
 @cuda
-@requires_cuda
 def test_embedded_model_on_gpu():
     requests = random_requests(256, 6, seed=2, min_prompt=8, max_new=(16, 32))
     common = dict(device="cuda", target_forward="circuit", max_rows=64, max_batch=4)

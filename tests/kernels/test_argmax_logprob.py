@@ -12,16 +12,10 @@ from draft_circuit.kernels.argmax_logprob import (
     CHUNK, LINEAR_BLOCK_V, argmax_logprob, linear_argmax_logprob, linear_argmax_workspace_shape,
 )
 
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 INF = float("inf")
 # the interpreter evaluates both sides of tl.where, so masked-off NaN lanes warn; they are expected
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _cuda() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 def reference(logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,9 +247,6 @@ def test_linear_row_does_not_depend_on_batch() -> None:
 
 # ---- GPU ---------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not _cuda(), reason="needs CUDA")
-
-
 def assert_tokens_match_off_near_ties(logits: torch.Tensor, bitmask: torch.Tensor | None, token: torch.Tensor,
                                       ref_token: torch.Tensor, gap: float) -> None:
     """Tokens equal wherever the top two allowed logits are more than gap apart."""
@@ -270,7 +261,6 @@ def assert_tokens_match_off_near_ties(logits: torch.Tensor, bitmask: torch.Tenso
     assert torch.equal(token.cpu()[clear], ref_token[clear])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("masked", [False, True])
 def test_cuda_bf16_against_fp32_reference(masked: bool) -> None:
@@ -290,7 +280,6 @@ def test_cuda_bf16_against_fp32_reference(masked: bool) -> None:
     torch.testing.assert_close(logprob.cpu(), ref_logprob, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_linear_matches_argmax_of_fp32_logits(dtype: torch.dtype) -> None:
@@ -308,7 +297,6 @@ def test_cuda_linear_matches_argmax_of_fp32_logits(dtype: torch.dtype) -> None:
     torch.testing.assert_close(logprob, ref_logprob, atol=tol, rtol=tol)
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_width_independence(dtype: torch.dtype) -> None:

@@ -12,16 +12,10 @@ import torch
 
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.decode_attention import decode_attention, decode_attention_workspace_shape
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
 # the interpreter evaluates both sides of tl.where, so masked-off lanes may warn; they are expected
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _cuda() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -242,14 +236,10 @@ def test_rejects_bad_inputs() -> None:
 
 # ---- GPU ---------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not _cuda(), reason="needs CUDA")
-
-
 def to_cuda(case: dict) -> dict:
     return {name: t.cuda() for name, t in case.items()}
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 8, 128), (16, 4, 80), (32, 8, 128), (16, 1, 64)])
 def test_cuda_bf16_against_fp32_reference(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -265,7 +255,6 @@ def test_cuda_bf16_against_fp32_reference(num_heads: int, num_kv_heads: int, hea
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_width_independence(dtype: torch.dtype) -> None:

@@ -11,7 +11,7 @@ import torch
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.linear import linear, linear_silu_mul
 
-from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
 # Accumulation order differs from torch's, so fp32 is compared relative to the size of the sums.
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
@@ -91,7 +91,6 @@ def test_rejects_bad_inputs():
         linear_silu_mul(x, torch.randn(10, 64), torch.empty(3, 10))
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("n,k,big_n", [(1, 4096, 4096), (7, 2048, 1000), (64, 4096, 32000), (45, 200, 333)])
 def test_cuda_bf16_linear_matches_fp32_reference(n, k, big_n):
@@ -101,7 +100,6 @@ def test_cuda_bf16_linear_matches_fp32_reference(n, k, big_n):
     torch.testing.assert_close(out.float(), reference_linear(x, w, torch.float32), **TOL[torch.bfloat16])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("n,k,inter", [(1, 4096, 14336), (9, 2048, 1000), (64, 200, 72)])
 def test_cuda_bf16_linear_silu_mul_matches_fp32_reference(n, k, inter):
@@ -112,7 +110,6 @@ def test_cuda_bf16_linear_silu_mul_matches_fp32_reference(n, k, inter):
                                **TOL[torch.bfloat16])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_fp32_fp16_match_reference(dtype):
@@ -122,7 +119,6 @@ def test_cuda_fp32_fp16_match_reference(dtype):
     torch.testing.assert_close(out, reference_linear(x, w, dtype), **TOL[dtype])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("fn", [linear, linear_silu_mul])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

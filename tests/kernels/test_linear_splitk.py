@@ -14,7 +14,7 @@ from draft_circuit.kernels.linear_splitk import (MIN_SPLIT_K, SplitKConfig, defa
                                    linear_silu_mul_splitk, linear_splitk, num_splits,
                                    splitk_workspace_shape)
 
-from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
@@ -150,7 +150,6 @@ def test_binding_chosen_and_matches_eager(op, k, rows, attrs, want):
 
 
 # ---- cuda
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("rows,k", SHAPES["small"] + SHAPES["8b"][:3] + [(334, 200)])
 @pytest.mark.parametrize("n", [1, 7, 64])
@@ -165,7 +164,6 @@ def test_cuda_bf16_matches_fp32_reference(rows, k, n):
                                **TOL[torch.bfloat16])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("fn", [linear_splitk, linear_silu_mul_splitk])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -12,7 +12,7 @@ from draft_circuit.kernels.moe_grouped import (BLOCK_M, max_blocks, moe_align_ke
                                  moe_grouped_workspace)
 from draft_circuit.circuit.layers.moe import quantize_blocks
 from draft_circuit.ops.moe import dequantize_blocks, experts_ref
-from draft_circuit.runners.testing import cuda, requires_cuda
+from draft_circuit.runners.testing import cuda
 
 
 def make(n, h, e, i, k, shared, dtype, device="cpu", seed=0, masked=True):
@@ -107,7 +107,6 @@ def _fp8(t):
 
 
 @cuda
-@requires_cuda
 def test_bf16_and_fp32_kernel_match_reference_on_cuda():
     for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
         t = make(*GPU_SHAPE, dtype=dtype, device="cuda")
@@ -115,7 +114,6 @@ def test_bf16_and_fp32_kernel_match_reference_on_cuda():
 
 
 @cuda
-@requires_cuda
 def test_fp8_kernel_matches_reference_on_cuda():
     for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
         t = make(*GPU_SHAPE, dtype=dtype, device="cuda", seed=3)
@@ -128,7 +126,6 @@ def test_fp8_kernel_matches_reference_on_cuda():
 
 
 @cuda
-@requires_cuda
 @pytest.mark.parametrize("fp8", [False, True])
 def test_width_independence_bitwise_on_cuda(fp8):
     """Each row computed alone equals the same row inside any batch of 2..64, bit for bit."""

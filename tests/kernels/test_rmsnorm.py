@@ -10,7 +10,7 @@ import torch
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.rmsnorm import add_rmsnorm, rmsnorm
 
-from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -81,7 +81,6 @@ def test_rejects_bad_inputs():
         add_rmsnorm(x, torch.randn(3, 71), torch.randn(72), torch.empty_like(x), torch.empty_like(x), 1e-6)
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("hidden", [72, 200, 4096])
 def test_cuda_bf16_matches_fp32_reference(hidden):
@@ -101,7 +100,6 @@ def test_cuda_bf16_matches_fp32_reference(hidden):
                                **TOL[torch.bfloat16])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_width_independence(dtype):

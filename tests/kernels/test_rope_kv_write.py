@@ -11,7 +11,7 @@ import torch
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.rope_kv_write import rope_kv_write
 
-from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -150,7 +150,6 @@ def test_rejects_bad_inputs():
                       **{**kwargs, "head_dim": 15})
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_cuda_bf16_matches_fp32_reference(head_dim):
@@ -176,7 +175,6 @@ def test_cuda_bf16_matches_fp32_reference(head_dim):
     assert int(written.sum()) == int(active.sum())
 
 
-@pytest.mark.cuda
 @cuda
 def test_cuda_large_positions_close_to_float64_truth():
     # The libdevice trig path: positions up to 2**17 must be as good as torch's fp32 on the GPU.
@@ -198,7 +196,6 @@ def test_cuda_large_positions_close_to_float64_truth():
     assert kernel_err <= 2 * ref_err + 1e-5, (float(kernel_err), float(ref_err))
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_width_independence(dtype):

@@ -10,7 +10,7 @@ import torch
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.silu_mul import silu_mul
 
-from draft_circuit.runners.testing import requires_cuda as cuda  # skips without a GPU
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -52,7 +52,6 @@ def test_rejects_bad_inputs():
         silu_mul(torch.randn(3, 72), torch.empty(3, 36, dtype=torch.int32))
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("inter", [200, 14336])
 def test_cuda_bf16_matches_fp32_reference(inter):
@@ -64,7 +63,6 @@ def test_cuda_bf16_matches_fp32_reference(inter):
                                **TOL[torch.bfloat16])
 
 
-@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_width_independence(dtype):

@@ -11,7 +11,7 @@ from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.runners.testing import (assert_no_allocation, compare_drafts, cuda, poison_runner,
-                             random_draft_batch, random_mtp_weights, requires_cuda)
+                             random_draft_batch, random_mtp_weights)
 
 CFG = MtpConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -67,7 +67,6 @@ def bf16():
 
 
 @cuda
-@requires_cuda
 def test_every_width_matches_eager(bf16):
     """Capture changes nothing: each replay equals the same program run uncaptured, bitwise
     (drafts, confidences, hidden, KV). Against the eager oracle (the unfused circuit, torch
@@ -96,7 +95,6 @@ def test_every_width_matches_eager(bf16):
 
 
 @cuda
-@requires_cuda
 def test_replay_allocates_nothing_and_writes_every_output(bf16):
     _, _, _, runner = bf16
     for n in (1, 7, 64):
@@ -114,7 +112,6 @@ def test_replay_allocates_nothing_and_writes_every_output(bf16):
 
 
 @cuda
-@requires_cuda
 def test_padded_rows_are_inert():
     from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
     chain, params, compiled = _build("float32", [1, 8])
@@ -136,7 +133,6 @@ def test_padded_rows_are_inert():
 
 
 @cuda
-@requires_cuda
 def test_forced_capture_failure_leaves_other_widths_served():
     from draft_circuit.runners.cudagraph import CaptureError, GraphRunner
     _, _, compiled = _build("bfloat16", [1, 2, 4])
@@ -153,7 +149,6 @@ def test_forced_capture_failure_leaves_other_widths_served():
 
 
 @cuda
-@requires_cuda
 def test_whole_chain_row_alone_equals_row_in_batch(bf16):
     _, _, _, runner = bf16
     big = _batch(64, "bfloat16", seed=7)
@@ -172,7 +167,6 @@ def test_whole_chain_row_alone_equals_row_in_batch(bf16):
 
 
 @cuda
-@requires_cuda
 def test_fp32_graph_matches_eager_tightly():
     from draft_circuit.runners.cudagraph import GraphRunner
     chain, params, compiled = _build("float32", [1, 5, 16])

@@ -17,7 +17,7 @@ from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, moe_plan_not
 from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
 from draft_circuit.runners import proposer as proposer_module
 from draft_circuit.runners.proposer import MtpProposer
-from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch, requires_cuda
+from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch
 
 CFG = MoeConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -127,7 +127,6 @@ def _eager_with_gaps(chain, params, batch):
 
 
 @cuda
-@requires_cuda
 @pytest.mark.parametrize("variant", ["dense", "fp8", "kill_switch"])
 def test_captured_moe_chain_matches_eager(variant, monkeypatch):
     from draft_circuit.runners.cudagraph import GraphRunner
