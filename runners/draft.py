@@ -1,4 +1,4 @@
-"""The draft runner: `serves(n)`, `widths`, `max_width`, `run(n, inputs)`.
+"""The compiled draft runner behind the `DraftRunner` protocol (runners/protocol.py).
 
 `CircuitDraftRunner` runs a compiled draft on CUDA graphs (GPU) or the program runner (CPU).
 Every width 1..max_width is served by exactly one plan, chosen once by cost: its own program,
@@ -9,7 +9,7 @@ never a silent slow path. Outputs are the runner's buffers: the next run overwri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Protocol
+from typing import Mapping
 
 import torch
 
@@ -18,24 +18,9 @@ from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs, root_states
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.protocol import DraftRunner, WidthPlan
 
-
-class DraftRunner(Protocol):
-    widths: tuple[int, ...]
-    max_width: int
-
-    def serves(self, n: int) -> bool: ...
-
-    def run(self, n: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class WidthPlan:
-    """How width n runs: parts of (program width, live rows), in row order."""
-
-    kind: Literal["own", "pad", "split"]
-    parts: tuple[tuple[int, int], ...]
-    cost_us: float
+__all__ = ["CircuitDraftRunner", "DraftRunner", "WidthPlan", "WidthPolicy", "plan_widths"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +62,8 @@ def plan_widths(costs: Mapping[int, float], max_width: int, policy: WidthPolicy)
 
 
 class CircuitDraftRunner:
-    """A compiled draft behind the DraftRunner protocol (graphs on CUDA, programs on CPU)."""
+    """A compiled draft behind the `DraftRunner` protocol (graphs on CUDA, programs on CPU).
+    Outputs are the backend's static buffers: the next run overwrites them."""
 
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, policy: WidthPolicy = WidthPolicy(),

@@ -1,6 +1,7 @@
 """`EagerRunner`: the oracle. Interprets a circuit node by node with the ops' torch references,
 at any width, on CPU or CUDA, freeing each value after its last use. A failing node is re-raised
-as a `RunError` "while running node N (op, input shapes)"."""
+as a `RunError` "while running node N (op, input shapes)". `EagerDraftRunner` puts it behind the
+`DraftRunner` protocol, so callers run the oracle and compiled runners through one call."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -10,7 +11,9 @@ import torch
 from draft_circuit.circuit.ir import ROW, Circuit, Node
 from draft_circuit.circuit.verify import verify
 from draft_circuit.ops.registry import get_op
-from draft_circuit.circuit.binding import check_inputs, check_params, check_states, state_view
+from draft_circuit.circuit.binding import (WidthError, check_inputs, check_params, check_states,
+                                           state_view)
+from draft_circuit.runners.protocol import WidthPlan
 
 
 class RunError(RuntimeError):
@@ -85,3 +88,36 @@ class EagerRunner:
             raise RunError(f"while running node {node.name!r} ({node.op}): output {name!r} has "
                            f"shape {tuple(t.shape)}, its shape rule says {want}")
 
+
+
+class EagerDraftRunner:
+    """The oracle behind the `DraftRunner` protocol: every width 1..circuit.max_width is served,
+    each by interpreting the circuit at that width (plan kind "eager"). Outputs are fresh
+    tensors, never overwritten by a later run."""
+
+    def __init__(self, circuit: Circuit, params: Mapping[str, torch.Tensor],
+                 states: Mapping[str, torch.Tensor]) -> None:
+        self.eager = EagerRunner(circuit, params, states)
+        self.circuit = circuit
+
+    @property
+    def max_width(self) -> int:
+        return self.circuit.max_width
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(range(1, self.max_width + 1))
+
+    def serves(self, n: int) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.max_width
+
+    def plan(self, n: int) -> WidthPlan:
+        if not self.serves(n):
+            raise WidthError(f"width {n!r} is not served (the eager runner serves 1..{self.max_width})")
+        return WidthPlan("eager", ((n, n),), 0.0)
+
+    def run(self, n: int, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.plan(n)
+        if check_inputs(self.circuit, inputs) != n:
+            raise WidthError(f"run({n}) was given inputs of another width")
+        return self.eager.run(inputs)

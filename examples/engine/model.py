@@ -18,7 +18,8 @@ from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout
 from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
-from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.eager import EagerDraftRunner
+from draft_circuit.runners.protocol import DraftRunner
 
 GATE_UP = "mlp.gate_up_proj.weight"  # per layer: gate rows, then up rows (what silu_mul reads)
 
@@ -133,9 +134,9 @@ class TargetModel:
         shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
         states = {f"{kind}_cache_{layer}": torch.zeros(shape, dtype=dtype, device=self.device)
                   for layer in range(config.num_hidden_layers) for kind in ("k", "v")}
-        self.runner: EagerRunner | CircuitDraftRunner
+        self.runner: DraftRunner
         if forward == "eager":
-            self.runner = EagerRunner(self.circuit, params, states)
+            self.runner = EagerDraftRunner(self.circuit, params, states)
         elif forward == "circuit":
             widths = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
             compiled = compile_draft(self.circuit, params, widths, device=str(self.device))
@@ -154,8 +155,5 @@ class TargetModel:
                   "block_tables": rows.block_tables, "live_rows": rows.live_rows,
                   "active": torch.ones(n, dtype=torch.int32)}
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
-        if isinstance(self.runner, EagerRunner):
-            out = self.runner.run(inputs)
-            return out["token"].tolist(), out["hidden"]
-        out = self.runner.run(n, inputs)  # static buffers: the next pass overwrites them
+        out = self.runner.run(n, inputs)  # a compiled runner's buffers: the next pass overwrites them
         return out["token"].tolist(), out["hidden"].clone()

@@ -159,7 +159,7 @@ def test_the_plan_report_states_which_refusals_the_n_row_program_could_serve():
     head = MoeMtpHead(CFG)
     p = MtpProposer(head, head.bind(random_moe_weights(CFG, seed=1)), num_drafts=2, num_blocks=16,
                     block_size=8, max_blocks_per_seq=4, max_width=2, widths=(1, 2), forward="circuit")
-    report = p._runner(2, False).compiled.report()
+    report = p.chain_runner(2).compiled.report()
     refusals = {r["reason"]: r for r in report.notes["moe"]["refusals"]}
     assert refusals["kill_switch"]["n_row_program_serves"] is True
     assert refusals["expert_parallel"]["n_row_program_serves"] is False
