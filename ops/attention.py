@@ -28,6 +28,10 @@ class RopeAttrs(BaseModel):
     theta: float = 10000.0
     pos_offset: int = 0
 
+    def model_post_init(self, _: object) -> None:  # else the reference fails at run time
+        if self.head_dim <= 0 or not self.theta > 0:
+            raise ValueError(f"head_dim and theta must be > 0, got {self.head_dim}, {self.theta}")
+
 
 class KvWriteAttrs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,6 +44,10 @@ class RopeKvWriteAttrs(BaseModel):
     theta: float = 10000.0
     pos_offset: int = 0
     row_offset: int = 0
+
+    def model_post_init(self, _: object) -> None:  # else the reference fails at run time
+        if self.head_dim <= 0 or not self.theta > 0:
+            raise ValueError(f"head_dim and theta must be > 0, got {self.head_dim}, {self.theta}")
 
 
 class AttentionAttrs(BaseModel):

@@ -15,6 +15,10 @@ class EpsAttrs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     eps: float = 1e-6
 
+    def model_post_init(self, _: object) -> None:  # eps <= 0 turns an all-zero row into NaN
+        if not 0 < self.eps < float("inf"):
+            raise ValueError(f"eps must be finite and > 0, got {self.eps}")
+
 
 class DimAttrs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -75,6 +79,7 @@ def _infer_concat(ins: list[TensorSpec], a: DimAttrs) -> list[TensorSpec]:
     same_dtype(*ins)
     r = len(ins[0].shape)
     check(all(len(s.shape) == r for s in ins), lambda: "concat operands differ in rank")
+    check(-r <= a.dim < r, lambda: f"concat dim {a.dim} is out of range for rank {r}")
     d = a.dim % r
     for s in ins:
         for i in range(r):

@@ -315,3 +315,24 @@ def test_neutrals_that_fit_pass():
         Value(name="tab", dtype="int32", shape=("n", 2), kind="input", neutral="scratch_block"),
         Value(name="mask", dtype="int32", shape=("n", 3), kind="input", neutral=-1)])
     verify(c)
+
+
+@pytest.mark.parametrize("op,attrs,why", [
+    ("rope", {"head_dim": -2}, "head_dim and theta must be > 0"),   # ran, then failed in view()
+    ("rope", {"head_dim": 4, "theta": 0.0}, "head_dim and theta must be > 0"),
+    ("rmsnorm", {"eps": -1e-6}, "eps must be finite and > 0"),     # NaN rows at run time
+    ("rmsnorm", {"eps": 0.0}, "eps must be finite and > 0"),
+    ("concat", {"dim": 5}, "concat dim 5 is out of range for rank 2"),  # torch.cat failed
+    ("concat", {"dim": -3}, "concat dim -3 is out of range for rank 2"),
+])
+def test_attrs_that_failed_only_at_run_time_are_refused(op, attrs, why):
+    b = CircuitBuilder("b", max_width=2)
+    x, w = b.input("x", "float32", ("n", 8)), b.param("w", "float32", (8,))
+    pos = b.input("pos", "int32", ("n",))
+    args = {"rope": [x, pos], "rmsnorm": [x, w], "concat": [x, x]}[op]
+    with pytest.raises(CircuitError, match=rf"node '{op}' \(op {op}\).*{why}"):
+        b.op1(op, args, attrs)
+    good = {"rope": {"head_dim": 4}}.get(op, {})
+    ok = b.op1(op, args, good, name="ok")  # good attrs build; the same node edited is refused
+    b.output(ok, "y")
+    fails(edit_node(b.build(), "ok", attrs=attrs), why, "'ok'", op)
