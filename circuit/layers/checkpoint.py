@@ -85,6 +85,11 @@ def _inventory_from_index(root: Path, index: Path) -> _Inventory:
     where = {}
     for key, name in weight_map.items():
         path = root / str(name)
+        # lexical, FAULT 31: "../x" and "/abs" are refused; a symlinked shard is not (the HF hub
+        # cache links snapshots/<rev>/*.safetensors to blobs/ outside the snapshot directory)
+        if os.path.isabs(str(name)) or os.path.normpath(str(name)).split(os.sep)[0] == "..":
+            raise CorruptFileError(f"{index} maps tensor {key!r} to {name!r}, outside the checkpoint "
+                                   f"directory {root}: shards must lie inside it")
         if not path.is_file():
             raise CorruptFileError(f"{index} maps tensor {key!r} to {path}, which does not exist")
         where[key] = path

@@ -1,7 +1,8 @@
 """What cannot run is refused by default (FAULT 31), for the dense and the MoE head: tensors inside
 a module the head runs that it does not implement, config fields that change the math, integer
 or non-finite weights, non-finite rope_theta / rms_norm_eps; each error names the tensor or field,
-the architecture and the file. Tensors of other layers and modules still load."""
+the architecture and the file. Tensors of other layers and modules still load; a shard index
+never leads outside the checkpoint directory."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draft_circuit.circuit.layers.checkpoint import (
-    NonFiniteTensorError, TensorDtypeError, UnexpectedTensorError, UnsupportedArchitectureError,
+    CorruptFileError, NonFiniteTensorError, TensorDtypeError, UnexpectedTensorError, UnsupportedArchitectureError,
     UnsupportedConfigError, UnsupportedTensorError, load_mtp_weights, load_target_weights, read_config,
     write_random_checkpoint)
 from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, ConfigError
@@ -257,3 +258,25 @@ def test_weight_past_float16_range_is_refused_after_conversion(tmp_path: Path, h
     assert load_mtp_weights(root, dtype=torch.bfloat16)[1]["hnorm.weight"].isfinite().all()
     with pytest.raises(NonFiniteTensorError, match=rf"{re.escape(key)}.*after conversion to float16"):
         load_mtp_weights(root, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "sub/../../outside.safetensors", "ABS",
+                                   "link.safetensors"])
+def test_shard_index_never_leads_outside_the_directory(tmp_path: Path, entry: str) -> None:
+    root = write_random_checkpoint(tmp_path / "c", DEFAULT_CONFIG, shards=2)
+    outside = tmp_path / "outside.safetensors"
+    shard = sorted(root.glob("*.safetensors"))[0]
+    outside.write_bytes(shard.read_bytes())
+    (root / "sub").mkdir()
+    (root / "link.safetensors").symlink_to(outside)  # the HF hub cache's layout: a link to blobs/
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    keys = [k for k, v in index["weight_map"].items() if v == shard.name]
+    index["weight_map"].update(dict.fromkeys(keys, os.fspath(outside) if entry == "ABS" else entry))
+    key = keys[0]
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard.unlink()
+    if entry == "link.safetensors":
+        load_target_weights(root)  # a symlinked shard named inside the directory is followed
+        return
+    with pytest.raises(CorruptFileError, match=rf"{re.escape(key)}.*outside the checkpoint directory"):
+        load_target_weights(root)
