@@ -138,19 +138,20 @@ FAMILIES: tuple[Family, ...] = (
         drafter=f"{_MTP_NAMES} (`num_nextn_predict_layers`); GLM-4.5 block; MoE MLP (sigmoid "
                 "routing, `e_score_correction_bias`, shared experts)",
         loads="nothing", target="no: MoE layers after `first_k_dense_replace`", runs="no",
-        blocked=("partial rotary (`partial_rotary_factor`, 0.5 by default): the rope op rotates "
-                 "the whole head; q/k/v biases when `attention_bias`; per-head q/k norms when "
-                 "`use_qk_norm`",),
+        blocked=("partial rotary (`partial_rotary_factor`, in `rope_parameters` since "
+                 "transformers 5, 0.5 by default): the rope op rotates the whole head; q/k/v biases "
+                 "(`attention_bias`, true in the released configs); per-head q/k norms "
+                 "(`use_qk_norm`). Its routing, experts and shared experts are MoeMtpHead's",),
     ),
     Family(
         "qwen3_next", ("Qwen3NextForCausalLM",),
         drafter="`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, "
                 "`mtp.layers.0.*`, `mtp.norm` (embedding and head shared with the target)",
         loads="nothing", target="no: linear-attention (Gated DeltaNet) layers", runs="no",
-        blocked=("its own MTP names (`mtp.*`, `fc` on [embedding, hidden]) and a gated attention "
-                 "(`q_proj` emits query and gate), zero-centred RMSNorms (weight + 1), per-head "
-                 "q/k norms, partial rotary, a MoE with `shared_expert_gate`: none in the layer "
-                 "library yet",),
+        blocked=("its own MTP layout (`mtp.*`; the hidden handed on is after `mtp.norm`), a gated "
+                 "attention (`q_proj` emits query and gate per head), zero-centred RMSNorms "
+                 "(1 + weight), per-head q/k norms, partial rotary (0.25), a MoE whose shared expert "
+                 "is scaled by sigmoid(`shared_expert_gate`): none in the layer library yet",),
     ),
 )
 
