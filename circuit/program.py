@@ -171,7 +171,9 @@ def _arena_buffers(c: Circuit, order: tuple[Node, ...], env: dict[str, int],
                     and c.value(src).spec.nbytes(env) == c.value(dst).spec.nbytes(env)
                     and src not in node.inputs[:in_i] + node.inputs[in_i + 1:]):
                 root[dst] = root.get(src, src)
-    groups = {v: root.get(v, v) for v in temps if v in first}
+    # in schedule order, not set order: the report lists each buffer's values from this, and
+    # must be byte-identical across processes (a set's order changes with PYTHONHASHSEED)
+    groups = {v: root.get(v, v) for v in first if v in temps}
     span: dict[str, tuple[int, int, int]] = {}
     for v, r in groups.items():
         lo, hi, size = span.get(r, (first[v], last[v], 0))
