@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from draft_circuit.circuit.ir import (FUSED_SEP, ROW, Circuit, CircuitError, Dim, Kind, Neutral,
-                                      Node, Origin, Value)
+                                      Node, Origin, TensorSpec, Value)
 from draft_circuit.circuit.verify import verify
 from draft_circuit.ops.registry import ShapeError, get_op
 
@@ -72,7 +72,7 @@ class CircuitBuilder:
     def state(self, name: str, dtype: str, shape: Sequence[Dim]) -> str:
         return self._declare(name, dtype, shape, "state", storage=name, version=0)
 
-    def spec(self, value: str):
+    def spec(self, value: str) -> TensorSpec:
         return self._values[value].spec
 
     @contextmanager
@@ -102,16 +102,17 @@ class CircuitBuilder:
             op = get_op(op_name)
         except CircuitError as e:
             raise CircuitError(e.detail, **where) from None
-        ins = list(inputs)
-        while ins and ins[-1] is None:
-            ins.pop()
+        given = list(inputs)
+        while given and given[-1] is None:
+            given.pop()
         if FUSED_SEP in node_name:
             raise CircuitError(f"node names may not contain {FUSED_SEP!r}: fusion passes name "
                                "their nodes part+part, and two nodes of one name collide", **where)
         if node_name in self._node_names:
             raise CircuitError("node name used twice", **where)
-        if None in ins:
+        if None in given:
             raise CircuitError("only trailing optional inputs may be absent", **where)
+        ins = [x for x in given if x is not None]
         for x in ins:
             if x not in self._values:
                 raise CircuitError(f"input {x!r} names no value", **where)
@@ -172,7 +173,8 @@ class CircuitBuilder:
         return name
 
     def build(self, check: bool = True) -> Circuit:
-        r = lambda x: self._renames.get(x, x)  # noqa: E731
+        def r(x: str) -> str:
+            return self._renames.get(x, x)
         values = tuple(v.model_copy(update={"name": r(v.name)}) for v in self._values.values())
         nodes = tuple(n.model_copy(update={"inputs": tuple(map(r, n.inputs)),
                                            "outputs": tuple(map(r, n.outputs))})

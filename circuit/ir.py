@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import cached_property
-from typing import Any, Literal, Union
+from typing import Any, Final, Literal, Union
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -20,10 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from draft_circuit.circuit.types import (DTYPE_BYTES, DTYPES, ROW, CircuitError, Dim,  # noqa: F401
                                          TensorSpec)
 
+__all__ = ["DTYPE_BYTES", "DTYPES", "FUSED_SEP", "MAX_JSON_DEPTH", "ROW", "SCHEMA_VERSION",
+           "SCRATCH_BLOCK", "Circuit", "CircuitError", "Dim", "Kind", "Neutral", "Node", "Origin",
+           "TensorSpec", "Value"]
+
 SCHEMA_VERSION = 1
 Kind = Literal["input", "param", "state", "temp", "output"]
 FUSED_SEP = "+"  # fusion passes name a fused node part+part: no other node may use it
-SCRATCH_BLOCK = "scratch_block"  # a neutral that stands for the runner's scratch block id
+SCRATCH_BLOCK: Final = "scratch_block"  # a neutral that stands for the runner's scratch block id
 Neutral = Union[int, float, Literal["scratch_block"], None]
 MAX_JSON_DEPTH = 64  # circuit JSON is shallow (attrs are numbers and short lists)
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import networkx as nx
 
-from draft_circuit.circuit.ir import DTYPES, FUSED_SEP, SCRATCH_BLOCK, Circuit, CircuitError, Node, Value
+from draft_circuit.circuit.ir import (DTYPES, FUSED_SEP, SCRATCH_BLOCK, Circuit, CircuitError, Node,
+                                      Value)
 from draft_circuit.ops.registry import ShapeError, get_op
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
@@ -112,11 +113,11 @@ def _check_definitions(c: Circuit) -> set[str]:
             produced[out] = n.name
     for n in c.nodes:
         for x in n.inputs:
-            v = c.value(x) if c.has_value(x) else None
-            if v is not None and x not in produced and (
-                    v.kind in ("temp", "output") or (v.kind == "state" and v.version > 0)):
-                raise CircuitError(f"input {x!r} ({v.kind}) is never produced: no node defines it",
-                                   **where(n))
+            read = c.value(x) if c.has_value(x) else None
+            if read is not None and x not in produced and (
+                    read.kind in ("temp", "output") or (read.kind == "state" and read.version > 0)):
+                raise CircuitError(f"input {x!r} ({read.kind}) is never produced: no node "
+                                   "defines it", **where(n))
     return set(produced)
 
 

@@ -19,7 +19,10 @@ def neutral_value(circuit: Circuit, name: str, scratch_block: int) -> int | floa
     neutral = circuit.value(name).neutral
     if neutral is None:
         return 0
-    return scratch_block if neutral == SCRATCH_BLOCK else neutral
+    if isinstance(neutral, str):  # the one symbolic neutral (verify admits no other string)
+        assert neutral == SCRATCH_BLOCK, neutral
+        return scratch_block
+    return neutral
 
 
 def fill_neutral(circuit: Circuit, inputs: Mapping[str, torch.Tensor], start: int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -107,7 +107,7 @@ def assert_outputs_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, tor
 
 # ---- the GPU test mark and graph-capture helpers (used by the project's GPU tests) ----
 NEEDS_CUDA = "needs a CUDA GPU"
-_T = TypeVar("_T")
+_T = TypeVar("_T", bound=Callable[..., Any])  # a test function or class
 
 
 class CudaMark:
@@ -126,7 +126,7 @@ class CudaMark:
         return test
 
 
-def skip_cuda_without_gpu(items: list) -> None:
+def skip_cuda_without_gpu(items: Sequence[Any]) -> None:
     """The body of a `pytest_collection_modifyitems` hook: every collected test marked `cuda`
     (also spelled `@pytest.mark.cuda`) is skipped when no GPU is present."""
     if cuda_available():
@@ -169,7 +169,7 @@ def compare_drafts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Ten
     return compared, mismatched
 
 
-def assert_no_allocation(fn, *args, repeats: int = 3) -> None:
+def assert_no_allocation(fn: Callable[..., object], *args: object, repeats: int = 3) -> None:
     """`fn(*args)` allocates no device memory (the caching allocator's counters stay put)."""
     torch.cuda.synchronize()
     fn(*args)  # any lazy first-call work happens here
@@ -183,7 +183,7 @@ def assert_no_allocation(fn, *args, repeats: int = 3) -> None:
         assert after.get(key, 0) == before.get(key, 0), f"{key}: {before.get(key)} -> {after.get(key)}"
 
 
-def poison_runner(runner) -> None:
+def poison_runner(runner: Any) -> None:
     """NaN/huge-fill a program or graph runner's arena and static outputs before a run, so any
     element the run does not write shows."""
     program = getattr(runner, "program", runner)

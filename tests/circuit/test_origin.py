@@ -74,8 +74,8 @@ def test_origins_are_not_printed_and_not_fingerprinted_but_travel_in_json():
     bare = strip_origins(c)
     assert str(c) == str(bare) and MTP not in str(c)
     assert c.fingerprint() == bare.fingerprint()
-    moved = c.replace(nodes=[n.model_copy(update={"origin": (o.model_copy(update={"line": o.line + 7}),)})
-                             for n in c.nodes for o in n.origin])
+    moved = c.replace(nodes=[n.model_copy(update={"origin": tuple(
+        o.model_copy(update={"line": o.line + 7}) for o in n.origin)}) for n in c.nodes])
     assert moved.fingerprint() == c.fingerprint()  # a layer edit that moves lines keeps the cache
     back = Circuit.from_json(c.to_json())
     assert back == c and back.node("s0.enorm").origin == c.node("s0.enorm").origin

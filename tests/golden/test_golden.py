@@ -26,7 +26,8 @@ REGEN = "python3 -m pytest -q -p no:cacheprovider tests/golden --regen-golden"
 def texts(tmp_path_factory) -> dict[str, str]:
     """Golden file name -> the text the code makes today."""
     report = tmp_path_factory.mktemp("golden") / "plan.json"
-    argv = ["plan", "--widths", ",".join(map(str, WIDTHS)), "--device", "cpu", "--json", str(report)]
+    argv = ["plan", "--widths", ",".join(map(str, WIDTHS)), "--device", "cpu",
+            "--json", str(report)]
     assert main(argv) == 0
     # the same defaults the command fills in, for the circuits it compiled
     args = argparse.Namespace(checkpoint=None, report=None,
