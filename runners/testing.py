@@ -143,7 +143,6 @@ try:
     cuda = CudaMark()
 except ImportError:  # pytest is a test extra; the helpers below do not need it
     cuda = None  # type: ignore[assignment]
-requires_cuda = cuda  # the former second decorator, now the same one mark (kept for callers)
 
 
 def compare_drafts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
