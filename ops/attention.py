@@ -1,4 +1,5 @@
-"""Token and paged-KV ops: embedding, embed_write, rope, kv_write, rope_kv_write, decode_attention.
+"""Rope and paged-KV ops: rope, kv_write, rope_kv_write, decode_attention, with their kernel
+bindings (Triton, and a capturable torch kv_write). The token ops live in ops/tokens.py.
 
 KV pools are states of shape [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's row r
 lives at block_tables[i, r // block_size], offset r % block_size. Step offsets are attrs, so a
@@ -7,19 +8,16 @@ k-step chain needs no integer arithmetic ops: step j writes row live_rows + j at
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import ROW, TensorSpec
-from draft_circuit.ops.registry import (FUSED, GATHER, WRITES_STATE, Cost, OpDef, check, dim_eq, elt, rank,
-                          register, same_dtype)
-
-INDEX_DTYPES = ("int32", "int64")
-
-
-class TokenError(ValueError):
-    """A token id outside [0, vocab): named with its row."""
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, kernel
+from draft_circuit.ops.registry import (ATTENTION, FUSED, Cost, OpDef, check, dim_eq, elt, index_dtype,
+                                        rank, register, same_dtype)
+from draft_circuit.ops.tokens import TokenError, embedding_ref  # noqa: F401  (their old home)
 
 
 class RopeAttrs(BaseModel):
@@ -56,71 +54,6 @@ class AttentionAttrs(BaseModel):
     row_offset: int = 0
 
 
-def _index(spec: TensorSpec, what: str) -> None:
-    check(spec.dtype in INDEX_DTYPES, lambda: f"{what} must be int32 or int64, got {spec}")
-
-
-# ---- embedding ----
-def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of `table`; a negative id (an all-masked draft, -1) gives a zero row, by policy."""
-    vocab = table.shape[0]
-    if ids.numel() and int(ids.max()) >= vocab:
-        row = int((ids >= vocab).nonzero()[0, 0])
-        raise TokenError(f"token id {int(ids[row])} at row {row} is outside the vocabulary "
-                         f"[0, {vocab})")
-    out = table[ids.clamp(min=0).long()]
-    return out.masked_fill((ids < 0).unsqueeze(-1), 0)
-
-
-def _infer_embedding(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
-    table, ids = ins
-    rank(table, 2, "embedding table [vocab, hidden]")
-    rank(ids, 1, "token ids")
-    _index(ids, "token ids")
-    return [TensorSpec(dtype=table.dtype, shape=(ids.shape[0], table.shape[1]))]
-
-
-def _embedding_cost(ins, outs, a, ctx, env) -> Cost:
-    row_bytes = outs[-1].nbytes(env)  # only the gathered rows of the table are read
-    return Cost(row_bytes + ins[-1].nbytes(env), outs[-1].nbytes(env), 0)
-
-
-register(OpDef(
-    name="embedding", inputs=("table", "ids"), outputs=("out",), infer=_infer_embedding,
-    reference=lambda t, a: (embedding_ref(t[0], t[1]),), cost=_embedding_cost,
-    tags=frozenset({GATHER}),
-))
-
-
-def _infer_embed_write(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
-    target, table, ids = ins[:3]
-    (emb,) = _infer_embedding([table, ids], a)
-    check(target.dtype == emb.dtype and target.shape == emb.shape,
-          lambda: f"embed target {target} must be {emb}")
-    if len(ins) > 3:
-        check(ins[3].dtype == "int32" and ins[3].shape == ids.shape,
-              lambda: f"active must be int32{list(ids.shape)}, got {ins[3]}")
-    return [target]
-
-
-def _embed_write(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
-    """Rows whose `active` is 0 (inert padding) keep what the host buffer held."""
-    target, table, ids = t[:3]
-    emb = embedding_ref(table, ids)
-    if len(t) > 3:
-        emb = torch.where(t[3].bool().unsqueeze(-1), emb, target)
-    target.copy_(emb)
-    return (target,)
-
-
-register(OpDef(
-    name="embed_write", inputs=("target", "table", "ids", "active"), outputs=("target",),
-    num_required=3, infer=_infer_embed_write, reference=_embed_write, mutates={0: 0},
-    cost=lambda ins, outs, a, ctx, env: Cost(2 * outs[0].nbytes(env), outs[0].nbytes(env), 0),
-    tags=frozenset({GATHER, WRITES_STATE}),
-))
-
-
 # ---- rope ----
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
              pos_offset: int) -> torch.Tensor:
@@ -139,7 +72,7 @@ def _infer_rope(ins: list[TensorSpec], a: RopeAttrs) -> list[TensorSpec]:
     x, pos = ins
     rank(x, 2, "rope input [n, heads * head_dim]")
     rank(pos, 1, "positions")
-    _index(pos, "positions")
+    index_dtype(pos, "positions")
     dim_eq(pos.shape[0], x.shape[0], "rope rows")
     check(a.head_dim % 2 == 0 and isinstance(x.shape[1], int) and x.shape[1] % a.head_dim == 0,
           lambda: f"rope head_dim {a.head_dim} must be even and divide {x}")
@@ -149,6 +82,7 @@ def _infer_rope(ins: list[TensorSpec], a: RopeAttrs) -> list[TensorSpec]:
 register(OpDef(
     name="rope", inputs=("x", "positions"), outputs=("out",), attrs=RopeAttrs, infer=_infer_rope,
     reference=lambda t, a: (rope_ref(t[0], t[1], a.head_dim, a.theta, a.pos_offset),),
+    tags=frozenset({ATTENTION}),
 ))
 
 
@@ -200,11 +134,26 @@ def _kv_write_cost(ins, outs, a, ctx, env) -> Cost:
     return Cost(k.nbytes(env) + v.nbytes(env), k.nbytes(env) + v.nbytes(env), 0)
 
 
+def _kv_write_capturable(ins: list, outs: list, ws: list, a: Any) -> None:
+    """Paged write where inactive rows write back what the slot held (no boolean mask, so no
+    data-dependent shapes and no host sync)."""
+    kc, vc, k, v, tables, live, *active = ins
+    block_size, heads, dim = kc.shape[1:]
+    rows = live.long() + a.row_offset
+    blocks = tables.long().gather(1, (rows // block_size).unsqueeze(1)).squeeze(1)
+    offs = rows % block_size
+    for cache, new in ((kc, k), (vc, v)):
+        new = new.view(-1, heads, dim)
+        if active:
+            new = torch.where(active[0].bool().view(-1, 1, 1), new, cache[blocks, offs])
+        cache[blocks, offs] = new
+
+
 register(OpDef(
     name="kv_write", inputs=("k_cache", "v_cache", "k", "v", "block_tables", "live_rows", "active"),
     outputs=("k_cache", "v_cache"), num_required=6, attrs=KvWriteAttrs, infer=_infer_kv_write,
-    reference=_kv_write, cost=_kv_write_cost, mutates={0: 0, 1: 1},
-    tags=frozenset({WRITES_STATE}),
+    reference=_kv_write, cost=_kv_write_cost, mutates={0: 0, 1: 1}, tags=frozenset({ATTENTION}),
+    kernels=(KernelBinding("torch_kv_write", _kv_write_capturable, Applies(CUDA)),),
 ))
 
 
@@ -224,6 +173,17 @@ def _rope_kv_write(t: list, a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
     return q_rot, kc, vc
 
 
+_k_rope_kv = kernel("rope_kv_write", "rope_kv_write")
+
+
+def _launch_rope_kv_write(ins: list, outs: list, ws: list, a: Any) -> None:
+    q, k, v, pos, kc, vc, tables, live, *active = ins
+    d = a.head_dim
+    _k_rope_kv()(q, k, v, pos, live, tables, kc, vc, outs[0], num_heads=q.shape[1] // d,
+               num_kv_heads=kc.shape[2], head_dim=d, theta=a.theta, pos_offset=a.pos_offset,
+               row_offset=a.row_offset, active=active[0] if active else None)
+
+
 register(OpDef(
     name="rope_kv_write",
     inputs=("q", "k", "v", "positions", "k_cache", "v_cache", "block_tables", "live_rows", "active"),
@@ -231,7 +191,9 @@ register(OpDef(
     infer=_infer_rope_kv_write, reference=_rope_kv_write, mutates={1: 4, 2: 5},
     cost=lambda ins, outs, a, ctx, env: Cost(
         sum(s.nbytes(env) for s in ins[:4]), outs[0].nbytes(env) + 2 * ins[1].nbytes(env), 0),
-    tags=frozenset({WRITES_STATE, FUSED}),
+    tags=frozenset({ATTENTION, FUSED}),
+    # the kernel takes any block size (a runtime argument); shapes and dtypes the rule checks
+    kernels=(KernelBinding("triton_rope_kv_write", _launch_rope_kv_write, Applies(TRITON)),),
 ))
 
 
@@ -281,8 +243,39 @@ def _attention_cost(ins, outs, a, ctx, env) -> Cost:
                 4 * live_rows * heads * int(kc.shape[3]))
 
 
+_k_attn = kernel("decode_attention", "decode_attention")
+_k_attn_ws = kernel("decode_attention", "decode_attention_workspace_shape")
+
+
+def _launch_attention(ins: list, outs: list, ws: list, a: Any) -> None:
+    q, kc, vc, tables, live = ins
+    d = kc.shape[3]
+    _k_attn()(q, kc, vc, tables, live, outs[0], num_heads=q.shape[1] // d, num_kv_heads=kc.shape[2],
+            head_dim=d, scale=a.scale if a.scale is not None else 1.0 / math.sqrt(d),
+            row_offset=a.row_offset, workspace=ws[0])
+
+
+def _attention_ws(ins: Sequence[TensorSpec], env: dict, a: Any) -> list:
+    q, kc, tables = ins[0], ins[1], ins[3]
+    n, d = q.concrete(env)[0], int(kc.shape[3])
+    rows = int(tables.shape[1]) * int(kc.shape[1])
+    return [("float32", _k_attn_ws()(n, int(q.shape[1]) // d, d, rows))]
+
+
+def _pow2_block(ins: Sequence[TensorSpec], a: Any) -> bool:
+    bs = ins[1].shape[1]
+    return isinstance(bs, int) and bs >= 8 and bs & (bs - 1) == 0
+
+
 register(OpDef(
     name="decode_attention", inputs=("q", "k_cache", "v_cache", "block_tables", "live_rows"),
     outputs=("out",), attrs=AttentionAttrs, infer=_infer_attention, cost=_attention_cost,
     reference=lambda t, a: (decode_attention_ref(*t, a.scale, a.row_offset),),
+    tags=frozenset({ATTENTION}),
+    # what kernels.decode_attention refuses at launch, refused here at plan time (issue 19.9)
+    kernels=(KernelBinding("triton_decode_attention", _launch_attention, Applies(TRITON, conditions=(
+        Condition("block_size a power of two >= 8", _pow2_block),
+        Condition("row_offset >= 0", lambda ins, a: a.row_offset >= 0),
+        Condition("block tables of >= 1 column", lambda ins, a: ins[3].shape[1] != 0))),
+        workspace=_attention_ws),),
 ))

@@ -1,14 +1,29 @@
 """Elementwise, norm, layout and matmul ops: add, cast, concat, stack, rmsnorm, add_rmsnorm,
-linear, silu_mul, linear_silu_mul. References are the HF-Llama semantics the kernels match."""
+linear, silu_mul, linear_silu_mul, with their kernel bindings. References are the HF-Llama
+semantics the kernels match."""
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import DTYPES, TensorSpec
-from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost,
-                          dim_eq, rank, register, same_dtype, torch_dtype)
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, kernel
+from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, LAYOUT, MATMUL, NORM, REDUCTION, Cost, OpDef,
+                                        check, default_cost, dim_eq, rank, register, same_dtype,
+                                        torch_dtype)
+
+_k_rmsnorm, _k_add_rmsnorm = kernel("rmsnorm", "rmsnorm"), kernel("rmsnorm", "add_rmsnorm")
+_k_silu = kernel("silu_mul", "silu_mul")
+_k_linear, _k_linear_silu = kernel("linear", "linear"), kernel("linear", "linear_silu_mul")
+_k_splitk = kernel("linear_splitk", "linear_splitk")
+_k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
+_k_splitk_splits = kernel("linear_splitk", "num_splits")
+# kernels.rmsnorm normalises a row in one program
+ONE_PROGRAM_ROW = Condition("hidden <= 65536", lambda ins, a: isinstance(ins[0].shape[1], int)
+                            and ins[0].shape[1] <= 65536)
 
 
 class EpsAttrs(BaseModel):
@@ -71,6 +86,8 @@ def _silu_mul(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
 register(OpDef(
     name="silu_mul", inputs=("gate_up",), outputs=("out",), infer=_infer_silu_mul,
     reference=_silu_mul, tags=frozenset({ELEMENTWISE}),
+    kernels=(KernelBinding("triton_silu_mul", lambda i, o, w, a: _k_silu()(i[0], o[0]),
+                           Applies(TRITON)),),
 ))
 
 
@@ -92,7 +109,7 @@ def _infer_concat(ins: list[TensorSpec], a: DimAttrs) -> list[TensorSpec]:
 
 register(OpDef(
     name="concat", inputs=("x",), outputs=("out",), attrs=DimAttrs, variadic=True,
-    infer=_infer_concat, reference=lambda t, a: (torch.cat(t, dim=a.dim),),
+    infer=_infer_concat, reference=lambda t, a: (torch.cat(t, dim=a.dim),), tags=frozenset({LAYOUT}),
 ))
 
 
@@ -106,7 +123,7 @@ def _infer_stack(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
 
 register(OpDef(
     name="stack", inputs=("x",), outputs=("out",), variadic=True, infer=_infer_stack,
-    reference=lambda t, a: (torch.stack(t, dim=1),),
+    reference=lambda t, a: (torch.stack(t, dim=1),), tags=frozenset({LAYOUT}),
 ))
 
 
@@ -129,7 +146,9 @@ def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 register(OpDef(
     name="rmsnorm", inputs=("x", "weight"), outputs=("out",), attrs=EpsAttrs,
     infer=_infer_rmsnorm, reference=lambda t, a: (rmsnorm_ref(t[0], t[1], a.eps),),
-    tags=frozenset({REDUCTION}), inplace={0: 0},
+    tags=frozenset({REDUCTION, NORM}), inplace={0: 0},
+    kernels=(KernelBinding("triton_rmsnorm", lambda i, o, w, a: _k_rmsnorm()(i[0], i[1], o[0], a.eps),
+                           Applies(TRITON, conditions=(ONE_PROGRAM_ROW,))),),
 ))
 
 
@@ -147,7 +166,10 @@ def _add_rmsnorm(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor, torc
 register(OpDef(
     name="add_rmsnorm", inputs=("x", "residual", "weight"), outputs=("sum", "out"),
     attrs=EpsAttrs, infer=_infer_add_rmsnorm, reference=_add_rmsnorm,
-    tags=frozenset({REDUCTION, FUSED}), inplace={0: 0},
+    tags=frozenset({REDUCTION, NORM, FUSED}), inplace={0: 0},
+    kernels=(KernelBinding(
+        "triton_add_rmsnorm", lambda i, o, w, a: _k_add_rmsnorm()(i[0], i[1], i[2], o[0], o[1], a.eps),
+        Applies(TRITON, conditions=(ONE_PROGRAM_ROW,))),),
 ))
 
 
@@ -193,9 +215,37 @@ def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:
     return (linear_ref(t[0], t[1], torch_dtype(a.out_dtype) if a.out_dtype else None),)
 
 
+def _splitk_workspace(ins: Sequence[TensorSpec], env: dict, a: Any) -> list:
+    rows, k = ins[1].shape
+    return [("float32", _k_splitk_ws()(ins[0].concrete(env)[0], int(rows), int(k)))]
+
+
+def _many_splits(ins: Sequence[TensorSpec], a: Any) -> bool:
+    rows, k = ins[1].shape  # the weight's shape only: every width of a circuit picks the same kernel
+    return isinstance(rows, int) and isinstance(k, int) and _k_splitk_splits()(rows, k) >= 2
+
+
+def _cublas_linear(ins: list, outs: list, ws: list, a: Any) -> None:
+    torch.matmul(ins[0], ins[1].t(), out=outs[0])
+
+
 register(OpDef(
     name="linear", inputs=("x", "weight"), outputs=("out",), attrs=LinearAttrs,
     infer=_infer_linear, reference=_linear, cost=_linear_cost, tags=frozenset({MATMUL}),
+    kernels=(
+        # split-K first: chosen where the plain kernel's grid is too small and the output is the
+        # fp32-accumulating result rounded once; the single-pass kernel serves the rest
+        KernelBinding("triton_linear_splitk", lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0]),
+                      Applies(TRITON, conditions=(
+                          Condition("out_dtype None or float32",
+                                    lambda ins, a: a.out_dtype in (None, "float32")),
+                          Condition("K in >= 2 splits", _many_splits))),
+                      workspace=_splitk_workspace),
+        KernelBinding("triton_linear", lambda i, o, w, a: _k_linear()(i[0], i[1], o[0]), Applies(TRITON)),
+        KernelBinding("cublas_linear", _cublas_linear, Applies(CUDA, conditions=(
+            Condition("out_dtype None or the input's", lambda ins, a: a.out_dtype in (None, ins[0].dtype)),)),
+            width_independent=False),
+    ),
 ))
 
 
@@ -209,4 +259,8 @@ register(OpDef(
     # the composition of the two references, so CPU programs match eager bitwise
     reference=lambda t, a: _silu_mul([linear_ref(t[0], t[1])], a),
     tags=frozenset({MATMUL, FUSED}),
+    # no split-K for SwiGLU: on the H200 the fused single pass was as fast at n = 1 and 1.2-1.6x
+    # faster at n = 64 (benchmarks/tune_kernels.py); kernels.linear_splitk keeps the variant
+    kernels=(KernelBinding("triton_linear_silu_mul", lambda i, o, w, a: _k_linear_silu()(i[0], i[1], o[0]),
+                           Applies(TRITON)),),
 ))

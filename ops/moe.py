@@ -1,12 +1,11 @@
 """MoE ops: `moe_route` (DeepSeek-V3 sigmoid group-limited routing, or softmax top-k), `moe_experts`
 (selected experts' SwiGLU MLPs plus shared experts), `moe_experts_fp8` (fp8 e4m3 experts, 128x128
-block scales). References are the oracles; `bind_moe_kernels()` (run at import) binds Triton."""
+block scales). References are the oracles; each op's Triton binding is declared beside it."""
 from __future__ import annotations
 
 import math
 import os
-from functools import lru_cache, partial
-from importlib import import_module
+from functools import partial
 from typing import Any, Literal, Sequence
 
 import torch
@@ -15,12 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import linear_ref
-from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, KernelBinding,
-                          OpDef, bind_kernel, check, default_cost, dim_eq, rank, register)
+from draft_circuit.ops.bindings import CUDA, KERNEL_FLOATS, TRITON, Applies, Condition, KernelBinding, kernel
+from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, dim_eq,
+                                        rank, register)
 
 FP8 = "float8_e4m3fn"
 SCALE_BLOCK = 128  # DeepSeek-V3's weight_scale_inv blocks: real weight = fp8 * scale of its block
-FLOATS = ("float32", "float16", "bfloat16")
+FLOATS = tuple(sorted(KERNEL_FLOATS))  # what x (the activations) may be
 KILL_SWITCH = "CIRCUIT_NO_GROUPED_MOE_DECODE"
 
 
@@ -115,12 +115,26 @@ def _route(t: list, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return route_select(logits, t[2] if len(t) > 2 else None, a)
 
 
+_k_linear = kernel("linear", "linear")
+
+
+def _route_launch(ins: list, outs: list, ws: list, a: MoeRouteAttrs) -> None:
+    _k_linear()(ins[0], ins[1], ws[0])  # fp32 logits, one launch
+    ids, weights = route_select(ws[0], ins[2] if len(ins) > 2 else None, a)  # exact ops
+    outs[0].copy_(ids)
+    outs[1].copy_(weights)
+
+
 register(OpDef(
     name="moe_route", inputs=("x", "gate_weight", "e_score_correction_bias"),
     outputs=("topk_ids", "topk_weights"), attrs=MoeRouteAttrs, num_required=2,
     infer=_infer_route, reference=_route, tags=frozenset({MATMUL, REDUCTION}),
     cost=lambda ins, outs, a, ctx, env: default_cost(
         ins, outs, env, flops=2 * math.prod(ins[0].concrete(env)) * int(ins[1].shape[0])),
+    # a gate in x's dtype; fp32 routing takes the reference
+    kernels=(KernelBinding("triton_moe_route", _route_launch, Applies(TRITON, conditions=(
+        Condition("gate_weight in x's dtype", lambda ins, a: ins[1].dtype == ins[0].dtype),)),
+        workspace=lambda ins, env, a: [("float32", (ins[0].concrete(env)[0], int(ins[1].shape[0])))]),),
 ))
 
 
@@ -232,6 +246,30 @@ def _experts(t: list, a: Any, *, fp8: bool) -> tuple[torch.Tensor]:
     return (experts_ref(x, ids, w, gu, down, shared, (gus, downs)),)
 
 
+# ---- kernels ----
+_k_grouped = kernel("moe_grouped", "moe_grouped")
+_k_grouped_ws = kernel("moe_grouped", "moe_grouped_workspace")
+
+
+def _experts_launch(ins: list, outs: list, ws: list, a: Any, *, fp8: bool) -> None:
+    x, ids, w, gu, gus, down, downs, shared = _parts(ins, fp8)
+    _k_grouped()(x, ids, w, gu, down, outs[0], ws, gate_up_scale=gus, down_scale=downs,
+               shared_gate_up=shared[0] if shared else None, shared_down=shared[1] if shared else None)
+
+
+def _experts_ws(ins: Sequence[TensorSpec], env: dict, a: Any, *, fp8: bool) -> list:
+    x, ids, _, gu, _, _, _, shared = _parts(ins, fp8)
+    return _k_grouped_ws()(x.concrete(env)[0], int(ids.shape[1]), int(gu.shape[0]), int(x.shape[1]),
+                         int(gu.shape[1]) // 2, int(shared[0].shape[0]) // 2 if shared else 0, x.dtype)
+
+
+# read when a program is planned: planned with the switch set, the experts take the reference
+SWITCHED_ON = Condition(f"grouped MoE decode not switched off ({KILL_SWITCH})",
+                        lambda ins, a: not grouped_decode_switched_off())
+# triton_moe_grouped: bf16/fp16/fp32 experts on CUDA and the interpreter, fp8 ones on CUDA only
+GROUPED = {False: Applies(TRITON, conditions=(SWITCHED_ON,)),
+           True: Applies(CUDA, floats=KERNEL_FLOATS | {FP8}, conditions=(SWITCHED_ON,))}
+
 for _fp8, _name, _weights in ((False, "moe_experts", ("w_gate_up", "w_down")),
                               (True, "moe_experts_fp8", ("w_gate_up", "w_gate_up_scale_inv",
                                                          "w_down", "w_down_scale_inv"))):
@@ -240,54 +278,6 @@ for _fp8, _name, _weights in ((False, "moe_experts", ("w_gate_up", "w_down")),
         outputs=("out",), num_required=3 + len(_weights),
         infer=partial(_infer_experts, fp8=_fp8), reference=partial(_experts, fp8=_fp8),
         cost=partial(_experts_cost, fp8=_fp8), tags=frozenset({MATMUL, GATHER}),
+        kernels=(KernelBinding("triton_moe_grouped", partial(_experts_launch, fp8=_fp8), GROUPED[_fp8],
+                               workspace=partial(_experts_ws, fp8=_fp8)),),
     ))
-
-
-# ---- kernels ----
-def _kernel(fn: str):
-    """kernels.moe_grouped.<fn>, imported on first launch (so importing ops needs no triton)."""
-    return lru_cache(maxsize=1)(lambda: getattr(import_module("draft_circuit.kernels.moe_grouped"), fn))
-
-
-_grouped, _grouped_ws = _kernel("moe_grouped"), _kernel("moe_grouped_workspace")
-
-
-def _route_launch(ins: list, outs: list, ws: list, a: MoeRouteAttrs) -> None:
-    import_module("draft_circuit.kernels.linear").linear(ins[0], ins[1], ws[0])  # fp32 logits, one launch
-    ids, weights = route_select(ws[0], ins[2] if len(ins) > 2 else None, a)  # exact ops
-    outs[0].copy_(ids)
-    outs[1].copy_(weights)
-
-
-def _experts_launch(ins: list, outs: list, ws: list, a: Any, *, fp8: bool) -> None:
-    x, ids, w, gu, gus, down, downs, shared = _parts(ins, fp8)
-    _grouped()(x, ids, w, gu, down, outs[0], ws, gate_up_scale=gus, down_scale=downs,
-               shared_gate_up=shared[0] if shared else None, shared_down=shared[1] if shared else None)
-
-
-def _experts_ws(ins: Sequence[TensorSpec], env: dict, a: Any, *, fp8: bool) -> list:
-    x, ids, _, gu, _, _, _, shared = _parts(ins, fp8)
-    return _grouped_ws()(x.concrete(env)[0], int(ids.shape[1]), int(gu.shape[0]), int(x.shape[1]),
-                         int(gu.shape[1]) // 2, int(shared[0].shape[0]) // 2 if shared else 0, x.dtype)
-
-
-def _grouped_applies(devices: tuple[str, ...], device: str, ins: Sequence[TensorSpec], a: Any) -> bool:
-    return device in devices and ins[0].dtype in FLOATS and not grouped_decode_switched_off()
-
-
-def bind_moe_kernels() -> None:
-    """triton_moe_route (CUDA, interpreter; a gate in x's dtype: fp32 routing takes the reference)
-    and triton_moe_grouped (bf16/fp16/fp32 on CUDA and the interpreter, fp8 on CUDA only). The kill
-    switch is read when a program is planned: planned with it set, moe_experts takes the reference."""
-    triton_devices = ("cuda", "interpret")
-    bind_kernel("moe_route", KernelBinding(
-        "triton_moe_route", _route_launch,
-        lambda d, ins, a: d in triton_devices and ins[0].dtype in FLOATS and ins[1].dtype == ins[0].dtype,
-        workspace=lambda ins, env, a: [("float32", (ins[0].concrete(env)[0], int(ins[1].shape[0])))]))
-    for fp8, devices in ((False, triton_devices), (True, ("cuda",))):
-        bind_kernel("moe_experts_fp8" if fp8 else "moe_experts", KernelBinding(
-            "triton_moe_grouped", partial(_experts_launch, fp8=fp8), partial(_grouped_applies, devices),
-            workspace=partial(_experts_ws, fp8=fp8)))
-
-
-bind_moe_kernels()

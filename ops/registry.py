@@ -1,26 +1,33 @@
-"""The op registry: one `OpDef` per op (attrs model, shape rule, torch reference, cost, tags).
-
-Kernels are bound to ops separately (`bind_kernel`), each with the condition under which it
-applies; the planner picks the first that applies and falls back to the reference. Passes test
-tags (`ELEMENTWISE`, `WRITES_STATE`, ...), never op names.
+"""The op registry: one `OpDef` per op holds every fact about it, reached from `get_op(name)`:
+attrs model, shape rule, torch reference, cost, tags, the inputs it mutates, and its kernel
+bindings with the condition each applies under (the planner picks the first that applies and
+falls back to the reference). Passes and the plan page test tags, never op-name substrings;
+`writes_state` is derived from `mutates`, so the two cannot disagree.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from draft_circuit.circuit.types import DTYPE_BYTES, CircuitError, TensorSpec
+from draft_circuit.ops.bindings import KernelBinding  # noqa: F401  (re-exported: part of an OpDef)
 
 # op groups, as declared tags
-ELEMENTWISE = "elementwise"
-REDUCTION = "reduction"
-WRITES_STATE = "writes_state"
-MATMUL = "matmul"
-GATHER = "gather"
-FUSED = "fused"
+ELEMENTWISE = "elementwise"  # each output element from the same-index input elements
+REDUCTION = "reduction"      # reduces over a row (norms, the vocabulary argmax, routing)
+MATMUL = "matmul"            # a product with a weight matrix
+GATHER = "gather"            # reads rows of a table by index
+LAYOUT = "layout"            # moves data without arithmetic (concat, stack)
+NORM = "norm"                # a normalisation
+ATTENTION = "attention"      # the attention block: rope, the paged KV write, decode attention
+SAMPLING = "sampling"        # picks, gates or keeps draft tokens
+FUSED = "fused"              # stands for several ops a fusion pass replaced
+WRITES_STATE = "writes_state"  # derived: the op mutates a state input (never declared)
+TAGS: frozenset[str] = frozenset({ELEMENTWISE, REDUCTION, MATMUL, GATHER, LAYOUT, NORM, ATTENTION,
+                                  SAMPLING, FUSED, WRITES_STATE})
 
 
 class NoAttrs(BaseModel):
@@ -50,29 +57,15 @@ class CostContext:
     kv_rows: int = 100
 
 
-@dataclass(frozen=True)
-class KernelBinding:
-    """A kernel for an op: `launch(inputs, outputs, workspace, attrs)` writes into preallocated
-    outputs (destination passing; absent optional inputs are simply not in `inputs`).
-
-    `applies(device, in_specs, attrs)` says when it may be chosen; `workspace(in_specs, env,
-    attrs)` gives scratch shapes (dtype, shape) the planner preallocates, passed after outputs.
-    """
-
-    name: str
-    launch: Callable[..., None]
-    applies: Callable[[str, Sequence[TensorSpec], Any], bool]
-    workspace: Callable[..., list[tuple[str, tuple[int, ...]]]] | None = None
-    width_independent: bool = True  # a row's bits never depend on the other rows in the launch
-
-
-@dataclass
+@dataclass(frozen=True, eq=False)
 class OpDef:
     """Everything the project knows about one op.
 
     `reference(inputs, attrs) -> tuple[Tensor, ...]` is the oracle. State-writing ops mutate the
     state inputs named by `mutates` (output index -> input index) in place and return them.
     `inplace` (output index -> input index) marks outputs that may reuse an input's buffer.
+    `tags` are declared (from TAGS); WRITES_STATE is added exactly when `mutates` is non-empty.
+    `kernels` are tried in order; the first that applies is chosen.
     """
 
     name: str
@@ -87,7 +80,31 @@ class OpDef:
     variadic: bool = False  # one input name, repeated one or more times
     mutates: dict[int, int] = field(default_factory=dict)
     inplace: dict[int, int] = field(default_factory=dict)
-    kernels: list[KernelBinding] = field(default_factory=list)
+    kernels: tuple[KernelBinding, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.tags) - TAGS
+        if unknown:
+            raise ValueError(f"op {self.name!r}: unknown tags {sorted(unknown)}; known: {sorted(TAGS)}")
+        if WRITES_STATE in self.tags:
+            raise ValueError(f"op {self.name!r}: {WRITES_STATE!r} is derived from `mutates`, "
+                             "never declared")
+        derived = {WRITES_STATE} if self.mutates else set()
+        object.__setattr__(self, "tags", frozenset(self.tags) | derived)
+        object.__setattr__(self, "kernels", tuple(self.kernels))
+        names = [k.name for k in self.kernels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"op {self.name!r}: kernel names repeat: {names}")
+
+    @property
+    def writes_state(self) -> bool:
+        """The op mutates a state input in place: a node of it is never dead."""
+        return bool(self.mutates)
+
+    def has(self, tag: str) -> bool:
+        if tag not in TAGS:
+            raise ValueError(f"unknown tag {tag!r}; known: {sorted(TAGS)}")
+        return tag in self.tags
 
     def parse_attrs(self, attrs: dict[str, Any]) -> BaseModel:
         try:
@@ -145,10 +162,6 @@ def get_op(name: str) -> OpDef:
                            op=name) from None
 
 
-def bind_kernel(op_name: str, kernel: KernelBinding) -> None:
-    REGISTRY[op_name].kernels.append(kernel)
-
-
 # ---- small helpers the shape rules share ----
 def check(cond: bool, msg: Callable[[], str]) -> None:
     """Raise ShapeError(msg()) unless cond; the message is built only on failure."""
@@ -168,6 +181,13 @@ def rank(spec: TensorSpec, r: int, what: str) -> None:
 
 def dim_eq(a: Any, b: Any, what: str) -> None:
     check(a == b, lambda: f"{what}: {a} != {b}")
+
+
+INDEX_DTYPES = ("int32", "int64")
+
+
+def index_dtype(spec: TensorSpec, what: str) -> None:
+    check(spec.dtype in INDEX_DTYPES, lambda: f"{what} must be int32 or int64, got {spec}")
 
 
 def elt(dtype: str) -> int:

@@ -2,16 +2,27 @@
 
 Policy (FAULTS 14-16): token v is allowed iff bit v & 31 of word v >> 5 of the row's int32 mask is
 set; non-finite logits are never allowed. Ties go to the lowest id. A row with nothing allowed
-gives token -1 and log-probability -inf: reported, never a garbage id.
+gives token -1 and log-probability -inf: reported, never a garbage id. Also the per-row
+confidence stop (`confidence_gate`) and `keep_if_active`; Triton bindings for the two argmaxes.
 """
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import _infer_linear, linear_ref
-from draft_circuit.ops.registry import FUSED, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, register
+from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, kernel
+from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, MATMUL, REDUCTION, SAMPLING, Cost, OpDef,
+                                        check, default_cost, register)
+
+_k_argmax = kernel("argmax_logprob", "argmax_logprob")
+_k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
+_k_lin_argmax_ws = kernel("argmax_logprob", "linear_argmax_workspace_shape")
+# kernels.argmax_logprob carries token ids through its fp32 workspace: exact below 2**24
+MAX_FUSED_VOCAB = 1 << 24
 
 
 def mask_words(vocab: int) -> int:
@@ -68,7 +79,10 @@ register(OpDef(
     name="argmax_logprob", inputs=("logits", "bitmask"), outputs=("token", "logprob"),
     num_required=1, infer=_infer_argmax,
     reference=lambda t, a: argmax_logprob_ref(t[0], t[1] if len(t) > 1 else None),
-    tags=frozenset({REDUCTION}),
+    tags=frozenset({REDUCTION, SAMPLING}),
+    kernels=(KernelBinding(
+        "triton_argmax_logprob",
+        lambda i, o, w, a: _k_argmax()(i[0], o[0], o[1], i[1] if len(i) > 1 else None), Applies(TRITON)),),
 ))
 
 
@@ -91,10 +105,21 @@ def _linear_argmax_cost(ins, outs, a, ctx, env) -> Cost:
     return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
 
 
+def _launch_linear_argmax(ins: list, outs: list, ws: list, a: Any) -> None:
+    _k_lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[2] if len(ins) > 2 else None, ws[0])
+
+
+def _linear_argmax_ws(ins: Sequence[TensorSpec], env: dict, a: Any) -> list:
+    return [("float32", _k_lin_argmax_ws()(ins[0].concrete(env)[0], int(ins[1].shape[0])))]
+
+
 register(OpDef(
     name="linear_argmax_logprob", inputs=("x", "weight", "bitmask"), outputs=("token", "logprob"),
     num_required=2, infer=_infer_linear_argmax, reference=_linear_argmax,
-    cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, FUSED}),
+    cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
+    kernels=(KernelBinding("triton_linear_argmax_logprob", _launch_linear_argmax, Applies(TRITON, conditions=(
+        Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: ins[1].shape[0] < MAX_FUSED_VOCAB),)),
+        workspace=_linear_argmax_ws),),
 ))
 
 
@@ -119,6 +144,7 @@ def confidence_gate_ref(active: torch.Tensor, logprob: torch.Tensor,
 register(OpDef(
     name="confidence_gate", inputs=("active", "logprob", "log_tau"), outputs=("active",),
     infer=_infer_gate, reference=lambda t, a: (confidence_gate_ref(*t),),
+    tags=frozenset({SAMPLING, ELEMENTWISE}),
 ))
 
 
@@ -145,4 +171,5 @@ register(OpDef(
     # or `fill` (-1: "no draft here") without one
     name="keep_if_active", inputs=("token", "active", "fallback"), outputs=("out",),
     num_required=2, attrs=KeepAttrs, infer=_infer_keep, reference=_keep,
+    tags=frozenset({SAMPLING, ELEMENTWISE}),
 ))

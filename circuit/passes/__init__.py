@@ -1,4 +1,6 @@
-"""Passes: pure `Circuit -> Circuit` functions, one per file, named verb_object, run as a list.
+"""Passes: pure `Circuit -> Circuit` functions named verb_object, run as a list. Dead-node
+elimination is its own file; every fusion is a row of the table in `fusions.py`, run by the one
+driver in `fuse.py` and listed here under the row's name.
 
 `run_passes` optionally verifies after each pass and names the pass that broke the circuit.
 """
@@ -8,17 +10,13 @@ from typing import Callable, Sequence
 
 from draft_circuit.circuit.ir import Circuit, CircuitError
 from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
-from draft_circuit.circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
-from draft_circuit.circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
-from draft_circuit.circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
-from draft_circuit.circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
+from draft_circuit.circuit.passes.fusions import FUSIONS
 from draft_circuit.circuit.verify import verify
 
 Pass = Callable[[Circuit], Circuit]
 
-PASSES: dict[str, Pass] = {p.__name__: p for p in (
-    eliminate_dead_nodes, fuse_add_rmsnorm, fuse_lm_head_argmax, fuse_rope_kv_write,
-    fuse_linear_silu_mul)}
+PASSES: dict[str, Pass] = {"eliminate_dead_nodes": eliminate_dead_nodes,
+                           **{row.name: row.as_pass() for row in FUSIONS}}
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "eliminate_dead_nodes", "fuse_add_rmsnorm", "fuse_lm_head_argmax", "fuse_rope_kv_write",

@@ -1,21 +1,21 @@
 """Read-only views of a `PlanReport` that every renderer shares: node-to-node edges, the bands a
 DAG is drawn in (draft steps, and what runs before or after them), per-width kernels, live arena
-bytes per launch and the op-group palette. Nothing here plans or costs anything again."""
+bytes per launch and the op-group palette (by registry tags). Nothing here plans or costs
+anything again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from draft_circuit.circuit.report import NodeInfo, PlanReport, WidthReport
+from draft_circuit.ops.registry import (ATTENTION, ELEMENTWISE, GATHER, LAYOUT, MATMUL, NORM, REGISTRY,
+                                        SAMPLING)
 
-# (substring of an op name, group): the first match wins. A presentational table, not op
-# semantics: an op it does not know is drawn as "other", never refused.
+# (registry tag, group): an op is drawn in the group of the first of its tags listed here. A
+# presentational table over the registry's declared tags: an op the registry does not know (a
+# report from another build) or whose tags match no row is drawn as "other", never refused.
 GROUP_RULES: tuple[tuple[str, str], ...] = (
-    ("attention", "attention"), ("rope", "attention"), ("kv_", "attention"),
-    ("linear", "matmul"), ("matmul", "matmul"),
-    ("argmax", "sampling"), ("logprob", "sampling"), ("gate", "sampling"), ("keep_if", "sampling"),
-    ("norm", "norm"),
-    ("embed", "layout"), ("concat", "layout"), ("stack", "layout"), ("gather", "layout"),
-    ("add", "elementwise"), ("mul", "elementwise"), ("silu", "elementwise"), ("cast", "elementwise"),
+    (ATTENTION, "attention"), (MATMUL, "matmul"), (SAMPLING, "sampling"), (NORM, "norm"),
+    (GATHER, "layout"), (LAYOUT, "layout"), (ELEMENTWISE, "elementwise"),
 )
 # group -> (legend label, colour); Tableau-10 hues, distinguishable in print and for most CVD
 GROUPS: dict[str, tuple[str, str]] = {
@@ -30,7 +30,9 @@ GROUPS: dict[str, tuple[str, str]] = {
 
 
 def op_group(op: str) -> str:
-    return next((group for part, group in GROUP_RULES if part in op), "other")
+    """The palette group of `op`, from its registry tags."""
+    tags = REGISTRY[op].tags if op in REGISTRY else frozenset()
+    return next((group for tag, group in GROUP_RULES if tag in tags), "other")
 
 
 def tint(colour: str, white: float) -> str:

@@ -1,13 +1,13 @@
-"""Each pass, text in and text out on a small example; the pipeline verifies after every pass."""
+"""Each pass, text in and text out on a small example; the pipeline verifies after every pass.
+The fusion rows' eager-equality and regression tests are in test_fusions.py."""
 import pytest
 
 from draft_circuit.circuit import CircuitBuilder, CircuitError
-from draft_circuit.circuit.passes import PassError, run_passes
+from draft_circuit.circuit.passes import DEFAULT_PIPELINE, PASSES, PassError, run_passes
 from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
-from draft_circuit.circuit.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
-from draft_circuit.circuit.passes.fuse_linear_silu_mul import fuse_linear_silu_mul
-from draft_circuit.circuit.passes.fuse_lm_head_argmax import fuse_lm_head_argmax
-from draft_circuit.circuit.passes.fuse_rope_kv_write import fuse_rope_kv_write
+
+fuse_add_rmsnorm, fuse_lm_head_argmax = PASSES["fuse_add_rmsnorm"], PASSES["fuse_lm_head_argmax"]
+fuse_rope_kv_write, fuse_linear_silu_mul = PASSES["fuse_rope_kv_write"], PASSES["fuse_linear_silu_mul"]
 
 
 def body(c) -> str:
@@ -84,9 +84,17 @@ def test_rope_kv_write_not_fused_when_rotated_k_is_also_v():
 
 
 def test_fuse_linear_silu_mul():
+    before = body(block())
     out = fuse_linear_silu_mul(block())
-    assert "  act: f32[n,4] = linear_silu_mul(m, wgu)" not in body(out)  # m is named norm
+    assert "  gu: f32[n,8] = linear(norm, wgu)" in before and " = silu_mul(gu)" in before
+    # the [n, 2I] gate_up activations are gone: neither their linear nor silu_mul remains
+    assert "gu:" not in body(out) and " = silu_mul(" not in body(out)
     assert "  act: f32[n,4] = linear_silu_mul(norm, wgu)  # fused gu + act" in body(out)
+
+
+def test_pipeline_names_are_the_passes():
+    assert set(DEFAULT_PIPELINE) <= set(PASSES)
+    assert all(PASSES[name].__name__ == name for name in PASSES)
 
 
 def test_whole_pipeline_text():
@@ -116,3 +124,46 @@ def test_pipeline_names_the_failing_pass(monkeypatch):
         run_passes(block(), ["eliminate_dead_nodes", "break_it"])
     with pytest.raises(CircuitError, match="unknown pass"):
         run_passes(block(), ["no_such_pass"])
+
+
+def unread_kv_write():
+    """A kv_write whose new caches nobody reads and the circuit does not return."""
+    b = CircuitBuilder("unread_kv", max_width=4)
+    x, w = b.input("x", "float32", ("n", 4)), b.param("w", "float32", (4, 4))
+    tables, live = b.input("tables", "int32", ("n", 2)), b.input("live", "int32", ("n",))
+    kc, vc = b.state("kc", "float32", (9, 4, 1, 4)), b.state("vc", "float32", (9, 4, 1, 4))
+    k = b.op1("linear", [x, w], name="k")
+    b.op("kv_write", [kc, vc, k, x, tables, live], name="kvw")
+    b.op1("add", [x, x], name="dead")
+    b.output(b.op1("add", [x, k], name="y"), "y")
+    return b.build()
+
+
+def test_dead_node_elimination_keeps_every_state_write():
+    c = unread_kv_write()
+    assert not c.users("kc@1") and "kc@1" not in c.outputs  # nothing downstream, not returned
+    out = eliminate_dead_nodes(c)
+    assert [n.name for n in out.nodes] == ["k", "kvw", "y"]  # the write and what it reads stay
+    assert run_passes(c) == out  # no fusion applies; the write survives the whole pipeline
+
+
+def test_a_compiled_program_performs_an_unread_state_write():
+    """Planned with the default pipeline, the program writes the caches the eager oracle does."""
+    import torch
+
+    from draft_circuit.circuit.planner import compile_draft
+    from draft_circuit.runners.eager import EagerRunner
+    from draft_circuit.runners.program import ProgramRunner
+
+    c = unread_kv_write()
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 4, generator=g)}
+    inputs = {"x": torch.randn(3, 4, generator=g), "live": torch.tensor([0, 3, 6], dtype=torch.int32),
+              "tables": torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)}
+    want = {"kc": torch.zeros(9, 4, 1, 4), "vc": torch.zeros(9, 4, 1, 4)}
+    got = {k: v.clone() for k, v in want.items()}
+    EagerRunner(c, params, want).run(inputs)
+    ProgramRunner(compile_draft(c, params, [3]), got).run(inputs)
+    assert want["kc"].abs().sum() > 0  # the eager oracle wrote the rows
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

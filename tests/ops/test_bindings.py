@@ -1,13 +1,17 @@
-"""Kernel bindings end to end: the whole chain planned with Triton kernels (run by the
+"""Kernel bindings: when a binding applies (devices, float dtypes, conditions such as the block
+sizes a kernel takes), and end to end: the whole chain planned with Triton kernels (run by the
 interpreter on CPU) against the eager oracle, with bitmask, confidence stop and embed target."""
 import math
 
 import pytest
 import torch
 
+from draft_circuit.circuit.ir import TensorSpec
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.ops.bindings import CUDA, KERNEL_FLOATS, TRITON, Applies, Condition
+from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
@@ -33,6 +37,65 @@ def test_triton_chain_matches_eager(width):
     batch.inputs["bitmask"][:, 0] |= 1  # token 0 allowed: no all-masked row here
     batch.inputs["log_tau"] = torch.full((width,), math.log(0.004))
     want_states = {**batch.clone_states(), "embed_target": torch.zeros(4, CFG.hidden_size)}
+    got_states = {k: v.clone() for k, v in want_states.items()}
+    want = EagerRunner(chain, params, want_states).run(batch.inputs)
+    got = ProgramRunner(compiled, got_states).run(batch.inputs)
+    assert torch.equal(got["drafts"], want["drafts"])
+    torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)
+    for k in want_states:
+        torch.testing.assert_close(got_states[k], want_states[k], atol=1e-5, rtol=1e-5)
+
+
+def S(dtype, *shape):
+    return TensorSpec(dtype=dtype, shape=shape)
+
+
+def test_fp8_is_a_float_no_kernel_takes_unless_it_says_so():
+    ins = [S("float8_e4m3fn", 4, 4), S("int32", "n"), S("bool", "n")]
+    assert not Applies(TRITON)("cuda", ins, None)
+    assert Applies(TRITON).why_not("cuda", ins, None) == \
+        "takes floats bfloat16, float16, float32; got f8e4m3[4,4]"
+    assert Applies(CUDA, floats=KERNEL_FLOATS | {"float8_e4m3fn"})("cuda", ins, None)  # ints, bool: not floats
+    assert Applies(TRITON)("interpret", [S("bfloat16", "n", 4), S("int64", "n")], None)
+    assert Applies(CUDA).why_not("interpret", [], None) == "runs on cuda, not interpret"
+    big = Condition("x narrower than 8", lambda ins, a: ins[0].shape[1] < 8)
+    assert Applies(TRITON, conditions=(big,)).why_not("cuda", [S("float32", "n", 9)], None) == \
+        "needs x narrower than 8"
+
+
+def test_moe_fp8_experts_bind_only_on_cuda():
+    fp8 = get_op("moe_experts_fp8").kernels[0].applies
+    specs = [S("bfloat16", "n", 6), S("int32", "n", 2), S("float32", "n", 2), S("float8_e4m3fn", 4, 10, 6),
+             S("float32", 4, 1, 1), S("float8_e4m3fn", 4, 6, 5), S("float32", 4, 1, 1)]
+    assert fp8("cuda", specs, None) and not fp8("interpret", specs, None)
+    unscaled = specs[:4] + specs[5:6]  # fp8 weights without scales reach no kernel
+    assert not get_op("moe_experts").kernels[0].applies("cuda", unscaled, None)
+
+
+@pytest.mark.parametrize("block_size, attention_kernel", [
+    (4, "reference"), (12, "reference"), (8, "triton_decode_attention"),
+    (32, "triton_decode_attention")])
+def test_attention_kernel_is_planned_only_for_block_sizes_it_takes(block_size, attention_kernel):
+    """kernels.decode_attention takes power-of-two block sizes >= 8; rope_kv_write takes any.
+    Planned for 4 or 12, the program used to pick the Triton attention and fail at run time
+    (issue 19 item 9): now the plan picks the reference and the program runs."""
+    kv = KvLayout(num_blocks=60, block_size=block_size, max_blocks_per_seq=-(-40 // block_size))
+    head = MtpHead(CFG)
+    chain = emit_draft_chain(head, K, max_width=4, kv=kv)
+    params = head.bind(random_mtp_weights(CFG, seed=3))
+    width = 3
+    compiled = compile_draft(chain, params, [width], options=CompileOptions(interpret_kernels=True))
+    launches = compiled.programs[width].launches
+    kernels = {(x.op, x.kernel) for x in launches}
+    assert sum(x.op == "decode_attention" for x in launches) == K
+    assert {kernel for op, kernel in kernels if op == "decode_attention"} == {attention_kernel}
+    assert {kernel for op, kernel in kernels if op == "rope_kv_write"} == {"triton_rope_kv_write"}
+    why = get_op("decode_attention").kernels[0].applies.why_not(
+        "interpret", [chain.value(v).spec for v in chain.node("s0.attention").inputs],
+        get_op("decode_attention").parse_attrs({}))
+    assert why == (None if attention_kernel != "reference" else "needs block_size a power of two >= 8")
+    batch = random_draft_batch(CFG, kv, width, seed=block_size, num_drafts=K)
+    want_states = batch.clone_states()
     got_states = {k: v.clone() for k, v in want_states.items()}
     want = EagerRunner(chain, params, want_states).run(batch.inputs)
     got = ProgramRunner(compiled, got_states).run(batch.inputs)

@@ -1,12 +1,17 @@
-"""Every registered op: its shape rule agrees with its reference's output at widths 1, 3 and 8.
+"""Every registered op: its shape rule agrees with its reference's output at widths 1, 3 and 8,
+its tags are declared (writes_state derived from mutates), and every kernel it binds that
+applies under the Triton interpreter computes what its reference does.
 
 Each op needs an example here; a newly registered op without one fails `test_every_op_has_an_example`.
 """
+from pathlib import Path
+
 import pytest
 import torch
 
-from draft_circuit.circuit.ir import ROW, TensorSpec
-from draft_circuit.ops.registry import REGISTRY, CostContext, torch_dtype
+from draft_circuit.circuit.ir import DTYPES, ROW, TensorSpec
+from draft_circuit.ops.bindings import FLOAT_DTYPES, Applies, KernelBinding
+from draft_circuit.ops.registry import REGISTRY, TAGS, WRITES_STATE, CostContext, OpDef, get_op, torch_dtype
 
 NB, BS, HKV, D = 12, 4, 2, 8
 
@@ -96,3 +101,83 @@ def test_shape_rule_matches_reference(name, width):
         assert outs[out_i] is tensors[in_i]
     cost = op.cost_at(specs, out_specs, parsed, CostContext(width=width), env)
     assert cost.bytes_read > 0 and cost.bytes_written > 0 and cost.flops >= 0
+
+
+# ---- tags: declared on each op, writes_state derived ----
+def test_writes_state_is_derived_from_mutates():
+    writers = {name for name, op in REGISTRY.items() if op.mutates}
+    assert writers == {"embed_write", "kv_write", "rope_kv_write"}
+    for name, op in REGISTRY.items():
+        assert op.writes_state == op.has(WRITES_STATE) == (name in writers), name
+
+
+def _op(**kw):
+    return OpDef(name="t", inputs=("x",), outputs=("x",), infer=lambda i, a: i,
+                 reference=lambda t, a: (t[0],), **kw)
+
+
+def test_tags_are_checked_where_an_op_is_declared():
+    with pytest.raises(ValueError, match="'writes_state' is derived from `mutates`"):
+        _op(tags=frozenset({WRITES_STATE}), mutates={0: 0})
+    with pytest.raises(ValueError, match=r"unknown tags \['elementwize'\]"):
+        _op(tags=frozenset({"elementwize"}))
+    with pytest.raises(ValueError, match="unknown tag"):
+        get_op("add").has("elementwize")
+    assert _op(mutates={0: 0}).tags == {WRITES_STATE}
+    assert _op().tags == frozenset()
+    binding = KernelBinding("k", lambda *a: None, Applies(frozenset({"cuda"})))
+    with pytest.raises(ValueError, match="kernel names repeat"):
+        _op(kernels=(binding, binding))
+
+
+def test_every_op_is_in_a_plan_page_group():
+    from draft_circuit.circuit.viz.graph import op_group
+    assert all(REGISTRY[name].tags <= TAGS for name in REGISTRY)
+    assert {name: op_group(name) for name in REGISTRY if op_group(name) == "other"} == {}
+    assert op_group("not_an_op") == "other"  # a report from another build still renders
+
+
+def test_float_dtypes_are_the_irs_floating_dtypes():
+    assert FLOAT_DTYPES == {d for d in DTYPES if torch_dtype(d).is_floating_point}
+
+
+def test_kernels_are_bound_only_beside_their_ops():
+    """One mechanism: bindings are declared in the op modules, nowhere else in the packages."""
+    root = Path(__file__).resolve().parents[2]
+    binders = {p.relative_to(root).as_posix() for folder in ("circuit", "ops", "runners")
+               for p in (root / folder).rglob("*.py") if "KernelBinding(" in p.read_text()}
+    assert binders == {"ops/basic.py", "ops/tokens.py", "ops/attention.py", "ops/sampling.py",
+                       "ops/moe.py"}
+
+
+# ---- every binding the interpreter can run equals the reference on the op's example ----
+def _launch_outputs(op, outs, tensors, env):
+    return [tensors[op.mutates[i]] if i in op.mutates else
+            torch.empty(spec.concrete(env), dtype=torch_dtype(spec.dtype)) for i, spec in enumerate(outs)]
+
+
+def test_interpretable_bindings_match_their_references():
+    ran = set()
+    for name in sorted(EXAMPLES):
+        op = REGISTRY[name]
+        specs, attrs = EXAMPLES[name]
+        parsed = op.parse_attrs(attrs)
+        for binding in op.kernels:
+            if not binding.applies("interpret", specs, parsed):
+                continue
+            width = 3
+            env = {ROW: width}
+            g = torch.Generator().manual_seed(5)
+            tensors = [make_input(op, i, s, width, g) for i, s in enumerate(specs)]
+            clones = [t.clone() for t in tensors]
+            want = op.reference(clones, parsed)
+            outs = _launch_outputs(op, op.infer(specs, parsed), tensors, env)
+            ws = [torch.empty(shape, dtype=torch_dtype(dt))
+                  for dt, shape in (binding.workspace(specs, env, parsed) if binding.workspace else ())]
+            binding.launch(tensors, outs, ws, parsed)
+            for got, exp in zip(outs, want):
+                torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5, msg=lambda m: f"{binding.name}: {m}")
+            ran.add(binding.name)
+    assert {"triton_rmsnorm", "triton_add_rmsnorm", "triton_silu_mul", "triton_linear",
+            "triton_linear_silu_mul", "triton_rope_kv_write", "triton_argmax_logprob",
+            "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped"} <= ran

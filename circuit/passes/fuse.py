@@ -1,0 +1,134 @@
+"""The fusion driver: `fuse(circuit, row)` applies one `Fusion` row (a producer -> consumer
+pattern, a guard, a rewrite) of the table in circuit/passes/fusions.py.
+
+It walks the row's producers in circuit order and, for each, the consumers its edge
+allows. A match is taken only if the guard accepts it (a guard may absorb further nodes, as the
+q rope of `fuse_rope_kv_write`) and if fusing it cannot close a cycle: no path may leave the
+group and come back into it (groups taken earlier in the pass count as one node). A rewrite
+returns the fused node, which takes the place of the producer or the consumer in circuit order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
+
+from draft_circuit.circuit.ir import Circuit, Node
+from draft_circuit.circuit.passes.rewrite import fused_node, rewrite, sole_user
+
+
+@dataclass(frozen=True)
+class Match:
+    producer: Node
+    consumer: Node
+    more: tuple[Node, ...] = ()  # further nodes the guard absorbed into the fusion
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return (self.producer, self.consumer, *self.more)
+
+
+# (circuit, candidate, nodes already fused by this pass) -> the match to take, or None
+Guard = Callable[[Circuit, Match, "Taken"], "Match | None"]
+# match -> (the parts in the order the fused name lists them, inputs, outputs, attrs)
+Rewrite = Callable[[Match], tuple[tuple[Node, ...], tuple[str, ...], tuple[str, ...], dict]]
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """One row. `edge`: the consumer's input the producer's first output feeds (and no other of
+    its inputs); `sole_reader`: that output has no other reader and is no circuit output;
+    `at`: which matched node's place in circuit order the fused node takes."""
+
+    name: str        # the pass name, as pipelines and plan reports spell it
+    doc: str         # the row's contract, one line
+    producer: str    # op names (registered ops: tests/circuit/test_passes.py checks)
+    consumer: str
+    edge: int
+    sole_reader: bool
+    fused_op: str
+    rewrite: Rewrite
+    at: Literal["producer", "consumer"] = "consumer"
+    guard: Guard | None = None
+
+    def candidates(self, c: Circuit, producer: Node) -> Iterable[Node]:
+        out = producer.outputs[0]
+        if self.sole_reader and sole_user(c, out) is None:
+            return ()
+        return (u for u in c.users(out) if u.op == self.consumer and u.inputs[self.edge] == out
+                and u.inputs.count(out) == 1)
+
+    def as_pass(self) -> Callable[[Circuit], Circuit]:
+        """The row as a pass: a pure Circuit -> Circuit function named like the row."""
+        def run(c: Circuit) -> Circuit:
+            return fuse(c, self)
+        run.__name__ = run.__qualname__ = self.name
+        run.__doc__ = f"{self.name}: {self.doc}"
+        return run
+
+
+class Taken:
+    """The groups a pass has fused so far. Paths run through a taken group as through one node,
+    so a later group is checked against the circuit those fusions will make."""
+
+    def __init__(self, c: Circuit) -> None:
+        self._graph = c.graph  # data edges and state anti-edges: every order the circuit needs
+        self._group: dict[str, frozenset[str]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._group
+
+    def _reach(self, start: set[str], step: Callable[[str], Iterable[str]]) -> set[str]:
+        """Nodes reachable from `start` by `step`; reaching one node of a group reaches all."""
+        seen: set[str] = set()
+        todo = list(start)
+        while todo:
+            for nxt in step(todo.pop()):
+                if nxt not in seen:
+                    group = self._group.get(nxt, frozenset((nxt,)))
+                    seen.update(group)
+                    todo.extend(group)
+        return seen
+
+    def closes_cycle(self, names: Iterable[str]) -> bool:
+        """Fusing `names` into one node would make a cycle: a node outside the group is both
+        reachable from it and reaches it."""
+        group = set(names)
+        below = self._reach(group, self._graph.successors) - group
+        return bool(below and below & (self._reach(group, self._graph.predecessors) - group))
+
+    def take(self, names: Iterable[str]) -> None:
+        group = frozenset(names)
+        for name in group:
+            self._group[name] = group
+
+
+def fuse(c: Circuit, row: Fusion) -> Circuit:
+    """Every match of `row` in `c`, fused (the driver of the table)."""
+    taken = Taken(c)
+    replacements: dict[str, Node | None] = {}
+    for producer in c.nodes:
+        if producer.op != row.producer or producer.name in taken:
+            continue
+        for consumer in row.candidates(c, producer):
+            if consumer.name in taken:
+                continue
+            match: Match | None = Match(producer, consumer)
+            if row.guard is not None:
+                match = row.guard(c, match, taken)
+            if match is None or _blocked(taken, match):
+                continue
+            taken.take(n.name for n in match.nodes)
+            anchor = match.producer if row.at == "producer" else match.consumer
+            for n in match.nodes:
+                replacements[n.name] = None
+            parts, inputs, outputs, attrs = row.rewrite(match)
+            replacements[anchor.name] = fused_node(
+                "+".join(p.name for p in parts), row.fused_op, inputs, outputs, dict(attrs), parts)
+            break
+    return rewrite(c, replacements)
+
+
+def _blocked(taken: Taken, match: Match) -> bool:
+    """A node of the match is in another fusion already, or fusing it would close a cycle."""
+    names = [n.name for n in match.nodes]
+    return any(n in taken for n in names) or taken.closes_cycle(names)

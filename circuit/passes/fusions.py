@@ -1,0 +1,79 @@
+"""The fusion table: one row per fusion (producer -> consumer pattern, guard, rewrite), each run by
+the driver in circuit/passes/fuse.py as the pass of its name. Every row's fused op is the
+composition of its parts' references, so a fused circuit computes what the unfused one does.
+"""
+from __future__ import annotations
+
+from draft_circuit.circuit.ir import Circuit
+from draft_circuit.circuit.passes.fuse import Fusion, Match, Taken
+from draft_circuit.circuit.passes.rewrite import sole_user
+
+
+def _same_out_dtype(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """linear_silu_mul has no out_dtype: only a linear that keeps its input's dtype fuses."""
+    lin = m.producer
+    out_dtype = lin.attrs.get("out_dtype")
+    return m if out_dtype in (None, c.value(lin.inputs[0]).dtype) else None
+
+
+def _q_rope_of_this_attention(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """The q rope fused with a k rope and its kv_write: the rope whose only reader is the
+    decode_attention over the caches this kv_write writes (so never another layer's or another
+    step's rope), with the k rope's positions and attrs."""
+    k_rope, kv = m.producer, m.consumer
+    for attention in c.users(kv.outputs[0]):
+        if attention.op != "decode_attention" or kv.outputs[1] not in attention.inputs:
+            continue
+        q = c.producer(attention.inputs[0])
+        if (q is not None and q.op == "rope" and q is not k_rope and q.name not in taken
+                and q.inputs[1] == k_rope.inputs[1] and q.attrs == k_rope.attrs
+                and sole_user(c, q.outputs[0]) is attention):
+            return Match(k_rope, kv, (q,))
+    return None
+
+
+def _add_rmsnorm(m: Match):
+    add, norm = m.producer, m.consumer
+    return (add, norm), (*add.inputs, norm.inputs[1]), (add.outputs[0], norm.outputs[0]), norm.attrs
+
+
+def _lm_head_argmax(m: Match):
+    lin, arg = m.producer, m.consumer
+    return (lin, arg), (*lin.inputs, *arg.inputs[1:]), arg.outputs, {}
+
+
+def _rope_kv_write(m: Match):
+    k_rope, kv, (q_rope,) = m.producer, m.consumer, m.more
+    kc, vc, _, v, tables, live, *active = kv.inputs
+    return ((q_rope, k_rope, kv),
+            (q_rope.inputs[0], k_rope.inputs[0], v, k_rope.inputs[1], kc, vc, tables, live, *active),
+            (q_rope.outputs[0], *kv.outputs), {**k_rope.attrs, **kv.attrs})
+
+
+def _linear_silu_mul(m: Match):
+    lin, act = m.producer, m.consumer
+    return (lin, act), lin.inputs, act.outputs, {}
+
+
+FUSIONS: tuple[Fusion, ...] = (
+    Fusion("fuse_add_rmsnorm",
+           "add(x, r) and the first rmsnorm of its sum -> add_rmsnorm, writing the sum (the "
+           "residual stream, which may have other readers) and the normed value in one pass",
+           producer="add", consumer="rmsnorm", edge=0, sole_reader=False, fused_op="add_rmsnorm",
+           rewrite=_add_rmsnorm, at="producer"),
+    Fusion("fuse_lm_head_argmax",
+           "the linear to logits whose only reader is argmax_logprob -> linear_argmax_logprob, "
+           "which reduces over the vocabulary in fp32 without keeping [n, V] logits",
+           producer="linear", consumer="argmax_logprob", edge=0, sole_reader=True,
+           fused_op="linear_argmax_logprob", rewrite=_lm_head_argmax),
+    Fusion("fuse_rope_kv_write",
+           "rope(q), rope(k) and the kv_write of k -> rope_kv_write, rotating q and k and writing "
+           "k and v to their paged slots in one launch",
+           producer="rope", consumer="kv_write", edge=2, sole_reader=True, fused_op="rope_kv_write",
+           rewrite=_rope_kv_write, guard=_q_rope_of_this_attention),
+    Fusion("fuse_linear_silu_mul",
+           "the gate_up linear whose only reader is silu_mul -> linear_silu_mul, so the [n, 2I] "
+           "activations never reach memory",
+           producer="linear", consumer="silu_mul", edge=0, sole_reader=True,
+           fused_op="linear_silu_mul", rewrite=_linear_silu_mul, guard=_same_out_dtype),
+)

@@ -1,0 +1,228 @@
+"""The fusion table: every row against the eager oracle (the fused circuit's eager run and its
+compiled program equal the unfused circuit's eager run, bitwise on CPU fp32, at widths 1, 3 and
+8), the driver's cycle guard, and the two-layer circuit fuse_rope_kv_write used to break
+(issue 19 item 8)."""
+import pytest
+import torch
+
+from draft_circuit.circuit import CircuitBuilder
+from draft_circuit.circuit.passes import DEFAULT_PIPELINE, PASSES, run_passes
+from draft_circuit.circuit.passes.fuse import Fusion, Taken, fuse
+from draft_circuit.circuit.passes.fusions import FUSIONS
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.ops.registry import FUSED, get_op
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.program import ProgramRunner
+
+MAX_WIDTH, BS, BLOCKS_PER_ROW, HIDDEN, VOCAB = 8, 4, 2, 8, 40
+NUM_BLOCKS = 1 + MAX_WIDTH * BLOCKS_PER_ROW  # block 0 unused: each row owns its own blocks
+
+
+def block():
+    """One decoder block with every fusion's pattern in it, over distinct blocks per row."""
+    b = CircuitBuilder("block", max_width=MAX_WIDTH)
+    x = b.input("x", "float32", ("n", HIDDEN))
+    pos = b.input("pos", "int32", ("n",))
+    tables = b.input("tables", "int32", ("n", BLOCKS_PER_ROW))
+    live, active = b.input("live", "int32", ("n",)), b.input("active", "int32", ("n",))
+    mask = b.input("mask", "int32", ("n", 2))
+    cache = (NUM_BLOCKS, BS, 1, 4)
+    kc, vc = b.state("kc", "float32", cache), b.state("vc", "float32", cache)
+    p = {name: b.param(name, "float32", shape) for name, shape in (
+        ("w", (HIDDEN, HIDDEN)), ("wn", (HIDDEN,)), ("wq", (8, HIDDEN)), ("wk", (4, HIDDEN)),
+        ("wv", (4, HIDDEN)), ("wgu", (2 * HIDDEN, HIDDEN)), ("wd", (HIDDEN, HIDDEN)),
+        ("head", (VOCAB, 8)))}
+    h = b.op1("add", [x, b.op1("linear", [x, p["w"]], name="proj")], name="res")
+    m = b.op1("rmsnorm", [h, p["wn"]], name="norm")
+    rope = {"head_dim": 4, "pos_offset": 1}
+    q = b.op1("rope", [b.op1("linear", [m, p["wq"]], name="q"), pos], rope, name="rq")
+    k = b.op1("rope", [b.op1("linear", [m, p["wk"]], name="k"), pos], rope, name="rk")
+    v = b.op1("linear", [m, p["wv"]], name="v")
+    kc, vc = b.op("kv_write", [kc, vc, k, v, tables, live, active], {"row_offset": 1}, name="kvw")
+    o = b.op1("decode_attention", [q, kc, vc, tables, live], {"row_offset": 1}, name="attn")
+    g = b.op1("silu_mul", [b.op1("linear", [m, p["wgu"]], name="gu")], name="act")
+    y = b.op1("add", [b.op1("linear", [g, p["wd"]], name="down"), o], name="mix")
+    tok, lp = b.op("argmax_logprob", [b.op1("linear", [y, p["head"]], name="logits"), mask],
+                   name="top1")
+    b.output(tok, "token")
+    b.output(lp, "logprob")
+    b.output(h, "residual")
+    b.output(kc)
+    b.output(vc)
+    return b.build()
+
+
+def values(c, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = {v.name: torch.randn(v.shape, generator=g) for v in c.inputs_of_kind("param")}
+    max_rows = BS * BLOCKS_PER_ROW
+    inputs = {
+        "x": torch.randn(width, HIDDEN, generator=g),
+        "pos": torch.randint(0, 50, (width,), generator=g, dtype=torch.int32),
+        "tables": (1 + torch.arange(width * BLOCKS_PER_ROW, dtype=torch.int32)).view(width, -1),
+        "live": torch.randint(0, max_rows - 1, (width,), generator=g, dtype=torch.int32),
+        "active": torch.tensor([i % 3 != 2 for i in range(width)], dtype=torch.int32),
+        "mask": torch.randint(-2**31, 2**31 - 1, (width, 2), generator=g, dtype=torch.int64).to(torch.int32),
+    }
+    states = {s: torch.randn(NUM_BLOCKS, BS, 1, 4, generator=g) for s in ("kc", "vc")}
+    return params, inputs, states
+
+
+def run_eager(c, params, inputs, states):
+    states = {k: t.clone() for k, t in states.items()}
+    return EagerRunner(c, params, states).run(inputs), states
+
+
+def assert_same(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs"
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+@pytest.mark.parametrize("row", FUSIONS, ids=lambda r: r.name)
+def test_row_equals_the_unfused_eager_circuit(row, width):
+    c = block()
+    params, inputs, states = values(c, width, seed=width)
+    fused = run_passes(c, [row.name])
+    assert sum(n.op == row.fused_op for n in fused.nodes) == 1  # the row matched here
+    want, want_states = run_eager(c, params, inputs, states)
+    got, got_states = run_eager(fused, params, inputs, states)
+    assert_same(got, want)
+    assert_same(got_states, want_states)
+    compiled = compile_draft(c, params, [width], options=CompileOptions(pipeline=(row.name,)))
+    assert compiled.circuit == fused
+    prog_states = {k: t.clone() for k, t in states.items()}
+    assert_same(ProgramRunner(compiled, prog_states).run(inputs), want)
+    assert_same(prog_states, want_states)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_default_pipeline_equals_the_unfused_eager_circuit(width):
+    c = block()
+    params, inputs, states = values(c, width, seed=10 + width)
+    compiled = compile_draft(c, params, [width])
+    assert {row.fused_op for row in FUSIONS} <= {n.op for n in compiled.circuit.nodes}
+    want, want_states = run_eager(c, params, inputs, states)
+    prog_states = {k: t.clone() for k, t in states.items()}
+    assert_same(ProgramRunner(compiled, prog_states).run(inputs), want)
+    assert_same(prog_states, want_states)
+
+
+def test_rows_name_registered_ops_and_are_the_pipeline():
+    assert [row.name for row in FUSIONS] == [p for p in DEFAULT_PIPELINE if p.startswith("fuse_")]
+    for row in FUSIONS:
+        assert PASSES[row.name].__name__ == row.name and row.doc
+        get_op(row.producer), get_op(row.consumer)  # CircuitError if unregistered
+        assert get_op(row.fused_op).has(FUSED)
+        assert 0 <= row.edge < len(get_op(row.consumer).inputs)
+
+
+def test_linear_silu_mul_keeps_a_linear_with_its_own_out_dtype():
+    """linear_silu_mul has no out_dtype: a linear that widens its output must stay unfused."""
+    b = CircuitBuilder("wide", max_width=2)
+    x, w = b.input("x", "float16", ("n", 4)), b.param("w", "float16", (8, 4))
+    b.output(b.op1("silu_mul", [b.op1("linear", [x, w], {"out_dtype": "float32"})]), "y")
+    c = b.build()
+    assert run_passes(c, ["fuse_linear_silu_mul"]) == c
+
+
+# ---- two layers at one position: fuse_rope_kv_write must pair each kv_write with its own q ----
+def two_layers(rope_q: bool, return_q0: bool = False):
+    """Two attention layers over their own KV pools, same positions and rope attrs. With
+    rope_q False only k is rotated: each layer is one rope/kv_write pair and nothing fuses."""
+    b = CircuitBuilder("two_layers", max_width=MAX_WIDTH)
+    h = b.input("x", "float32", ("n", HIDDEN))
+    pos = b.input("pos", "int32", ("n",))
+    tables = b.input("tables", "int32", ("n", BLOCKS_PER_ROW))
+    live = b.input("live", "int32", ("n",))
+    for layer in (0, 1):
+        with b.scope(f"l{layer}"):
+            kc = b.state(f"kc{layer}", "float32", (NUM_BLOCKS, BS, 1, 4))
+            vc = b.state(f"vc{layer}", "float32", (NUM_BLOCKS, BS, 1, 4))
+            wq, wk, wv, wo = (b.param(f"l{layer}.{w}", "float32", shape) for w, shape in (
+                ("wq", (8, HIDDEN)), ("wk", (4, HIDDEN)), ("wv", (4, HIDDEN)), ("wo", (HIDDEN, 8))))
+            q = b.op1("linear", [h, wq], name="q")
+            if rope_q:
+                q = b.op1("rope", [q, pos], {"head_dim": 4}, name="rq")
+                if return_q0 and layer == 0:
+                    b.output(b.op1("add", [q, q], name="q_twice"), "q0_twice")
+            k = b.op1("rope", [b.op1("linear", [h, wk], name="k"), pos], {"head_dim": 4}, name="rk")
+            kc, vc = b.op("kv_write", [kc, vc, k, b.op1("linear", [h, wv], name="v"), tables, live],
+                          name="kvw")
+            o = b.op1("decode_attention", [q, kc, vc, tables, live], name="attn")
+            h = b.op1("add", [h, b.op1("linear", [o, wo], name="o")], name="res")
+            b.output(kc)
+            b.output(vc)
+    b.output(h, "y")
+    return b.build()
+
+
+def two_layer_values(c, width):
+    g = torch.Generator().manual_seed(width)
+    params = {v.name: torch.randn(v.shape, generator=g) for v in c.inputs_of_kind("param")}
+    inputs = {"x": torch.randn(width, HIDDEN, generator=g),
+              "pos": torch.randint(0, 50, (width,), generator=g, dtype=torch.int32),
+              "tables": (1 + torch.arange(width * BLOCKS_PER_ROW, dtype=torch.int32)).view(width, -1),
+              "live": torch.randint(0, BS * BLOCKS_PER_ROW, (width,), generator=g, dtype=torch.int32)}
+    states = {s.name: torch.randn(s.shape, generator=g) for s in c.values
+              if s.kind == "state" and s.version == 0}
+    return params, inputs, states
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+@pytest.mark.parametrize("rope_q, return_q0, fused_names", [
+    (False, False, []),  # another layer's k rope is no q rope (it used to close a cycle)
+    (True, True, ["l1.rq+l1.rk+l1.kvw"]),  # layer 0's q has a second reader: layer 1's is not its q
+    (True, False, ["l0.rq+l0.rk+l0.kvw", "l1.rq+l1.rk+l1.kvw"]),
+])
+def test_rope_kv_write_pairs_each_kv_write_with_its_own_q(rope_q, return_q0, fused_names, width):
+    c = two_layers(rope_q, return_q0)
+    fused = run_passes(c, ["fuse_rope_kv_write"])  # verified: a cycle would be a PassError
+    assert [n.name for n in fused.nodes if n.op == "rope_kv_write"] == fused_names
+    params, inputs, states = two_layer_values(c, width)
+    want, want_states = run_eager(c, params, inputs, states)
+    compiled = compile_draft(c, params, [width])
+    prog_states = {k: t.clone() for k, t in states.items()}
+    assert_same(ProgramRunner(compiled, prog_states).run(inputs), want)
+    assert_same(prog_states, want_states)
+
+
+# ---- the driver: no match that would close a cycle is ever taken ----
+def diamond():
+    """a = add(x, x); c = linear(a); d = add(a, c): fusing a with d would put the path
+    a -> c -> d inside one node's inputs (a cycle)."""
+    b = CircuitBuilder("diamond", max_width=2)
+    x, w = b.input("x", "float32", ("n", 4)), b.param("w", "float32", (4, 4))
+    a = b.op1("add", [x, x], name="a")
+    d = b.op1("add", [a, b.op1("linear", [a, w], name="c")], name="d")
+    b.output(d, "y")
+    return b.build()
+
+
+def test_driver_never_takes_a_match_that_closes_a_cycle():
+    c = diamond()
+    taken = Taken(c)
+    assert taken.closes_cycle({"a", "d"}) and not taken.closes_cycle({"a", "c"})
+    seen = []
+    row = Fusion("fuse_add_add", "test row", producer="add", consumer="add", edge=0,
+                 sole_reader=False, fused_op="add",
+                 rewrite=lambda m: seen.append(m) or ((m.producer, m.consumer), (), (), {}))
+    assert fuse(c, row) == c and seen == []
+
+
+def test_taken_groups_count_as_one_node():
+    """After b and c fuse, a -> b ... c -> d is one path through the group: fusing a with d
+    would be a cycle although no original path from a to d leaves {a, d} and returns."""
+    bld = CircuitBuilder("chain", max_width=2)
+    x = bld.input("x", "float32", ("n", 4))
+    a = bld.op1("add", [x, x], name="a")
+    bb = bld.op1("add", [a, a], name="b")
+    cc = bld.op1("add", [x, x], name="c")
+    d = bld.op1("add", [a, cc], name="d")
+    bld.output(bld.op1("add", [bb, d], name="e"), "y")
+    c = bld.build()
+    taken = Taken(c)
+    assert not taken.closes_cycle({"a", "d"})
+    taken.take({"b", "c"})  # b reads a, d reads c: a -> {b, c} -> d
+    assert taken.closes_cycle({"a", "d"})
