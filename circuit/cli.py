@@ -68,7 +68,7 @@ def compile_chain(args: argparse.Namespace) -> CompiledDraft:
     kv = KvLayout(num_blocks=max_width * blocks + 1, block_size=args.block_size,
                   max_blocks_per_seq=blocks)
     chain = emit_draft_chain(head, args.num_drafts, max_width=max_width, kv=kv)
-    params = {v.name: torch.empty(v.shape, device="meta", dtype=getattr(torch, v.dtype))
+    params = {v.name: torch.empty([int(d) for d in v.shape], device="meta", dtype=getattr(torch, v.dtype))
               for v in chain.values if v.kind == "param"}
     options = CompileOptions(kv_rows=args.kv_rows, bandwidth_gbps=args.bandwidth_gbps)
     return compile_draft(chain, params, args.widths, device=args.device, options=options,
@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fill_chain_defaults(sub.choices[args.command], args)
     try:
-        return args.func(args)
+        rc: int = args.func(args)
+        return rc
     except (ValueError, OSError) as e:  # typed project errors are ValueErrors: one clear line
         print(f"circuit {args.command}: error: {e}", file=sys.stderr)
         return 2

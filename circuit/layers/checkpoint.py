@@ -109,7 +109,7 @@ def _raw_config(root: Path) -> dict[str, Any]:
     return d
 
 
-def read_config(path: str | os.PathLike) -> MtpConfig:
+def read_config(path: str | os.PathLike[str]) -> MtpConfig:
     """The config of a checkpoint directory's config.json: a `MoeConfig` when it names an expert
     count (the MTP layer's MLP is then a MoE), else an `MtpConfig`. Its family must be in the
     table and every field that changes the math set to what the head implements (families.py)."""
@@ -159,7 +159,8 @@ def _read_one(handle: Any, path: Path, key: str, shape: tuple[int, ...]) -> torc
         if actual != shape:
             raise TensorShapeError(f"{path}: tensor {key!r} has shape {list(actual)}, expected {list(shape)}")
         check_stored_dtype(path, key, header.get_dtype())
-        return handle.get_tensor(key)
+        t: torch.Tensor = handle.get_tensor(key)
+        return t
     except SafetensorError as e:
         raise CorruptFileError(f"{path}: cannot read tensor {key!r} (truncated or corrupt?): {e}") from e
 
@@ -198,7 +199,7 @@ def _reject_extras(inv: _Inventory, extras: list[str], where: str) -> None:
 
 
 def load_mtp_weights(
-    path: str | os.PathLike, config: MtpConfig | None = None, *, dtype: torch.dtype = torch.float32,
+    path: str | os.PathLike[str], config: MtpConfig | None = None, *, dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu", strict: bool = False, keep_fp8: bool = False,
 ) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
     """The first MTP layer's weights under their canonical names (see `MTP_PARAM_SHAPES`).
@@ -252,7 +253,7 @@ def load_mtp_weights(
 
 
 def load_target_weights(
-    path: str | os.PathLike, config: MtpConfig | None = None, dtype: torch.dtype = torch.float32,
+    path: str | os.PathLike[str], config: MtpConfig | None = None, dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu", *, strict: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The Llama target's weights under their HF names (see `TARGET_PARAM_SHAPES`).
@@ -330,7 +331,7 @@ def _write_shards(root: Path, tensors: dict[str, torch.Tensor], shards: int) -> 
 
 
 def write_random_checkpoint(
-    path: str | os.PathLike, config: MtpConfig = DEFAULT_CONFIG, *, seed: int = 0, mtp_at_layer0: bool = False,
+    path: str | os.PathLike[str], config: MtpConfig = DEFAULT_CONFIG, *, seed: int = 0, mtp_at_layer0: bool = False,
     include_target: bool = True, dtype: torch.dtype = torch.float32, shards: int = 1,
     mtp_shares_embed: bool = False, mtp_shares_head: bool = False, fp8_experts: bool = False,
 ) -> Path:

@@ -32,7 +32,7 @@ def head_for(config: MtpConfig, dtype: str = "float32",
     return MtpHead(config, dtype)
 
 
-def load_head(path: str | os.PathLike, dtype: str = "float32", *, device: str | torch.device = "cpu",
+def load_head(path: str | os.PathLike[str], dtype: str = "float32", *, device: str | torch.device = "cpu",
               strict: bool = False) -> tuple[MtpHead, dict[str, torch.Tensor]]:
     """The checkpoint's MTP layer, loaded (every refusal applied) and its head chosen; the
     weights are the head's `bind` input (a MoE head dequantises what it keeps in `dtype`)."""
@@ -48,8 +48,8 @@ def load_head(path: str | os.PathLike, dtype: str = "float32", *, device: str | 
 
 def describe_head(head: MtpHead) -> str:
     """One line for people: which head, its MLP, its dtype."""
-    c = head.config
     if isinstance(head, MoeMtpHead):
+        c = head.config
         experts = "fp8 e4m3 experts" if head.fp8_experts else f"{head.dtype} experts"
         return (f"MoeMtpHead: {c.n_routed_experts} experts, top-{c.num_experts_per_tok}, "
                 f"{c.n_shared_experts} shared, {c.scoring_func} routing, {experts}")
