@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.ir import ROW, Circuit, Node, TensorSpec
 from draft_circuit.circuit.memory import Buffer, plan_memory
-from draft_circuit.ops.registry import CostContext, KernelBinding, OpDef, get_op
+from draft_circuit.ops.bindings import KernelBinding
+from draft_circuit.ops.registry import CostContext, OpDef, get_op
 
 REFERENCE = "reference"
 _STEP = re.compile(r"^s(\d+)\.")
@@ -79,9 +80,10 @@ def step_of(node_name: str) -> int | None:
 
 def choose_kernel(op: OpDef, ins: list[TensorSpec], attrs: Any, device: str,
                   allowed: set[str] | None, width_independent: bool = True) -> KernelBinding | None:
-    """The first bound kernel that applies and the options allow; None: the reference.
-    Without width independence, kernels that give it up (cuBLAS) are preferred: they trade it
-    for speed."""
+    """The first bound kernel whose applicability holds (device, float dtypes and conditions such
+    as block sizes, checked here at plan time so a planned kernel never refuses its launch) and
+    the options allow; None: the reference. Without width independence, kernels that give it up
+    (cuBLAS) are preferred: they trade it for speed."""
     kernels = [k for k in op.kernels if (allowed is None or k.name in allowed)
                and (k.width_independent or not width_independent)]
     kernels.sort(key=lambda k: k.width_independent)  # stable: bound order within each kind
@@ -138,7 +140,8 @@ def build_program(c: Circuit, width: int, device: str, *, kv_rows: int = 100,
                    naive_bytes=placement.naive_bytes, strategy=placement.strategy)
 
 
-def _workspaces(c: Circuit, order: tuple[Node, ...], parsed: list, chosen: list,
+def _workspaces(c: Circuit, order: tuple[Node, ...], parsed: list[BaseModel],
+                chosen: list[KernelBinding | None],
                 env: dict[str, int]) -> dict[int, list[tuple[str, str, tuple[int, ...]]]]:
     """Step -> scratch buffers its kernel asked for, named `<node>.ws<i>`."""
     out: dict[int, list[tuple[str, str, tuple[int, ...]]]] = {}
@@ -151,7 +154,8 @@ def _workspaces(c: Circuit, order: tuple[Node, ...], parsed: list, chosen: list,
 
 
 def _arena_buffers(c: Circuit, order: tuple[Node, ...], env: dict[str, int],
-                   workspaces: dict) -> tuple[dict[str, str], list[Buffer]]:
+                   workspaces: dict[int, list[tuple[str, str, tuple[int, ...]]]]
+                   ) -> tuple[dict[str, str], list[Buffer]]:
     """Temps -> arena buffers over schedule steps; an in-place output joins its input's buffer
     when that input is a temp read for the last time by the same node."""
     first: dict[str, int] = {}

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from draft_circuit.circuit.types import ROW, TensorSpec
-from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, kernel
-from draft_circuit.ops.registry import (ATTENTION, FUSED, Cost, OpDef, check, dim_eq, elt, index_dtype,
-                                        rank, register, same_dtype)
+from draft_circuit.circuit.types import ROW, Dim, TensorSpec
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.registry import (ATTENTION, FUSED, Cost, CostContext, Env, OpDef, Specs, check, dim_eq,
+                                        elt, index_dtype, rank, register, same_dtype)
 from draft_circuit.ops.tokens import TokenError, embedding_ref  # noqa: F401  (their old home)
 
 
@@ -87,7 +87,7 @@ register(OpDef(
 
 
 # ---- paged KV ----
-def _check_paged(cache: TensorSpec, tables: TensorSpec, live: TensorSpec, rows) -> None:
+def _check_paged(cache: TensorSpec, tables: TensorSpec, live: TensorSpec, rows: Dim) -> None:
     rank(cache, 4, "KV cache [num_blocks, block_size, kv_heads, head_dim]")
     rank(tables, 2, "block tables [n, max_blocks]")
     rank(live, 1, "live rows [n]")
@@ -104,7 +104,7 @@ def _infer_kv_write(ins: list[TensorSpec], a: KvWriteAttrs) -> list[TensorSpec]:
     _check_paged(kc, tables, live, k.shape[0])
     rank(k, 2, "k [n, kv_heads * head_dim]")
     check(k.shape == v.shape, lambda: f"k and v differ: {k} vs {v}")
-    dim_eq(k.shape[1], kc.shape[2] * kc.shape[3], f"k width vs cache heads*head_dim ({k}, {kc})")
+    dim_eq(k.shape[1], int(kc.shape[2]) * int(kc.shape[3]), f"k width vs cache heads*head_dim ({k}, {kc})")
     if len(ins) > 6:
         check(ins[6].dtype == "int32" and ins[6].shape == (k.shape[0],),
               lambda: f"active must be int32[{k.shape[0]}], got {ins[6]}")
@@ -123,18 +123,18 @@ def kv_write_ref(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.T
     vc[blocks, offs] = v[keep].view(-1, heads, dim)
 
 
-def _kv_write(t: list, a: KvWriteAttrs) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv_write(t: list[torch.Tensor], a: KvWriteAttrs) -> tuple[torch.Tensor, torch.Tensor]:
     kc, vc, k, v, tables, live = t[:6]
     kv_write_ref(kc, vc, k, v, tables, live, t[6] if len(t) > 6 else None, a.row_offset)
     return kc, vc
 
 
-def _kv_write_cost(ins, outs, a, ctx, env) -> Cost:
+def _kv_write_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     k, v = ins[2], ins[3]
     return Cost(k.nbytes(env) + v.nbytes(env), k.nbytes(env) + v.nbytes(env), 0)
 
 
-def _kv_write_capturable(ins: list, outs: list, ws: list, a: Any) -> None:
+def _kv_write_capturable(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     """Paged write where inactive rows write back what the slot held (no boolean mask, so no
     data-dependent shapes and no host sync)."""
     kc, vc, k, v, tables, live, *active = ins
@@ -165,7 +165,7 @@ def _infer_rope_kv_write(ins: list[TensorSpec], a: RopeKvWriteAttrs) -> list[Ten
     return [q_out, *caches]
 
 
-def _rope_kv_write(t: list, a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
+def _rope_kv_write(t: list[torch.Tensor], a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
     q, k, v, pos, kc, vc, tables, live = t[:8]
     q_rot = rope_ref(q, pos, a.head_dim, a.theta, a.pos_offset)
     k_rot = rope_ref(k, pos, a.head_dim, a.theta, a.pos_offset)
@@ -176,7 +176,7 @@ def _rope_kv_write(t: list, a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
 _k_rope_kv = kernel("rope_kv_write", "rope_kv_write")
 
 
-def _launch_rope_kv_write(ins: list, outs: list, ws: list, a: Any) -> None:
+def _launch_rope_kv_write(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     q, k, v, pos, kc, vc, tables, live, *active = ins
     d = a.head_dim
     _k_rope_kv()(q, k, v, pos, live, tables, kc, vc, outs[0], num_heads=q.shape[1] // d,
@@ -205,7 +205,7 @@ def _infer_attention(ins: list[TensorSpec], a: AttentionAttrs) -> list[TensorSpe
     _check_paged(kc, tables, live, q.shape[0])
     rank(q, 2, "q [n, heads * head_dim]")
     kv_heads, dim = kc.shape[2], kc.shape[3]
-    check(isinstance(q.shape[1], int) and q.shape[1] % (kv_heads * dim) == 0,
+    check(isinstance(q.shape[1], int) and q.shape[1] % (int(kv_heads) * int(dim)) == 0,
           lambda: f"q width must be a multiple of kv_heads*head_dim ({q} vs cache {kc})")
     return [q]
 
@@ -232,10 +232,10 @@ def decode_attention_ref(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
     return out
 
 
-def _attention_cost(ins, outs, a, ctx, env) -> Cost:
+def _attention_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     q, kc = ins[0], ins[1]
     n = env[ROW] if q.shape[0] == ROW else int(q.shape[0])
-    kv_row_bytes = 2 * kc.shape[2] * kc.shape[3] * elt(kc.dtype)
+    kv_row_bytes = 2 * int(kc.shape[2]) * int(kc.shape[3]) * elt(kc.dtype)
     live_rows = n * (ctx.kv_rows + a.row_offset + 1)
     small = sum(s.nbytes(env) for s in (ins[0], ins[3], ins[4]))
     heads = int(q.shape[1]) // int(kc.shape[3])
@@ -247,7 +247,7 @@ _k_attn = kernel("decode_attention", "decode_attention")
 _k_attn_ws = kernel("decode_attention", "decode_attention_workspace_shape")
 
 
-def _launch_attention(ins: list, outs: list, ws: list, a: Any) -> None:
+def _launch_attention(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     q, kc, vc, tables, live = ins
     d = kc.shape[3]
     _k_attn()(q, kc, vc, tables, live, outs[0], num_heads=q.shape[1] // d, num_kv_heads=kc.shape[2],
@@ -255,7 +255,7 @@ def _launch_attention(ins: list, outs: list, ws: list, a: Any) -> None:
             row_offset=a.row_offset, workspace=ws[0])
 
 
-def _attention_ws(ins: Sequence[TensorSpec], env: dict, a: Any) -> list:
+def _attention_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     q, kc, tables = ins[0], ins[1], ins[3]
     n, d = q.concrete(env)[0], int(kc.shape[3])
     rows = int(tables.shape[1]) * int(kc.shape[1])
@@ -270,7 +270,7 @@ def _pow2_block(ins: Sequence[TensorSpec], a: Any) -> bool:
 register(OpDef(
     name="decode_attention", inputs=("q", "k_cache", "v_cache", "block_tables", "live_rows"),
     outputs=("out",), attrs=AttentionAttrs, infer=_infer_attention, cost=_attention_cost,
-    reference=lambda t, a: (decode_attention_ref(*t, a.scale, a.row_offset),),
+    reference=lambda t, a: (decode_attention_ref(t[0], t[1], t[2], t[3], t[4], a.scale, a.row_offset),),
     tags=frozenset({ATTENTION}),
     # what kernels.decode_attention refuses at launch, refused here at plan time (issue 19.9)
     kernels=(KernelBinding("triton_decode_attention", _launch_attention, Applies(TRITON, conditions=(

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import DTYPES, TensorSpec
-from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, kernel
-from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, LAYOUT, MATMUL, NORM, REDUCTION, Cost, OpDef,
-                                        check, default_cost, dim_eq, rank, register, same_dtype,
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, LAYOUT, MATMUL, NORM, REDUCTION, Cost, CostContext,
+                                        Env, OpDef, Specs, check, default_cost, dim_eq, rank, register, same_dtype,
                                         torch_dtype)
 
 _k_rmsnorm, _k_add_rmsnorm = kernel("rmsnorm", "rmsnorm"), kernel("rmsnorm", "add_rmsnorm")
@@ -74,7 +74,7 @@ def _infer_silu_mul(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
     rank(x, 2, "silu_mul input")
     check(isinstance(x.shape[1], int) and x.shape[1] % 2 == 0,
           lambda: f"silu_mul input's last dim must be even (gate then up), got {x}")
-    return [TensorSpec(dtype=x.dtype, shape=(x.shape[0], x.shape[1] // 2))]
+    return [TensorSpec(dtype=x.dtype, shape=(x.shape[0], int(x.shape[1]) // 2))]
 
 
 def _silu_mul(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
@@ -193,7 +193,7 @@ def _infer_linear(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
     return [TensorSpec(dtype=out_dtype, shape=(x.shape[0], w.shape[0]))]
 
 
-def _linear_cost(ins, outs, a, ctx, env) -> Cost:
+def _linear_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     n, k = ins[0].concrete(env)
     return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
 
@@ -215,7 +215,7 @@ def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:
     return (linear_ref(t[0], t[1], torch_dtype(a.out_dtype) if a.out_dtype else None),)
 
 
-def _splitk_workspace(ins: Sequence[TensorSpec], env: dict, a: Any) -> list:
+def _splitk_workspace(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     rows, k = ins[1].shape
     return [("float32", _k_splitk_ws()(ins[0].concrete(env)[0], int(rows), int(k)))]
 
@@ -225,7 +225,7 @@ def _many_splits(ins: Sequence[TensorSpec], a: Any) -> bool:
     return isinstance(rows, int) and isinstance(k, int) and _k_splitk_splits()(rows, k) >= 2
 
 
-def _cublas_linear(ins: list, outs: list, ws: list, a: Any) -> None:
+def _cublas_linear(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     torch.matmul(ins[0], ins[1].t(), out=outs[0])
 
 

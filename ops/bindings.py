@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable, Sequence
 
+import torch
+
 from draft_circuit.circuit.types import DTYPES, TensorSpec
 
 # Every float dtype of the IR, spelled out (tests check it against DTYPES and torch): a dtype is
@@ -65,7 +67,12 @@ class Applies:
         return self.why_not(device, ins, attrs) is None
 
 
-Workspace = Callable[[Sequence[TensorSpec], dict, Any], list[tuple[str, tuple[int, ...]]]]
+Tensors = list[torch.Tensor]
+# (inputs, outputs, workspace, parsed attrs): writes the outputs (and mutated states) in place
+Launch = Callable[[Tensors, Tensors, Tensors, Any], None]
+Scratch = list[tuple[str, tuple[int, ...]]]  # (dtype, shape) of each workspace buffer
+# (input specs, symbol values, parsed attrs) -> the scratch buffers a launch needs
+WorkspaceRule = Callable[[Sequence[TensorSpec], dict[str, int], Any], Scratch]
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class KernelBinding:
     """
 
     name: str
-    launch: Callable[..., None]
+    launch: Launch
     applies: Applies
-    workspace: Workspace | None = None
+    workspace: WorkspaceRule | None = None
     width_independent: bool = True  # a row's bits never depend on the other rows in the launch

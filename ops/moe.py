@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import linear_ref
-from draft_circuit.ops.bindings import CUDA, KERNEL_FLOATS, TRITON, Applies, Condition, KernelBinding, kernel
-from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, OpDef, check, default_cost, dim_eq,
-                                        rank, register)
+from draft_circuit.ops.bindings import (CUDA, KERNEL_FLOATS, TRITON, Applies, Condition, KernelBinding, Scratch,
+                                        Tensors, kernel)
+from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, CostContext, Env, OpDef, Specs, check,
+                                        default_cost, dim_eq, rank, register)
 
 FP8 = "float8_e4m3fn"
 SCALE_BLOCK = 128  # DeepSeek-V3's weight_scale_inv blocks: real weight = fp8 * scale of its block
@@ -109,7 +110,7 @@ def route_select(logits: torch.Tensor, bias: torch.Tensor | None,
     return ids.to(torch.int32), weights * a.routed_scaling_factor
 
 
-def _route(t: list, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(t: list[torch.Tensor], a: Any) -> tuple[torch.Tensor, torch.Tensor]:
     # fp32 logits row by row (linear_ref), from an fp32 gate when routing is configured in fp32
     logits = linear_ref(t[0].to(t[1].dtype), t[1], torch.float32)
     return route_select(logits, t[2] if len(t) > 2 else None, a)
@@ -118,7 +119,7 @@ def _route(t: list, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
 _k_linear = kernel("linear", "linear")
 
 
-def _route_launch(ins: list, outs: list, ws: list, a: MoeRouteAttrs) -> None:
+def _route_launch(ins: Tensors, outs: Tensors, ws: Tensors, a: MoeRouteAttrs) -> None:
     _k_linear()(ins[0], ins[1], ws[0])  # fp32 logits, one launch
     ids, weights = route_select(ws[0], ins[2] if len(ins) > 2 else None, a)  # exact ops
     outs[0].copy_(ids)
@@ -185,7 +186,7 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     return out
 
 
-def _parts(ins: Sequence[Any], fp8: bool) -> tuple:
+def _parts(ins: Sequence[Any], fp8: bool) -> tuple[Any, ...]:
     """(x, ids, weights, w_gate_up, its scales, w_down, its scales, shared) of either op's inputs."""
     return (*ins[:7], tuple(ins[7:])) if fp8 else (*ins[:4], None, ins[4], None, tuple(ins[5:]))
 
@@ -227,7 +228,7 @@ def expected_distinct_experts(num_experts: int, top_k: int, n: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** n)
 
 
-def _experts_cost(ins, outs, a, ctx, env, *, fp8: bool) -> Cost:
+def _experts_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env, *, fp8: bool) -> Cost:
     """Bytes of the experts expected to be selected (expected_distinct_experts), plus the shared
     experts and the row operands; flops of the k routed and the shared SwiGLUs a row runs."""
     x, ids, w, gu, gus, down, downs, shared = _parts(ins, fp8)
@@ -241,7 +242,7 @@ def _experts_cost(ins, outs, a, ctx, env, *, fp8: bool) -> Cost:
     return Cost(read, outs[0].nbytes(env), flops)
 
 
-def _experts(t: list, a: Any, *, fp8: bool) -> tuple[torch.Tensor]:
+def _experts(t: list[torch.Tensor], a: Any, *, fp8: bool) -> tuple[torch.Tensor]:
     x, ids, w, gu, gus, down, downs, shared = _parts(t, fp8)
     return (experts_ref(x, ids, w, gu, down, shared, (gus, downs)),)
 
@@ -251,16 +252,18 @@ _k_grouped = kernel("moe_grouped", "moe_grouped")
 _k_grouped_ws = kernel("moe_grouped", "moe_grouped_workspace")
 
 
-def _experts_launch(ins: list, outs: list, ws: list, a: Any, *, fp8: bool) -> None:
+def _experts_launch(ins: Tensors, outs: Tensors, ws: Tensors, a: Any, *, fp8: bool) -> None:
     x, ids, w, gu, gus, down, downs, shared = _parts(ins, fp8)
     _k_grouped()(x, ids, w, gu, down, outs[0], ws, gate_up_scale=gus, down_scale=downs,
                shared_gate_up=shared[0] if shared else None, shared_down=shared[1] if shared else None)
 
 
-def _experts_ws(ins: Sequence[TensorSpec], env: dict, a: Any, *, fp8: bool) -> list:
+def _experts_ws(ins: Sequence[TensorSpec], env: Env, a: Any, *, fp8: bool) -> Scratch:
     x, ids, _, gu, _, _, _, shared = _parts(ins, fp8)
-    return _k_grouped_ws()(x.concrete(env)[0], int(ids.shape[1]), int(gu.shape[0]), int(x.shape[1]),
-                         int(gu.shape[1]) // 2, int(shared[0].shape[0]) // 2 if shared else 0, x.dtype)
+    scratch: Scratch = _k_grouped_ws()(
+        x.concrete(env)[0], int(ids.shape[1]), int(gu.shape[0]), int(x.shape[1]), int(gu.shape[1]) // 2,
+        int(shared[0].shape[0]) // 2 if shared else 0, x.dtype)
+    return scratch
 
 
 # read when a program is planned: planned with the switch set, the experts take the reference

@@ -7,13 +7,13 @@ falls back to the reference). Passes and the plan page test tags, never op-name 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import AbstractSet, Any, Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from draft_circuit.circuit.types import DTYPE_BYTES, CircuitError, TensorSpec
-from draft_circuit.ops.bindings import KernelBinding  # noqa: F401  (re-exported: part of an OpDef)
+from draft_circuit.ops.bindings import KernelBinding as KernelBinding  # re-exported: part of an OpDef
 
 # op groups, as declared tags
 ELEMENTWISE = "elementwise"  # each output element from the same-index input elements
@@ -57,6 +57,16 @@ class CostContext:
     kv_rows: int = 100
 
 
+Specs = list[TensorSpec]
+Env = dict[str, int]  # symbol -> value (the row symbol -> the width)
+# (input specs, parsed attrs) -> output specs; raises ShapeError
+ShapeRule = Callable[[list[TensorSpec], Any], list[TensorSpec]]
+# (input tensors, parsed attrs) -> outputs; absent optional inputs are not in the list
+Reference = Callable[[list[torch.Tensor], Any], tuple[torch.Tensor, ...]]
+# (input specs, output specs, parsed attrs, context, symbol values) -> the launch's cost
+CostRule = Callable[[list[TensorSpec], list[TensorSpec], Any, CostContext, dict[str, int]], Cost]
+
+
 @dataclass(frozen=True, eq=False)
 class OpDef:
     """Everything the project knows about one op.
@@ -71,9 +81,9 @@ class OpDef:
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    infer: Callable[[list[TensorSpec], Any], list[TensorSpec]]
-    reference: Callable[[list[torch.Tensor | None], Any], tuple[torch.Tensor, ...]]
-    cost: Callable[[list[TensorSpec], list[TensorSpec], Any, CostContext, dict[str, int]], Cost] | None = None
+    infer: ShapeRule
+    reference: Reference
+    cost: CostRule | None = None
     attrs: type[BaseModel] = NoAttrs
     tags: frozenset[str] = frozenset()
     num_required: int | None = None  # inputs after this many are optional (may be absent)
@@ -136,7 +146,7 @@ class OpDef:
 
 
 def default_cost(ins: list[TensorSpec], outs: list[TensorSpec], env: dict[str, int], *,
-                 skip_in: set[int] = frozenset(), skip_out: set[int] = frozenset(),
+                 skip_in: AbstractSet[int] = frozenset(), skip_out: AbstractSet[int] = frozenset(),
                  flops: int = 0) -> Cost:
     """Every input read once and every output written once (states excluded)."""
     read = sum(s.nbytes(env) for i, s in enumerate(ins) if i not in skip_in)

@@ -12,11 +12,11 @@ from typing import Any, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.circuit.types import Dim, TensorSpec
 from draft_circuit.ops.basic import _infer_linear, linear_ref
-from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, kernel
-from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, MATMUL, REDUCTION, SAMPLING, Cost, OpDef,
-                                        check, default_cost, register)
+from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, MATMUL, REDUCTION, SAMPLING, Cost, CostContext,
+                                        Env, OpDef, Specs, check, default_cost, register)
 
 _k_argmax = kernel("argmax_logprob", "argmax_logprob")
 _k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
@@ -61,7 +61,7 @@ def _check_mask(logits_or_x: TensorSpec, vocab: int, mask: TensorSpec) -> None:
                   f"ceil({vocab}/32) = {mask_words(vocab)}")
 
 
-def _outs(rows) -> list[TensorSpec]:
+def _outs(rows: Dim) -> list[TensorSpec]:
     return [TensorSpec(dtype="int32", shape=(rows,)), TensorSpec(dtype="float32", shape=(rows,))]
 
 
@@ -93,23 +93,23 @@ def _infer_linear_argmax(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec
     return _outs(logits.shape[0])
 
 
-def _linear_argmax(t: list, a: BaseModel) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_argmax(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor, torch.Tensor]:
     # logits in fp32 whatever the weights (the kernel never rounds them); in fp32 this is the
     # unfused pair's computation exactly, so CPU programs match eager bitwise
     logits = linear_ref(t[0], t[1], torch.float32)
     return argmax_logprob_ref(logits, t[2] if len(t) > 2 else None)
 
 
-def _linear_argmax_cost(ins, outs, a, ctx, env) -> Cost:
+def _linear_argmax_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     n, k = ins[0].concrete(env)
     return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
 
 
-def _launch_linear_argmax(ins: list, outs: list, ws: list, a: Any) -> None:
+def _launch_linear_argmax(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     _k_lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[2] if len(ins) > 2 else None, ws[0])
 
 
-def _linear_argmax_ws(ins: Sequence[TensorSpec], env: dict, a: Any) -> list:
+def _linear_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     return [("float32", _k_lin_argmax_ws()(ins[0].concrete(env)[0], int(ins[1].shape[0])))]
 
 
@@ -118,7 +118,7 @@ register(OpDef(
     num_required=2, infer=_infer_linear_argmax, reference=_linear_argmax,
     cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
     kernels=(KernelBinding("triton_linear_argmax_logprob", _launch_linear_argmax, Applies(TRITON, conditions=(
-        Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: ins[1].shape[0] < MAX_FUSED_VOCAB),)),
+        Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: isinstance(v := ins[1].shape[0], int) and v < MAX_FUSED_VOCAB),)),
         workspace=_linear_argmax_ws),),
 ))
 
@@ -160,7 +160,7 @@ def _infer_keep(ins: list[TensorSpec], a: KeepAttrs) -> list[TensorSpec]:
     return [token]
 
 
-def _keep(t: list, a: KeepAttrs) -> tuple[torch.Tensor]:
+def _keep(t: list[torch.Tensor], a: KeepAttrs) -> tuple[torch.Tensor]:
     token, active = t[0], t[1]
     fallback = t[2] if len(t) > 2 else torch.full_like(token, a.fill)
     return (torch.where(active.bool(), token, fallback),)

@@ -9,8 +9,9 @@ import torch
 from pydantic import BaseModel
 
 from draft_circuit.circuit.types import TensorSpec
-from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding
-from draft_circuit.ops.registry import GATHER, Cost, OpDef, check, index_dtype, rank, register
+from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors
+from draft_circuit.ops.registry import (GATHER, Cost, CostContext, Env, OpDef, Specs, check, index_dtype, rank,
+                                        register)
 
 
 class TokenError(ValueError):
@@ -36,12 +37,12 @@ def _infer_embedding(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
     return [TensorSpec(dtype=table.dtype, shape=(ids.shape[0], table.shape[1]))]
 
 
-def _embedding_cost(ins, outs, a, ctx, env) -> Cost:
+def _embedding_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     row_bytes = outs[-1].nbytes(env)  # only the gathered rows of the table are read
     return Cost(row_bytes + ins[-1].nbytes(env), outs[-1].nbytes(env), 0)
 
 
-def _gather_capturable(ins: list, outs: list, ws: list, a: Any) -> None:
+def _gather_capturable(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     table, ids = ins[0], ins[1]
     torch.index_select(table, 0, ids.clamp(min=0), out=outs[0])
     outs[0].masked_fill_((ids < 0).unsqueeze(-1), 0)  # an all-masked draft (-1) embeds as zeros
@@ -76,7 +77,7 @@ def _embed_write(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
     return (target,)
 
 
-def _embed_write_capturable(ins: list, outs: list, ws: list, a: Any) -> None:
+def _embed_write_capturable(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     target, table, ids, *active = ins
     emb = torch.index_select(table, 0, ids.clamp(min=0)).masked_fill_((ids < 0).unsqueeze(-1), 0)
     if active:  # inert rows keep what the host buffer held

@@ -10,7 +10,7 @@ returns the fused node, which takes the place of the producer or the consumer in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from draft_circuit.circuit.ir import Circuit, Node
 from draft_circuit.circuit.passes.rewrite import fused_node, rewrite, sole_user
@@ -29,8 +29,9 @@ class Match:
 
 # (circuit, candidate, nodes already fused by this pass) -> the match to take, or None
 Guard = Callable[[Circuit, Match, "Taken"], "Match | None"]
-# match -> (the parts in the order the fused name lists them, inputs, outputs, attrs)
-Rewrite = Callable[[Match], tuple[tuple[Node, ...], tuple[str, ...], tuple[str, ...], dict]]
+# the fused node's parts (in the order its name lists them), inputs, outputs and attrs
+Parts = tuple[tuple[Node, ...], tuple[str, ...], tuple[str, ...], dict[str, Any]]
+Rewrite = Callable[[Match], Parts]
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,8 @@ def fuse(c: Circuit, row: Fusion) -> Circuit:
         for consumer in row.candidates(c, producer):
             if consumer.name in taken:
                 continue
-            match: Match | None = Match(producer, consumer)
-            if row.guard is not None:
-                match = row.guard(c, match, taken)
+            candidate = Match(producer, consumer)
+            match = row.guard(c, candidate, taken) if row.guard is not None else candidate
             if match is None or _blocked(taken, match):
                 continue
             taken.take(n.name for n in match.nodes)

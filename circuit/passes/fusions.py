@@ -5,7 +5,7 @@ composition of its parts' references, so a fused circuit computes what the unfus
 from __future__ import annotations
 
 from draft_circuit.circuit.ir import Circuit
-from draft_circuit.circuit.passes.fuse import Fusion, Match, Taken
+from draft_circuit.circuit.passes.fuse import Fusion, Match, Parts, Taken
 from draft_circuit.circuit.passes.rewrite import sole_user
 
 
@@ -32,17 +32,17 @@ def _q_rope_of_this_attention(c: Circuit, m: Match, taken: Taken) -> Match | Non
     return None
 
 
-def _add_rmsnorm(m: Match):
+def _add_rmsnorm(m: Match) -> Parts:
     add, norm = m.producer, m.consumer
     return (add, norm), (*add.inputs, norm.inputs[1]), (add.outputs[0], norm.outputs[0]), norm.attrs
 
 
-def _lm_head_argmax(m: Match):
+def _lm_head_argmax(m: Match) -> Parts:
     lin, arg = m.producer, m.consumer
     return (lin, arg), (*lin.inputs, *arg.inputs[1:]), arg.outputs, {}
 
 
-def _rope_kv_write(m: Match):
+def _rope_kv_write(m: Match) -> Parts:
     k_rope, kv, (q_rope,) = m.producer, m.consumer, m.more
     kc, vc, _, v, tables, live, *active = kv.inputs
     return ((q_rope, k_rope, kv),
@@ -50,7 +50,7 @@ def _rope_kv_write(m: Match):
             (q_rope.outputs[0], *kv.outputs), {**k_rope.attrs, **kv.attrs})
 
 
-def _linear_silu_mul(m: Match):
+def _linear_silu_mul(m: Match) -> Parts:
     lin, act = m.producer, m.consumer
     return (lin, act), lin.inputs, act.outputs, {}
 
