@@ -21,7 +21,7 @@ from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, CostCon
 
 FP8 = "float8_e4m3fn"
 SCALE_BLOCK = 128  # DeepSeek-V3's weight_scale_inv blocks: real weight = fp8 * scale of its block
-FLOATS = tuple(sorted(KERNEL_FLOATS))  # what x (the activations) may be
+FLOATS = ("float32", "float16", "bfloat16")  # what activations may be (fp8 is a weight format)
 KILL_SWITCH = "CIRCUIT_NO_GROUPED_MOE_DECODE"
 
 

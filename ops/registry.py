@@ -1,8 +1,8 @@
 """The op registry: one `OpDef` per op holds every fact about it, reached from `get_op(name)`:
 attrs model, shape rule, torch reference, cost, tags, the inputs it mutates, and its kernel
 bindings with the condition each applies under (the planner picks the first that applies and
-falls back to the reference). Passes and the plan page test tags, never op-name substrings;
-`writes_state` is derived from `mutates`, so the two cannot disagree.
+falls back to the reference). Dead-node elimination and the plan page test tags (never op-name
+substrings); `writes_state` is derived from `mutates`, so the two cannot disagree.
 """
 from __future__ import annotations
 

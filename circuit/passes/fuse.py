@@ -4,8 +4,9 @@ pattern, a guard, a rewrite) of the table in circuit/passes/fusions.py.
 It walks the row's producers in circuit order and, for each, the consumers its edge
 allows. A match is taken only if the guard accepts it (a guard may absorb further nodes, as the
 q rope of `fuse_rope_kv_write`) and if fusing it cannot close a cycle: no path may leave the
-group and come back into it (groups taken earlier in the pass count as one node). A rewrite
-returns the fused node, which takes the place of the producer or the consumer in circuit order.
+group and come back into it (groups taken earlier in the pass count as one node). The row's
+rewrite gives the fused node's parts, inputs, outputs and attrs; the node takes the place of the
+producer or of the consumer in circuit order.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Fusion:
 
     name: str        # the pass name, as pipelines and plan reports spell it
     doc: str         # the row's contract, one line
-    producer: str    # op names (registered ops: tests/circuit/test_passes.py checks)
+    producer: str    # op names (registered ops: tests/circuit/test_fusions.py checks)
     consumer: str
     edge: int
     sole_reader: bool

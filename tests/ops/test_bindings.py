@@ -2,6 +2,8 @@
 sizes a kernel takes), and end to end: the whole chain planned with Triton kernels (run by the
 interpreter on CPU) against the eager oracle, with bitmask, confidence stop and embed target."""
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from draft_circuit.ops.bindings import CUDA, KERNEL_FLOATS, TRITON, Applies, Con
 from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch, random_mtp_weights
 
 CFG = MtpConfig(vocab_size=133, hidden_size=40, intermediate_size=72, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -103,3 +105,46 @@ def test_attention_kernel_is_planned_only_for_block_sizes_it_takes(block_size, a
     torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)
     for k in want_states:
         torch.testing.assert_close(got_states[k], want_states[k], atol=1e-5, rtol=1e-5)
+
+
+def test_importing_the_vocabulary_imports_no_kernel():
+    """Kernels are reached through ops.bindings.kernel, on first use: the registry, the passes
+    and a CPU plan never import triton or a kernel module."""
+    code = ("import sys; import draft_circuit.ops, draft_circuit.circuit.passes; "
+            "from draft_circuit.circuit.layers.config import DEFAULT_CONFIG; "
+            "from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain; "
+            "from draft_circuit.circuit.planner import compile_draft; import torch; "
+            "head = MtpHead(DEFAULT_CONFIG); "
+            "chain = emit_draft_chain(head, 2, max_width=2, kv=KvLayout(9, 16, 4)); "
+            "compile_draft(chain, {k: torch.empty(s, device='meta') for k, s in head.param_shapes().items()}, [1]); "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('draft_circuit.kernels')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@cuda
+@pytest.mark.parametrize("block_size", [4, 12, 16])
+def test_cuda_plans_for_any_block_size_run(block_size):
+    """On the GPU: block sizes the Triton attention refuses plan the reference attention (the
+    uncaptured program runs; its host sync keeps it out of CUDA graphs), 16 plans the kernel;
+    rope_kv_write is the Triton kernel at every block size. Drafts match the oracle."""
+    kv = KvLayout(num_blocks=60, block_size=block_size, max_blocks_per_seq=-(-40 // block_size))
+    head = MtpHead(CFG)
+    chain = emit_draft_chain(head, K, max_width=4, kv=kv)
+    params = head.bind(random_mtp_weights(CFG, seed=3, device="cuda"))
+    width = 4
+    compiled = compile_draft(chain, params, [width], device="cuda")
+    kernels = {(x.op, x.kernel) for x in compiled.programs[width].launches}
+    assert {k for op, k in kernels if op == "decode_attention"} == \
+        {"reference" if block_size in (4, 12) else "triton_decode_attention"}
+    assert {k for op, k in kernels if op == "rope_kv_write"} == {"triton_rope_kv_write"}
+    batch = random_draft_batch(CFG, kv, width, seed=block_size, num_drafts=K, device="cuda")
+    want_states = batch.clone_states()
+    got_states = {k: v.clone() for k, v in want_states.items()}
+    keep = tuple(f"s{j}.lm_head" for j in range(K))
+    want = EagerRunner(chain, params, want_states).run(batch.inputs, keep=keep)
+    top2 = torch.stack([want[n].float().log_softmax(-1).topk(2, dim=-1).values for n in keep], dim=1)
+    got = ProgramRunner(compiled, got_states).run(batch.inputs)
+    compare_drafts(got, want, top2[..., 0] - top2[..., 1], conf_atol=1e-4)
+    for k in want_states:
+        torch.testing.assert_close(got_states[k], want_states[k], atol=1e-4, rtol=1e-4)
