@@ -6,8 +6,9 @@ records how it was served in `last_served`. Chains run on `DraftRunner`s (runner
 that a factory builds at construction (compiled programs for `forward="circuit"`, the eager
 oracle for `"eager"`) and that a host may replace (`set_circuit_draft`): one code path, whatever
 runs the chain. Drafter KV lives in a paged pool whose block 0 is the scratch block inert rows
-point at. This module is the contract only: the rules live in proposer_state.py, the checks and
-runner inputs in proposer_inputs.py, the runners and their factories in chains.py.
+point at. This module is the contract only (its protocol: contract.py): the rules live in
+proposer_state.py, the checks and runner inputs in proposer_inputs.py, the all-or-nothing chain
+runs in proposer_rows.py, the runners and their factories in chains.py.
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from draft_circuit.runners.chains import (ChainRunners, DraftBinding, RunnerFact
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.protocol import DraftRunner
-from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, catchup_chunks,
-                                                   chain_inputs, check_bitmask, check_tokens,
-                                                   grow_all)
+from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, chain_inputs,
+                                                   check_catchup_counts, check_drafter_pairs,
+                                                   check_num_drafts, check_propose)
+from draft_circuit.runners.proposer_rows import run_chain, write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, free_all,
                                                   install_kv, kept_drafts, record_drafts, settle,
                                                   take_kv, trim_after_verify)
@@ -56,8 +58,9 @@ class MtpProposer:
         first propose."""
         if forward not in ("eager", "circuit"):
             raise ProposerError(f"forward must be 'eager' or 'circuit', got {forward!r}")
-        if draft_confidence_stop is not None and not 0 < draft_confidence_stop <= 1:
-            raise ProposerError(f"draft_confidence_stop must be in (0, 1], got {draft_confidence_stop}")
+        if draft_confidence_stop is not None and not 0 < draft_confidence_stop < 1:  # NaN too
+            raise ProposerError(f"draft_confidence_stop must be in (0, 1) exclusive, got "
+                                f"{draft_confidence_stop!r}")
         c = head.config
         # the proposer owns placement: params follow its device (a host may load on CPU)
         self.head, self.num_drafts, self.device = head, num_drafts, device
@@ -120,7 +123,12 @@ class MtpProposer:
                  bitmask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         runner, n = self.chains.get(k, bitmask is not None), len(rows.tokens)
         self.stats[runner.plan(n).kind][n] += 1
-        inputs = chain_inputs(rows, log_tau=self.log_tau, dtype=getattr(torch, self.head.dtype),
+        if bitmask is not None and k > 1:
+            warn_once("mask", "grammar-masked drafting with num_drafts > 1: the mask is held "
+                              "fixed across draft positions; acceptance may drop")
+        # a masked draft's confidence is not measured in the reference: a masked chain never stops
+        log_tau = float("-inf") if bitmask is not None else self.log_tau
+        inputs = chain_inputs(rows, log_tau=log_tau, dtype=getattr(torch, self.head.dtype),
                               device=self.device)
         if bitmask is not None:
             inputs["bitmask"] = bitmask
@@ -132,21 +140,26 @@ class MtpProposer:
                                 blocks=SequenceBlocks(self.pool, self.kv.block_size,
                                                       self.kv.max_blocks_per_seq))
 
-    def _is_mine(self, state: object) -> bool:
-        return isinstance(state, MtpProposerState) and state.owner == id(self)
-
-    def _own(self, state: object) -> MtpProposerState:
-        if not self._is_mine(state):
-            raise ProposerError(f"state {state!r} does not belong to this proposer")
-        assert isinstance(state, MtpProposerState)
+    def _mine(self, state: object) -> MtpProposerState | None:
+        """The state, settled, if this proposer allocated it; None for any other object."""
+        if not isinstance(state, MtpProposerState) or state.owner != id(self):
+            return None
         settle(state)
         return state
 
-    def drafter_rows(self, state: MtpProposerState) -> int:
-        return self._own(state).rows
+    def _own(self, state: object) -> MtpProposerState:
+        mine = self._mine(state)
+        if mine is None:
+            raise ProposerError(f"state {state!r} does not belong to this proposer")
+        return mine
 
-    def last_pair_key(self, state: MtpProposerState) -> int | None:
-        return self._own(state).last_pair_key
+    def drafter_rows(self, state: object) -> int:
+        mine = self._mine(state)
+        return mine.rows if mine is not None else 0
+
+    def last_pair_key(self, state: object) -> int | None:
+        mine = self._mine(state)
+        return mine.last_pair_key if mine is not None else None
 
     # ---- drafting ----
     def propose_batch_max(self) -> int:
@@ -162,10 +175,17 @@ class MtpProposer:
                 bitmask: torch.Tensor | None = None) -> list[int] | torch.Tensor:
         """One sequence on the one-row program. With `embed_target` the drafts stay on the device
         (returned as a tensor, -1 after a stop) and the last kept draft's embedding is written
-        into it; nothing is copied to the host before this returns."""
+        into it; nothing is copied to the host before this returns. Zero drafts: [] (no run)."""
         state = self._own(state)
-        out, rows = self._draft([last_token], target_hidden.view(1, -1), [position], num_drafts,
-                                [state], bitmask)
+        mask = check_propose([last_token], target_hidden.view(1, -1), [position], num_drafts,
+                             [state], bitmask, num_drafts_max=self.num_drafts,
+                             config=self.head.config, device=self.device)
+        if num_drafts == 0:
+            self._deferred = None
+            record_drafts(state, [], state.rows, position)
+            return []
+        out, rows = self._run_chain([last_token], target_hidden.view(1, -1), [position],
+                                    num_drafts, [state], mask)
         if embed_target is not None:
             embed_target.copy_(self.states["embed_target"][0].view_as(embed_target))
             drafts = out["drafts"][0].clone()
@@ -188,8 +208,18 @@ class MtpProposer:
             self.last_served = Served("refused", n, reason)
             return None
         mine = [self._own(s) for s in states]
-        out, rows = self._draft(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask)
-        self.last_served = Served(self.chains.get(num_drafts, bitmask is not None).plan(n).kind, n)
+        mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
+                             num_drafts_max=self.num_drafts, config=self.head.config,
+                             device=self.device)
+        if num_drafts == 0:
+            for state, p in zip(mine, positions):
+                record_drafts(state, [], state.rows, p)
+            self.last_served = Served("empty", n)
+            if out_conf is not None:
+                out_conf[:] = [[] for _ in mine]
+            return [[] for _ in mine]
+        out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
+        self.last_served = Served(self.chains.get(num_drafts, mask is not None).plan(n).kind, n)
         drafts, confs = out["drafts"].tolist(), out["confidences"].tolist()
         result = []
         for state, row, r, p in zip(mine, drafts, rows, positions):
@@ -200,8 +230,13 @@ class MtpProposer:
         return result
 
     def _batch_refusal(self, n: int, k: int, states: Sequence[object], masked: bool) -> str | None:
-        if not all(self._is_mine(s) for s in states):
+        if n == 0:
+            return "an empty batch (width 0)"
+        if not all(self._mine(s) is not None for s in states):
             return "a state of another proposer"  # the caller drafts each alone
+        check_num_drafts(k, self.num_drafts)
+        if k == 0:
+            return None  # nothing runs: every row drafts nothing
         runner = self.chains.get(k, masked)
         if not runner.serves(n):
             return f"width {n} is not served (the {k}-step chain serves up to {runner.max_width})"
@@ -211,31 +246,10 @@ class MtpProposer:
                                           "sequence alone")
         return reason
 
-    def _draft(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
-               k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None):
-        """Validate everything, grow every table (all or nothing), then run the chain once."""
-        n, c = len(tokens), self.head.config
-        if not 1 <= k <= self.num_drafts:
-            raise ProposerError(f"num_drafts {k} must be in 1..{self.num_drafts}")
-        if len({id(s) for s in states}) != n or len(positions) != n or hiddens.shape != (n, c.hidden_size):
-            raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
-                                f"[{n}, {c.hidden_size}]; got {len(states)} states, "
-                                f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
-        check_tokens(tokens, c.vocab_size)
-        if bitmask is not None:
-            bitmask = check_bitmask(bitmask, n, c.vocab_size).to(self.device)
-            if k > 1:
-                warn_once("mask", "grammar-masked drafting with num_drafts > 1: the mask is held "
-                                  "fixed across draft positions; acceptance may drop")
-        live = [s.rows for s in states]
-        grow_all(states, [r + k for r in live])
-        rows = ChainRows(list(tokens), hiddens, list(positions), states, live)
-        try:
-            return self._execute(k, rows, bitmask), live
-        except Exception:
-            for s in states:
-                s.blocks.release_unused()
-            raise
+    def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
+                   k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None):
+        return run_chain(self._execute, ChainRows(list(tokens), hiddens, list(positions), states,
+                                                  [s.rows for s in states]), k, bitmask)
 
     def read_deferred_draft_token(self) -> int:
         """The last kept draft of the latest deferred propose (this is where the host syncs)."""
@@ -249,54 +263,51 @@ class MtpProposer:
     # ---- drafter rows from target hiddens ----
     def prefill_drafter(self, prompt_tokens: Sequence[int], hiddens: torch.Tensor,
                         state: MtpProposerState) -> int:
-        """Rows for pairs (prompt[i+1], hiddens[i]), i < P-1, into an empty state."""
-        state = self._own(state)
-        if state.rows:
-            raise ProposerError(f"prefill_drafter into a state that holds {state.rows} rows")
-        if len(prompt_tokens) < 2:
-            return 0
-        return self.catchup_drafter(list(prompt_tokens[1:]), hiddens[:len(prompt_tokens) - 1],
-                                    0, 1, state)
+        """`catchup_drafter(prompt, hiddens, 0, 1, state)`: P - 1 rows at RoPE 1..P-1."""
+        return self.catchup_drafter(prompt_tokens, hiddens, 0, 1, state)
 
     def catchup_drafter(self, tokens: Sequence[int], hiddens: torch.Tensor, row_base: int,
                         pos_base: int, state: MtpProposerState) -> int:
-        """Rows row_base.. for pairs (tokens[i], hiddens[i]) at positions pos_base + i."""
-        return self.catchup_batch([list(tokens)], [hiddens], [pos_base], [state],
-                                  row_bases=[row_base])
+        """Row r pairs tokens[r + 1] with hiddens[r] at RoPE pos_base + r: len(tokens) - 1 rows,
+        written only when row_base is the state's row count (else 0, nothing written)."""
+        mine = self._mine(state)
+        if mine is None:
+            return 0
+        c = self.head.config
+        check_drafter_pairs(tokens, hiddens, pos_base, hidden_size=c.hidden_size,
+                            vocab=c.vocab_size, what="catchup_drafter")
+        if row_base != mine.rows or len(tokens) < 2:
+            return 0
+        return write_rows(self._execute, self.chains.get(1, False).max_width, [list(tokens[1:])],
+                          [hiddens[:len(tokens) - 1]], [pos_base], [mine])
 
     def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                      first_pos: Sequence[int], states: Sequence[MtpProposerState], *,
-                      row_bases: Sequence[int] | None = None) -> int:
-        """Catch-up rows for several sequences in as few n-row runs as the widths allow: each
-        token is a row whose live count is its row index, so a sequence's rows attend causally
-        to the ones before them (written by the same kv_write launch)."""
-        states = [self._own(s) for s in states]
-        bases = list(row_bases) if row_bases is not None else [s.rows for s in states]
-        for s, b in zip(states, bases):
-            if not 0 <= b <= s.rows:
-                raise ProposerError(f"catch-up row_base {b} must be within 0..{s.rows}")
-        for ts in tokens:
-            check_tokens(list(ts), self.head.config.vocab_size)
-        grow_all(states, [b + len(t) for b, t in zip(bases, tokens)])
-        chunks = catchup_chunks(tokens, hiddens, first_pos, states, bases, self.max_width)
-        for chunk in chunks:
-            self._execute(1, chunk)
-        for s, b, t, p in zip(states, bases, tokens, first_pos):
-            if t:
-                s.blocks.set_rows(max(s.rows, b + len(t)))
-                s.last_pair_key = p + len(t) - 1
-        return sum(len(c.tokens) for c in chunks)
+                      first_pos: Sequence[int], states: Sequence[object]) -> int:
+        """tokens[i][k] with hiddens[i][k] at RoPE first_pos[i] + k, appended at each state's row
+        count; every count is checked before anything runs (0 when a state is not this
+        proposer's)."""
+        c = self.head.config
+        check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=c.hidden_size,
+                             vocab=c.vocab_size)
+        mine = [self._mine(s) for s in states]
+        if any(m is None for m in mine):
+            return 0
+        return write_rows(self._execute, self.chains.get(1, False).max_width,
+                          [list(t) for t in tokens], list(hiddens), list(first_pos),
+                          [m for m in mine if m is not None])
 
     # ---- after verify and hand-over ----
     def after_verify(self, num_accepted: int, state: MtpProposerState) -> None:
         trim_after_verify(self._own(state), num_accepted, kv_exact=self.kv_exact, refeed=self.refeed)
 
-    def take_drafter_kv(self, state: MtpProposerState) -> tuple[list[int], int, int | None] | None:
-        return take_kv(self._own(state))
+    def take_drafter_kv(self, state: object) -> tuple[list[int], int, int | None] | None:
+        mine = self._mine(state)
+        return take_kv(mine) if mine is not None else None
 
-    def install_drafter_kv(self, state: MtpProposerState, blocks: Sequence[int], rows: int,
+    def install_drafter_kv(self, state: object, blocks: Sequence[int], rows: int,
                            last_pair_key: int | None) -> bool:
-        return install_kv(self._own(state), blocks, rows, last_pair_key)
+        mine = self._mine(state)
+        return install_kv(mine, blocks, rows, last_pair_key) if mine is not None else False
 
     def free_drafter_kv(self, blocks: Sequence[int]) -> None:
         if blocks:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.ops.attention import TokenError
 from draft_circuit.ops.sampling import mask_words
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
@@ -33,6 +34,80 @@ def check_bitmask(bitmask: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
         raise ProposerError(f"bitmask must be [{n}, {words}] (ceil({vocab}/32) words a row), got "
                             f"{list(bitmask.shape)}")
     return mask
+
+
+def check_num_drafts(k: object, num_drafts: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_drafts:
+        raise ProposerError(f"num_drafts {k!r} must be in 0..{num_drafts}")
+
+
+def check_propose(tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int], k: int,
+                  states: Sequence[MtpProposerState], bitmask: torch.Tensor | None, *,
+                  num_drafts_max: int, config: MtpConfig,
+                  device: str | torch.device) -> torch.Tensor | None:
+    """Every check a propose makes before anything changes; returns the checked bitmask on the
+    proposer's device."""
+    n, c = len(tokens), config
+    check_num_drafts(k, num_drafts_max)
+    if len({id(s) for s in states}) != n or len(positions) != n or hiddens.shape != (n, c.hidden_size):
+        raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
+                            f"[{n}, {c.hidden_size}]; got {len(states)} states, "
+                            f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
+    for i, p in enumerate(positions):
+        check_position(p, f"row {i}: position")
+    check_tokens(tokens, c.vocab_size)
+    return None if bitmask is None else check_bitmask(bitmask, n, c.vocab_size).to(device)
+
+
+def check_position(position: object, what: str) -> None:
+    """A drafter row sits at RoPE position >= 1: it pairs its token with the target hidden one
+    position before it (whose position is the row's pair key, never negative)."""
+    if isinstance(position, bool) or not isinstance(position, int) or position < 1:
+        raise ProposerError(f"{what} {position!r} must be an int >= 1 (a drafter row at RoPE "
+                            "position p pairs its token with the target hidden at p - 1)")
+
+
+def _num_hiddens(hiddens: object, hidden_size: int, what: str) -> int:
+    if not isinstance(hiddens, torch.Tensor) or hiddens.dim() != 2 or hiddens.shape[1] != hidden_size:
+        shape = list(hiddens.shape) if isinstance(hiddens, torch.Tensor) else type(hiddens).__name__
+        raise ProposerError(f"{what}: hiddens must be [rows, {hidden_size}], got {shape}")
+    return int(hiddens.shape[0])
+
+
+def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
+                         first_pos: Sequence[int], states: Sequence[object], *, hidden_size: int,
+                         vocab: int) -> None:
+    """catchup_batch's counts, all before anything runs: one token list, hidden list, first
+    position and state per sequence, as many hiddens as tokens in each, distinct states, valid
+    positions and token ids. Each error names the sequence and the counts."""
+    counts = (len(tokens), len(hiddens), len(first_pos), len(states))
+    if len(set(counts)) != 1:
+        raise ProposerError(f"catchup_batch: {counts[0]} token lists, {counts[1]} hidden lists, "
+                            f"{counts[2]} first positions and {counts[3]} states: one of each per "
+                            "sequence")
+    if len({id(s) for s in states}) != len(states):
+        raise ProposerError("catchup_batch: a state appears twice (its rows would be written twice "
+                            "at the same row)")
+    for i, (ts, hs, p) in enumerate(zip(tokens, hiddens, first_pos)):
+        m = _num_hiddens(hs, hidden_size, f"catchup_batch sequence {i}")
+        if m != len(ts):
+            raise ProposerError(f"catchup_batch sequence {i}: {len(ts)} tokens but {m} hiddens "
+                                "(token k pairs with hidden k)")
+        check_position(p, f"catchup_batch sequence {i}: first position")
+        check_tokens(list(ts), vocab, f" of sequence {i}")
+
+
+def check_drafter_pairs(tokens: Sequence[int], hiddens: torch.Tensor, pos_base: int, *,
+                        hidden_size: int, vocab: int, what: str) -> None:
+    """catchup_drafter's / prefill_drafter's counts: row r pairs tokens[r + 1] with hiddens[r],
+    so hiddens are one per token (the last pairs with no later token and is unused) or one fewer."""
+    m = _num_hiddens(hiddens, hidden_size, what)
+    if m not in (len(tokens), max(len(tokens) - 1, 0)):
+        raise ProposerError(f"{what}: {len(tokens)} tokens but {m} hiddens (row r pairs "
+                            f"tokens[r + 1] with hiddens[r]: give {len(tokens)} or "
+                            f"{max(len(tokens) - 1, 0)} hiddens)")
+    check_position(pos_base, f"{what}: pos_base")
+    check_tokens(list(tokens), vocab)
 
 
 def grow_all(states: Sequence[MtpProposerState], rows: Sequence[int]) -> None:

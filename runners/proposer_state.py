@@ -1,6 +1,11 @@
-"""Per-sequence proposer state and the rules the proposer applies to it: what a propose records,
-the trim after verify, pair keys, the KV hand-over. Small functions over a plain state, kept
-apart from the proposer so the rules read, and test, on their own."""
+"""Per-sequence proposer state and the rules the proposer applies to it (the reference's, see
+README "Departures from the reference" for the few kept safer ones): what a propose records, the
+trim after verify, pair keys, the KV hand-over. Small functions over a plain state, kept apart
+from the proposer so the rules read, and test, on their own.
+
+Pair key: a drafter row written at RoPE position p pairs the token at p with the target hidden
+at p - 1, and its pair key is p - 1; a state's `last_pair_key` is its newest row's.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,9 +22,10 @@ class ProposerError(ValueError):
 
 @dataclass
 class MtpProposerState:
-    """One sequence's drafter: its drafter-KV block table and rows, the newest pair key (the
-    position of the newest row's token), and what the last propose drafted. A deferred propose
-    leaves its drafts on the device (`pending`) until something reads them."""
+    """One sequence's drafter: its drafter-KV block table and rows, the newest pair key, and what
+    the last propose drafted. A deferred propose leaves its drafts on the device (`pending`)
+    until something reads them; `awaiting_verify` is set by a propose and cleared by the
+    after_verify that trims its rows."""
 
     owner: int
     blocks: SequenceBlocks
@@ -27,13 +33,16 @@ class MtpProposerState:
     last_pair_key: int | None = None
     last_drafts: list[int] = field(default_factory=list)
     pending: tuple[torch.Tensor, int, int] | None = None  # (drafts [k] on device, rows, position)
+    awaiting_verify: bool = False
 
     @property
     def rows(self) -> int:
         return self.blocks.num_rows
 
-    def is_empty(self) -> bool:
-        return self.rows == 0 and not self.blocks.blocks and self.last_pair_key is None
+
+def pair_key(rope_position: int) -> int:
+    """The pair key of a row written at `rope_position`: the target hidden's position."""
+    return rope_position - 1
 
 
 def kept_drafts(row: list[int]) -> list[int]:
@@ -47,11 +56,13 @@ def kept_drafts(row: list[int]) -> list[int]:
 
 
 def record_drafts(state: MtpProposerState, drafts: list[int], rows: int, position: int) -> None:
-    """What a propose from `rows` drafter rows at `position` leaves: one row per kept draft (a
-    stopped row wrote no further row), the drafts, and the newest row's pair key."""
+    """What a propose at `position` from `rows` drafter rows leaves: draft i wrote a row at RoPE
+    position + i (a stopped row wrote no further row), so the newest key is position + d - 2."""
     state.blocks.set_rows(rows + len(drafts))
     state.last_num_drafted, state.last_drafts = len(drafts), drafts
-    state.last_pair_key = position + len(drafts) - 1 if drafts else state.last_pair_key
+    if drafts:
+        state.last_pair_key = pair_key(position + len(drafts) - 1)
+    state.awaiting_verify = True
 
 
 def settle(state: MtpProposerState) -> None:
@@ -63,32 +74,36 @@ def settle(state: MtpProposerState) -> None:
 
 
 def rows_to_trim(num_drafted: int, num_accepted: int, *, kv_exact: bool, refeed: bool) -> int:
-    """Drafter rows to drop after verify, never more than max(num_drafted, 1).
+    """Drafter rows to drop after verify, with d = max(num_drafted, 1) and a accepted.
 
-    The chain wrote one row from the target hidden (kept) and num_drafted - 1 from drafter
-    hiddens. Exact KV drops all of those (catch-up rebuilds the accepted ones from target
-    hiddens); so does re-feeding accepted drafts; otherwise only rejected drafts' rows go.
+    Exact KV: d - 1 (the row built from the target hidden stays; catch-up rebuilds the accepted
+    ones from target hiddens). Otherwise min(max(d - a, 0) + (max(a - 1, 0) if refeed else 0), d):
+    the rejected drafts' rows go, and with refeed the accepted ones too, never more than d.
     """
-    drafter_rows = max(num_drafted, 1) - 1
-    if kv_exact or refeed:
-        return drafter_rows
-    return drafter_rows - min(num_accepted, drafter_rows)
+    d = max(num_drafted, 1)
+    if kv_exact:
+        return d - 1
+    return min(max(d - num_accepted, 0) + (max(num_accepted - 1, 0) if refeed else 0), d)
 
 
 def trim_after_verify(state: MtpProposerState, num_accepted: int, *, kv_exact: bool,
                       refeed: bool) -> int:
-    """Trim the rows the verify rejected (`rows_to_trim`); the newest pair key moves back by the
-    same count. Returns the rows trimmed."""
-    if not 0 <= num_accepted <= max(state.last_num_drafted, 0):
-        raise ProposerError(f"num_accepted {num_accepted} exceeds the {state.last_num_drafted} "
-                            "drafts of the last propose")
-    trim = min(rows_to_trim(state.last_num_drafted, num_accepted, kv_exact=kv_exact,
-                            refeed=refeed), state.rows)
+    """Trim the rows `rows_to_trim` names; the newest pair key moves back by the same count
+    (both saturate at 0, as the reference's unsigned counts do). Only the first after_verify
+    after a propose trims (a second one, or one with no propose before it, trims nothing).
+    Returns the count trimmed."""
+    if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) \
+            or not 0 <= num_accepted <= state.last_num_drafted:
+        raise ProposerError(f"num_accepted {num_accepted!r} must be in 0..{state.last_num_drafted}, "
+                            "the drafts of the last propose")
+    if not state.awaiting_verify:
+        return 0
+    state.awaiting_verify = False
+    trim = rows_to_trim(state.last_num_drafted, num_accepted, kv_exact=kv_exact, refeed=refeed)
     if trim:
-        state.blocks.set_rows(state.rows - trim)
+        state.blocks.set_rows(max(state.rows - trim, 0))
         if state.last_pair_key is not None:
-            state.last_pair_key -= trim
-    state.last_num_drafted = 0  # a second call trims nothing more
+            state.last_pair_key = max(state.last_pair_key - trim, 0)
     return trim
 
 
@@ -99,20 +114,22 @@ def take_kv(state: MtpProposerState) -> tuple[list[int], int, int | None] | None
         return None
     key = state.last_pair_key
     blocks, rows = state.blocks.take()
-    state.last_pair_key, state.last_num_drafted = None, 0
+    state.last_pair_key, state.last_num_drafted, state.awaiting_verify = None, 0, False
     return blocks, rows, key
 
 
 def install_kv(state: MtpProposerState, blocks: Sequence[int], rows: int,
                last_pair_key: int | None) -> bool:
-    """Adopt handed-over blocks; False (nothing changed) unless the state is empty."""
-    if not state.is_empty() or not state.blocks.install(blocks, rows):
+    """Adopt handed-over blocks into a state with no blocks and no rows (a pair key alone does
+    not block it); False, with nothing changed, otherwise."""
+    if not state.blocks.install(blocks, rows):
         return False
     state.last_pair_key = last_pair_key
     return True
 
 
 def free_all(state: MtpProposerState) -> None:
-    """Free every block; the state is empty after."""
+    """Free every block; the state is empty after (no rows, no pair key, no drafts)."""
     state.blocks.free()
     state.last_pair_key, state.last_num_drafted, state.last_drafts = None, 0, []
+    state.pending, state.awaiting_verify = None, False
