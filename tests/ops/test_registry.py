@@ -52,7 +52,11 @@ EXAMPLES = {
     "confidence_gate": ([S("int32", ROW), S("float32", ROW), S("float32", ROW)], {}),
     "keep_if_active": ([S("int32", ROW), S("int32", ROW), S("int32", ROW)], {}),
     "argmax_logprob": ([S("float32", ROW, 70), S("int32", ROW, 3)], {}),
+    "map_ids": ([S("int32", ROW), S("int32", 16)], {}),
+    "remap_bitmask": ([S("int32", ROW, 3), S("int32", 37)], {}),
     "linear_argmax_logprob": ([S("float32", ROW, 6), S("float32", 70, 6), S("int32", ROW, 3)], {}),
+    "rope_freqs": ([S("float32", ROW, 2 * D), S("int32", ROW), S("float32", D // 2)],
+                   {"head_dim": D, "attention_factor": 1.2, "pos_offset": 1}),
     "moe_route": ([S("float32", ROW, 6), S("float32", 8, 6), S("float32", 8)],
                   {"top_k": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
     "moe_experts": ([S("float32", ROW, 6), S("int32", ROW, 2), S("float32", ROW, 2),
@@ -147,7 +151,8 @@ def test_kernels_are_bound_only_beside_their_ops():
     binders = {p.relative_to(root).as_posix() for folder in ("circuit", "ops", "runners")
                for p in (root / folder).rglob("*.py") if "KernelBinding(" in p.read_text()}
     assert binders == {"ops/basic.py", "ops/tokens.py", "ops/attention.py", "ops/sampling.py",
-                       "ops/moe.py"}
+                       "ops/moe.py", "ops/rope_freqs.py",
+                       "ops/vocab.py"}
 
 
 # ---- every binding the interpreter can run equals the reference on the op's example ----
@@ -180,4 +185,5 @@ def test_interpretable_bindings_match_their_references():
             ran.add(binding.name)
     assert {"triton_rmsnorm", "triton_add_rmsnorm", "triton_silu_mul", "triton_linear",
             "triton_linear_silu_mul", "triton_rope_kv_write", "triton_argmax_logprob",
-            "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped"} <= ran
+            "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped",
+            "triton_rope_freqs"} <= ran
