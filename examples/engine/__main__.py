@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
                     help="drafter: compiled n-row programs, or the eager oracle")
     ap.add_argument("--num-drafts", type=int, default=4, metavar="K")
     ap.add_argument("--draft-confidence-stop", type=float, metavar="TAU",
-                    help="stop a chain after the first draft whose top-1 probability is below TAU")
+                    help="stop a chain after the first draft whose top-1 probability is below "
+                         "TAU (0 < TAU < 1)")
     ap.add_argument("--widths", type=_widths, default=(1, 2, 4, 8, 16, 32, 64),
                     help="draft program widths, e.g. 1,2,4,8")
     ap.add_argument("--prompts", type=Path,
@@ -69,8 +70,9 @@ def run(args: argparse.Namespace) -> dict:
     prompts = encode_prompts(items, checkpoint)
     if args.max_new_tokens < 1:
         raise EngineError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.draft_confidence_stop is not None and not 0 < args.draft_confidence_stop <= 1:
-        raise EngineError(f"--draft-confidence-stop must be in (0, 1], got {args.draft_confidence_stop}")
+    if args.draft_confidence_stop is not None and not 0 < args.draft_confidence_stop < 1:  # NaN too
+        raise EngineError(f"--draft-confidence-stop must be in (0, 1) exclusive, got "
+                          f"{args.draft_confidence_stop}")
     if args.threads >= 1:
         torch.set_num_threads(args.threads)
     target_forward: Literal["eager", "circuit"] = args.target_forward or (

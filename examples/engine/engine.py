@@ -35,6 +35,8 @@ class EngineConfig:
     target_forward: Literal["eager", "circuit"] = "eager"  # the target's (see TargetModel)
     num_drafts: int = 4
     draft_confidence_stop: float | None = None
+    kv_exact: bool = True             # drafter trim rule (runners.proposer_state.rows_to_trim)
+    refeed: bool = False
     widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_batch: int = 8
     kv_blocks: int = 1024             # per pool (target and drafter), block 0 reserved
@@ -104,7 +106,8 @@ class Engine:
                                num_blocks=kv.num_blocks, block_size=kv.block_size,
                                max_blocks_per_seq=kv.max_blocks_per_seq, max_width=max(widths),
                                widths=widths, forward="eager", device=cfg.device,
-                               draft_confidence_stop=cfg.draft_confidence_stop)
+                               draft_confidence_stop=cfg.draft_confidence_stop,
+                               kv_exact=cfg.kv_exact, refeed=cfg.refeed)
         if cfg.forward == "circuit":
             for k in sorted({cfg.num_drafts, 1}):
                 runner = compile_chain(proposer.circuit_draft(k), proposer.widths, device=cfg.device)
@@ -188,32 +191,48 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Draft, verify [last token, drafts...] of every sequence in one target pass, accept,
-        trim (target rows and drafter rows), then catch the drafter up on accepted drafts."""
+        trim (target rows and drafter rows), then catch the drafter up on the rows it lacks."""
         assert self.proposer is not None
         t0 = time.perf_counter()
         drafts = draft(self.proposer, seqs, self.k, self.stats.draft_batches)
         t1 = time.perf_counter()
         outs = self.target.run(seqs, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
         t2 = time.perf_counter()
-        catchup = []  # (sequence, accepted drafts, their target hiddens, first position)
+        catchup = []  # (sequence, tokens, their target hiddens, first position)
         for s, d, out in zip(seqs, drafts, outs):
             a = accept(d, out.tokens)
+            # the target hiddens this step knows, from position - 1 (the one drafted from) on
+            known, known_from = torch.cat([s.hidden.view(1, -1), out.hiddens[:a]]), s.position - 1
             # rows of the last token and the accepted drafts are the target's; rejected rows'
             # KV is dead and gets overwritten by the next verify
             s.blocks.set_rows(s.num_cached + a + 1)
             self.proposer.after_verify(a, s.draft_state)
-            catchup.append((s, d[:a], out.hiddens[:a], s.position + 1))
             s.hidden = out.hiddens[a]
             self.stats.generated += len(s.append([*d[:a], out.tokens[a]], self.checkpoint.eos_token_id))
             self.stats.verifies += 1
             self.stats.drafted += len(d)
             self.stats.accepted += a
-        catchup = [c for c in catchup if c[1] and not c[0].finished]
+            if not s.finished:
+                catchup.append(self._missing_rows(s, known, known_from))
+        catchup = [c for c in catchup if c[1]]
         if catchup:
             self.proposer.catchup_batch([c[1] for c in catchup], [c[2] for c in catchup],
                                         [c[3] for c in catchup], [c[0].draft_state for c in catchup])
         self.stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
         self.stats.target_s += t2 - t1
+
+    def _missing_rows(self, s: Sequence, known: torch.Tensor, known_from: int):
+        """The drafter rows the next propose needs and the drafter lacks, found from its pair
+        key as a host of the reference does: the next row is at key + 2, the last at the new
+        last token's position - 1, and the row at p pairs the token at p with the hidden at
+        p - 1 (known[i] is the hidden at known_from + i)."""
+        assert self.proposer is not None
+        key = self.proposer.last_pair_key(s.draft_state)
+        first, last = (key + 2 if key is not None else 1), s.position - 1
+        if first - 1 < known_from:
+            raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "
+                               f"but this step holds target hiddens from {known_from} on")
+        return (s, s.tokens[first:last + 1], known[first - 1 - known_from:last - known_from], first)
 
     def _decode_plain(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()

@@ -66,7 +66,10 @@ def test_checkpoint_without_mtp_layer(capsys, tmp_path, no_mtp_checkpoint):
 
 @pytest.mark.parametrize("argv,message", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--draft-confidence-stop", "1.5"], "--draft-confidence-stop must be in (0, 1]"),
+    (["--draft-confidence-stop", "1.5"], "--draft-confidence-stop must be in (0, 1) exclusive"),
+    (["--draft-confidence-stop", "1"], "--draft-confidence-stop must be in (0, 1) exclusive"),
+    (["--draft-confidence-stop", "0"], "--draft-confidence-stop must be in (0, 1) exclusive"),
+    (["--draft-confidence-stop", "nan"], "--draft-confidence-stop must be in (0, 1) exclusive"),
     (["--num-drafts", "0"], "--num-drafts must be >= 1"),
     (["--checkpoint", "/nonexistent/dir"], "config.json not found"),
 ])

@@ -47,6 +47,17 @@ def test_speculative_equals_greedy(small_checkpoint, greedy, forward, k, tau, wi
     assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
 
 
+@pytest.mark.parametrize("forward", ["eager", "circuit"])
+@pytest.mark.parametrize("kv_exact,refeed", [(False, False), (False, True)])
+def test_every_trim_mode_stays_exact(small_checkpoint, greedy, forward, kv_exact, refeed):
+    # without exact KV the drafter keeps (or refeeds) rows and the engine finds the rows it
+    # lacks through last_pair_key; the output is still target-only greedy's
+    outputs, engine = generate(small_checkpoint, REQUESTS, forward=forward, num_drafts=3,
+                               widths=(1, 2, 4), max_batch=3, kv_exact=kv_exact, refeed=refeed)
+    assert outputs == greedy
+    assert engine.proposer.pool.num_used == 0
+
+
 def test_compiled_target_equals_eager_target(small_checkpoint, greedy):
     outputs, _ = generate(small_checkpoint, REQUESTS, target_forward="circuit", max_rows=16,
                           widths=(1, 2, 4), max_batch=3)  # prefills longer than 16 run in chunks

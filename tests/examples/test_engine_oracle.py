@@ -12,6 +12,7 @@ import torch
 
 from examples.engine import Engine, EngineConfig, load_checkpoint
 from draft_circuit.runners.contract import Served
+from draft_circuit.runners.proposer_state import rows_to_trim
 from tests.examples.helpers import SMALL, generate, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 6, seed=5, min_prompt=2, max_new=(10, 30))
@@ -27,10 +28,14 @@ class OracleState:
 
 class OracleProposer:
     """Drafts truth[position+1 : position+1+k], each draft wrong with probability `p_wrong`;
-    propose_batch serves even batch widths only (the engine must fall back on odd ones)."""
+    propose_batch serves even batch widths only (the engine must fall back on odd ones). Rows
+    are at RoPE 1..rows (pair key rows - 1), trimmed by the reference's rule in the given mode,
+    so the engine must find every catch-up row through `last_pair_key`."""
 
-    def __init__(self, truths: list[list[int]], p_wrong: float, seed: int) -> None:
+    def __init__(self, truths: list[list[int]], p_wrong: float, seed: int, *,
+                 kv_exact: bool = True, refeed: bool = False) -> None:
         self.truths, self.p_wrong = truths, p_wrong
+        self.kv_exact, self.refeed = kv_exact, refeed
         self.gen = torch.Generator().manual_seed(seed)
         self.stats = defaultdict(lambda: defaultdict(int))  # the summary reads it
         self.last_served: Served | None = None
@@ -45,7 +50,8 @@ class OracleProposer:
         drafts += [0] * (k - len(drafts))  # past the end of the known truth: any token
         wrong = torch.rand(k, generator=self.gen) < self.p_wrong
         drafts = [(d + 1) % SMALL.vocab_size if w else d for d, w in zip(drafts, wrong.tolist())]
-        state.rows, state.last_drafted = position - 1 + k, k  # the chain's rows (exact KV)
+        assert state.rows == position - 1, "the drafter holds every row before the propose's"
+        state.rows, state.last_drafted = state.rows + k, k  # draft i's row at position + i
         return drafts
 
     def _one(self, last_token, hidden, position, k, state) -> list[int]:
@@ -64,8 +70,11 @@ class OracleProposer:
 
     def after_verify(self, a: int, state: OracleState) -> None:
         assert 0 <= a <= state.last_drafted
-        state.rows -= max(state.last_drafted, 1) - 1
+        state.rows -= rows_to_trim(state.last_drafted, a, kv_exact=self.kv_exact, refeed=self.refeed)
         state.last_drafted = 0
+
+    def last_pair_key(self, state: OracleState) -> int | None:
+        return state.rows - 1 if state.rows else None
 
     def catchup_batch(self, tokens, hiddens, first_pos, states) -> int:
         for ts, hs, p, s in zip(tokens, hiddens, first_pos, states):
@@ -81,12 +90,14 @@ class OracleProposer:
         state.truth = None
 
 
+@pytest.mark.parametrize("kv_exact,refeed", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("p_wrong,k,max_batch", [(0.0, 4, 4), (0.15, 3, 3), (0.5, 2, 4)])
-def test_oracle_drafts_keep_output_exact(small_checkpoint, p_wrong, k, max_batch):
+def test_oracle_drafts_keep_output_exact(small_checkpoint, p_wrong, k, max_batch, kv_exact, refeed):
     greedy, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=2)
     truths = [r.prompt + g for r, g in zip(REQUESTS, greedy)]
-    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(num_drafts=k, max_batch=max_batch))
-    engine.proposer = OracleProposer(truths, p_wrong, seed=1)
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(num_drafts=k, max_batch=max_batch,
+                                                                    forward="eager"))
+    engine.proposer = OracleProposer(truths, p_wrong, seed=1, kv_exact=kv_exact, refeed=refeed)
     result = engine.generate(REQUESTS)
     assert result.outputs == greedy
     mean_accepted = result.stats.accepted / result.stats.verifies
