@@ -6,13 +6,14 @@ drafter-KV row live_rows + j at position positions + j.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from draft_circuit.circuit.builder import CircuitBuilder
 from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig
+from draft_circuit.circuit.layers.draft_vocab import DRAFT_VOCAB_IDS, chain_param_specs, chain_vocab_size
 from draft_circuit.ops.sampling import mask_words
 
 GATE_UP = "mlp.gate_up_proj.weight"  # the one derived param: gate rows, then up rows
@@ -114,10 +115,23 @@ class MtpHead:
         tok, lp = b.op("argmax_logprob", [logits, bitmask])
         return StepIO(hidden=x, token=tok, logprob=lp, k_cache=k_cache, v_cache=v_cache)
 
+    # ---- what a chain reads beyond emit_step (draft_vocab.py, emit_draft_chain) ----
+    lm_head = "shared_head.head.weight"  # the param a reduced draft vocabulary gathers rows of
+    draft_vocab_size: int | None = None  # its logits run over the whole target vocabulary
+
+    @property
+    def hidden_in_size(self) -> int:
+        """The width of the chain's `hidden` input (the target's last hidden)."""
+        return self.config.hidden_size
+
+    def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {k: (self.dtype, s) for k, s in self.param_shapes().items()}
+
 
 def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLayout,
                      bitmask: bool = False, embed_target: bool = False,
-                     confidence_stop: bool = False, name: str = "mtp_draft_chain") -> Circuit:
+                     confidence_stop: bool = False, draft_vocab: int | None = None,
+                     name: str = "mtp_draft_chain") -> Circuit:
     """The k-step draft chain over n rows.
 
     Inputs: tokens i32[n] (each row's last token), hidden [n, H] (the target's last hidden,
@@ -130,16 +144,21 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
     optionally embed_target [n, H] (the embedding of each row's last kept draft).
     Outputs: drafts i32[n, k] (-1 after a row stopped), confidences f32[n, k] (top-1
     log-probabilities), hidden_out [n, H] (the drafter's hidden after the last step).
+    `draft_vocab` S (or the head's own draft vocabulary, EAGLE-3's): the lm-head runs over S
+    rows with the id table `draft_vocab.ids` (params from `bind_draft_vocab`), drafts are mapped
+    to target ids and the bitmask to the subset on the device, and each confidence is
+    renormalised over the subset (circuit/layers/draft_vocab.py).
     """
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     c, dt = head.config, head.dtype
+    subset = chain_vocab_size(head, draft_vocab)
     b = CircuitBuilder(name, max_width=max_width)
     # neutral: what an inert (padded) row holds. It drafts nothing and writes no KV (active 0);
     # every block it could follow is the runner's scratch block, so even a kernel that ignored
     # `active` could only touch scratch; its mask allows every token and it never stops early.
     tokens = b.input("tokens", "int32", (ROW,), neutral=0)
-    hidden = b.input("hidden", dt, (ROW, c.hidden_size), neutral=0)
+    hidden = b.input("hidden", dt, (ROW, head.hidden_in_size), neutral=0)
     positions = b.input("positions", "int32", (ROW,), neutral=0)
     tables = b.input("block_tables", "int32", (ROW, kv.max_blocks_per_seq), neutral=SCRATCH_BLOCK)
     live = b.input("live_rows", "int32", (ROW,), neutral=0)
@@ -151,13 +170,18 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
     k_cache, v_cache = b.state("k_cache", dt, cache_shape), b.state("v_cache", dt, cache_shape)
     target = b.state("embed_target", dt, (ROW, c.hidden_size)) if embed_target else None
-    head.declare_params(b)
+    for pname, (pdtype, pshape) in chain_param_specs(head, subset).items():
+        b.param(pname, pdtype, pshape)
+    if subset is not None and mask is not None:  # the host's mask is over target ids
+        mask = b.op1("remap_bitmask", [mask, DRAFT_VOCAB_IDS], name="draft_vocab_mask")
 
     token, kept, logprobs, last, drafting = tokens, [], [], None, active
     for j in range(num_drafts):
         with b.scope(f"s{j}"):
             io = head.emit_step(b, j, token, hidden, positions, tables, live, k_cache, v_cache,
                                 active, mask)
+            if subset is not None:  # a subset row -> its target id (-1 stays -1)
+                io = replace(io, token=b.op1("map_ids", [io.token, DRAFT_VOCAB_IDS], name="draft_id"))
             kept.append(b.op1("keep_if_active", [io.token, active], name="draft"))
             last = b.op1("keep_if_active", [io.token, active, last], name="last_kept") \
                 if last is not None else kept[-1]
