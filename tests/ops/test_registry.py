@@ -57,6 +57,11 @@ EXAMPLES = {
     "linear_argmax_logprob": ([S("float32", ROW, 6), S("float32", 70, 6), S("int32", ROW, 3)], {}),
     "rope_freqs": ([S("float32", ROW, 2 * D), S("int32", ROW), S("float32", D // 2)],
                    {"head_dim": D, "attention_factor": 1.2, "pos_offset": 1}),
+    "head_linear": ([S("float32", ROW, 3 * 5), S("float32", 3, 4, 5)], {}),
+    "mla_kv_write": ([S("float32", NB, BS, 1, 10), S("float32", ROW, 6), S("float32", ROW, 4),
+                      S("int32", ROW, 3), S("int32", ROW), S("int32", ROW)], {"row_offset": 1}),
+    "mla_decode_attention": ([S("float32", ROW, 3 * 6), S("float32", ROW, 3 * 4), S("float32", NB, BS, 1, 10),
+                              S("int32", ROW, 3), S("int32", ROW)], {"scale": 0.3, "row_offset": 1}),
     "moe_route": ([S("float32", ROW, 6), S("float32", 8, 6), S("float32", 8)],
                   {"top_k": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
     "moe_experts": ([S("float32", ROW, 6), S("int32", ROW, 2), S("float32", ROW, 2),
@@ -110,7 +115,7 @@ def test_shape_rule_matches_reference(name, width):
 # ---- tags: declared on each op, writes_state derived ----
 def test_writes_state_is_derived_from_mutates():
     writers = {name for name, op in REGISTRY.items() if op.mutates}
-    assert writers == {"embed_write", "kv_write", "rope_kv_write"}
+    assert writers == {"embed_write", "kv_write", "rope_kv_write", "mla_kv_write"}
     for name, op in REGISTRY.items():
         assert op.writes_state == op.has(WRITES_STATE) == (name in writers), name
 
@@ -151,7 +156,7 @@ def test_kernels_are_bound_only_beside_their_ops():
     binders = {p.relative_to(root).as_posix() for folder in ("circuit", "ops", "runners")
                for p in (root / folder).rglob("*.py") if "KernelBinding(" in p.read_text()}
     assert binders == {"ops/basic.py", "ops/tokens.py", "ops/attention.py", "ops/sampling.py",
-                       "ops/moe.py", "ops/rope_freqs.py",
+                       "ops/moe.py", "ops/rope_freqs.py", "ops/mla.py",
                        "ops/vocab.py"}
 
 
@@ -186,4 +191,4 @@ def test_interpretable_bindings_match_their_references():
     assert {"triton_rmsnorm", "triton_add_rmsnorm", "triton_silu_mul", "triton_linear",
             "triton_linear_silu_mul", "triton_rope_kv_write", "triton_argmax_logprob",
             "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped",
-            "triton_rope_freqs"} <= ran
+            "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode"} <= ran
