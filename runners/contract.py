@@ -72,7 +72,7 @@ class DraftProposer(Protocol):
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
                       positions: Sequence[int], num_drafts: int, states: Sequence[Any], *,
                       bitmask: torch.Tensor | None = None,
-                      out_conf: list | None = None) -> list[list[int]] | None:
+                      out_conf: list[list[float]] | None = None) -> list[list[int]] | None:
         """Draft n sequences in one n-row run, or return None before anything runs ("not served
         here: propose each alone"): width 0, a width nothing serves, a state of another
         proposer, or a path the head refuses (logged once). `last_served` records which.

@@ -73,7 +73,7 @@ class GraphRunner:
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
         try:
-            side = torch.cuda.Stream()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch stub
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
                 for _ in range(warmup):

@@ -9,7 +9,7 @@ never a silent slow path. Outputs are the runner's buffers: the next run overwri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import torch
 
@@ -20,7 +20,19 @@ from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.protocol import DraftRunner, WidthPlan
 
-__all__ = ["CircuitDraftRunner", "DraftRunner", "WidthPlan", "WidthPolicy", "plan_widths"]
+__all__ = ["Backend", "CircuitDraftRunner", "DraftRunner", "WidthPlan", "WidthPolicy", "plan_widths"]
+
+
+class Backend(Protocol):
+    """What executes a width's program over static buffers: `ProgramRunner` or `GraphRunner`."""
+
+    def serves(self, n: int) -> bool: ...
+
+    def input_buffers(self, n: int) -> dict[str, torch.Tensor]: ...
+
+    def output_buffers(self, n: int) -> dict[str, torch.Tensor]: ...
+
+    def execute(self, n: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,7 @@ class CircuitDraftRunner:
 
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, policy: WidthPolicy = WidthPolicy(),
-                 backend: object | None = None) -> None:
+                 backend: Backend | None = None) -> None:
         self.compiled, self.scratch_block = compiled, scratch_block
         if backend is None:
             if torch.device(compiled.device).type == "cuda":

@@ -4,7 +4,7 @@ as a `RunError` "while running node N (op, input shapes)". `EagerDraftRunner` pu
 `DraftRunner` protocol, so callers run the oracle and compiled runners through one call."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ def last_uses(order: tuple[Node, ...], keep: set[str]) -> dict[int, list[str]]:
     return freed
 
 
-def describe(node: Node, tensors: list) -> str:
+def describe(node: Node, tensors: Sequence[object]) -> str:
     shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}"
                        if isinstance(t, torch.Tensor) else repr(t) for t in tensors)
     return f"node {node.name!r} ({node.op}; inputs {shapes})"

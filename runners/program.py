@@ -20,7 +20,7 @@ from draft_circuit.circuit.program import REFERENCE, Launch, Slot
 from draft_circuit.ops.registry import get_op, torch_dtype
 from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
 
-LaunchFn = Callable[[list, list, list, Any], None]
+LaunchFn = Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any], None]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ def reference_launch(op_name: str) -> LaunchFn:
     (state writers mutate their bound state in place and return it; nothing to copy)."""
     reference = get_op(op_name).reference
 
-    def launch(ins: list, outs: list, ws: list, attrs: Any) -> None:
+    def launch(ins: list[torch.Tensor], outs: list[torch.Tensor], ws: list[torch.Tensor],
+               attrs: Any) -> None:
         for dst, src in zip(outs, reference(ins, attrs)):
             if dst is not src:
                 dst.copy_(src)
@@ -192,10 +193,10 @@ def _leading(buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Spec:
     dtype_name: str
-    shape: tuple
+    shape: tuple[int | str, ...]
 
     def shape_at(self, width: int) -> tuple[int, ...]:
-        return tuple(width if d == ROW else d for d in self.shape)
+        return tuple(width if d == ROW else int(d) for d in self.shape)
 
 
 def _specs(c: Circuit, kind: str) -> dict[str, _Spec]:

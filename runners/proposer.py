@@ -198,7 +198,7 @@ class MtpProposer:
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
                       positions: Sequence[int], num_drafts: int, states: Sequence[object], *,
                       bitmask: torch.Tensor | None = None,
-                      out_conf: list | None = None) -> list[list[int]] | None:
+                      out_conf: list[list[float]] | None = None) -> list[list[int]] | None:
         """Every sequence in one n-row run, or None before anything runs (then propose each
         alone). `last_served` says which, and why when refused; `out_conf` receives each kept
         draft's confidence (its top-1 log-probability)."""
@@ -247,7 +247,8 @@ class MtpProposer:
         return reason
 
     def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
-                   k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None):
+                   k: int, states: list[MtpProposerState],
+                   bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], list[int]]:
         return run_chain(self._execute, ChainRows(list(tokens), hiddens, list(positions), states,
                                                   [s.rows for s in states]), k, bitmask)
 

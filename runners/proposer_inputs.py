@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from draft_circuit.circuit.layers.config import MtpConfig
-from draft_circuit.ops.attention import TokenError
+from draft_circuit.ops.tokens import TokenError
 from draft_circuit.ops.sampling import mask_words
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
 
