@@ -1,5 +1,6 @@
 """Absorbed MLA decode over a paged latent cache: every query head of a row attends over the row's
-L = live_rows + row_offset + 1 latent rows [c (R), k_pe (P)], all heads sharing the one cached head.
+L = live_rows + row_offset + 1 latent rows (c [R] in latent_cache, k_pe [P] in pe_cache, one cached
+head shared by all query heads).
 
 Contract: out[i, h] = softmax(scale * (q_lat[i, h] . c_t + q_pe[i, h] . k_pe_t)) @ c in fp32 (the
 probabilities meet c in c's dtype, as flash attention does), cast to q_lat's dtype. Programs
@@ -27,9 +28,9 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, live_ptr, ws_ptr,
+    q_lat_ptr, q_pe_ptr, pe_ptr, latent_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, block_size, qk_scale_log2,
-    stride_ql, stride_qp, stride_table, stride_cb, stride_cs,
+    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -60,10 +61,12 @@ def _split_kernel(
             live = r < hi
             # a dead row's table entry is neither read nor used: its address becomes block 0's
             blk = tl.load(tables_ptr + seq * stride_table + r // block_size, mask=live, other=0)
-            row = tl.where(live, blk, 0).to(tl.int64) * stride_cb + (r % block_size).to(tl.int64) * stride_cs
-            c = tl.load(cache_ptr + row[:, None] + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
-            k_pe = tl.load(cache_ptr + row[:, None] + R + e[None, :], mask=live[:, None] & e_ok[None, :],
-                           other=0.0)
+            blk = tl.where(live, blk, 0).to(tl.int64)
+            slot = (r % block_size).to(tl.int64)
+            c = tl.load(latent_ptr + (blk * stride_lb + slot * stride_ls)[:, None] + d[None, :],
+                        mask=live[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, R]
+            k_pe = tl.load(pe_ptr + (blk * stride_pb + slot * stride_ps)[:, None] + e[None, :],
+                           mask=live[:, None] & e_ok[None, :], other=0.0)  # [BLOCK_N, P]
             # ieee: fp32 operands never drop to tf32; 16-bit ones ignore it
             s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee") * qk_scale_log2  # [HB, BLOCK_N]
@@ -88,22 +91,26 @@ def mla_decode_workspace_shape(n: int, num_heads: int, kv_lora_rank: int, max_ro
     return (n, num_heads, triton.cdiv(max_rows, split_rows), kv_lora_rank + 2)
 
 
-def _check_inputs(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                  live_rows: torch.Tensor, out: torch.Tensor, row_offset: int) -> tuple[int, int, int]:
+def _check_inputs(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torch.Tensor, latent_cache: torch.Tensor,
+                  block_tables: torch.Tensor, live_rows: torch.Tensor, out: torch.Tensor,
+                  row_offset: int) -> tuple[int, int, int]:
     """(heads, R, P) after every operand is checked."""
     dev = q_lat.device
-    check(q_lat.dim() == 2 and q_pe.dim() == 2 and cache.dim() == 4 and cache.shape[2] == 1,
-          lambda: f"expected q_lat [n, H*R], q_pe [n, H*P], cache [num_blocks, block_size, 1, R + P]; got "
-                  f"{describe('q_lat', q_lat)}, {describe('q_pe', q_pe)}, {describe('cache', cache)}")
-    n, width = q_lat.shape[0], cache.shape[3]
-    heads = (q_lat.shape[1] + q_pe.shape[1]) // width
-    check(heads > 0 and heads * width == q_lat.shape[1] + q_pe.shape[1] and q_lat.shape[1] % heads == 0,
-          lambda: f"q_lat {list(q_lat.shape)} and q_pe {list(q_pe.shape)} do not split into heads of the "
-                  f"cache row ({width})")
-    r, p = q_lat.shape[1] // heads, q_pe.shape[1] // heads
+    check(q_lat.dim() == 2 and q_pe.dim() == 2 and pe_cache.dim() == 4 and latent_cache.dim() == 4
+          and pe_cache.shape[2] == 1 and pe_cache.shape[:3] == latent_cache.shape[:3],
+          lambda: f"expected q_lat [n, H*R], q_pe [n, H*P], pe_cache [num_blocks, block_size, 1, P], "
+                  f"latent_cache [num_blocks, block_size, 1, R]; got {describe('q_lat', q_lat)}, "
+                  f"{describe('q_pe', q_pe)}, {describe('pe_cache', pe_cache)}, "
+                  f"{describe('latent_cache', latent_cache)}")
+    n, r, p = q_lat.shape[0], latent_cache.shape[3], pe_cache.shape[3]
+    heads = q_lat.shape[1] // r
+    check(heads > 0 and heads * r == q_lat.shape[1] and heads * p == q_pe.shape[1],
+          lambda: f"q_lat {list(q_lat.shape)} and q_pe {list(q_pe.shape)} do not split into the same heads "
+                  f"of R = {r} and P = {p}")
     check_operand("q_lat", q_lat, (n, heads * r), FLOAT_DTYPES, dev)
     check_operand("q_pe", q_pe, (n, heads * p), (q_lat.dtype,), dev)
-    check_operand("cache", cache, tuple(cache.shape), (q_lat.dtype,), dev)
+    check_operand("pe_cache", pe_cache, tuple(pe_cache.shape), (q_lat.dtype,), dev)
+    check_operand("latent_cache", latent_cache, tuple(latent_cache.shape), (q_lat.dtype,), dev)
     check(row_offset >= 0, lambda: f"row_offset must be >= 0; got {row_offset}")
     check(block_tables.dim() == 2 and block_tables.shape[1] > 0,
           lambda: f"{describe('block_tables', block_tables)}: expected [n, max_blocks >= 1]")
@@ -113,15 +120,16 @@ def _check_inputs(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     return heads, r, p
 
 
-def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                         block_tables: torch.Tensor, live_rows: torch.Tensor, out: torch.Tensor, *,
-                         scale: float, row_offset: int = 0, workspace: torch.Tensor | None = None,
-                         split_rows: int = SPLIT_ROWS) -> None:
-    """q_lat, out [n, H*R]; q_pe [n, H*P]; cache [num_blocks, block_size, 1, R + P]; no host sync."""
-    heads, r, p = _check_inputs(q_lat, q_pe, cache, block_tables, live_rows, out, row_offset)
+def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torch.Tensor,
+                         latent_cache: torch.Tensor, block_tables: torch.Tensor, live_rows: torch.Tensor,
+                         out: torch.Tensor, *, scale: float, row_offset: int = 0,
+                         workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS) -> None:
+    """q_lat, out [n, H*R]; q_pe [n, H*P]; pe_cache [num_blocks, block_size, 1, P]; latent_cache
+    [num_blocks, block_size, 1, R]; no host sync."""
+    heads, r, p = _check_inputs(q_lat, q_pe, pe_cache, latent_cache, block_tables, live_rows, out, row_offset)
     check(split_rows >= BLOCK_N and split_rows % BLOCK_N == 0,
           lambda: f"split_rows must be a positive multiple of {BLOCK_N}; got {split_rows}")
-    n, block_size = q_lat.shape[0], cache.shape[1]
+    n, block_size = q_lat.shape[0], pe_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
     shape = mla_decode_workspace_shape(n, heads, r, capacity, split_rows)
     if workspace is None:
@@ -135,9 +143,10 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     kw = launch_kwargs(q_lat)
     r_pad = max(16, triton.next_power_of_2(r))
     _split_kernel[(n, triton.cdiv(heads, HEAD_BLOCK), shape[2])](
-        q_lat, q_pe, cache, block_tables, live_rows, workspace,
+        q_lat, q_pe, pe_cache, latent_cache, block_tables, live_rows, workspace,
         row_offset, capacity, shape[2], block_size, scale * _LOG2E,
-        q_lat.stride(0), q_pe.stride(0), block_tables.stride(0), cache.stride(0), cache.stride(1),
+        q_lat.stride(0), q_pe.stride(0), block_tables.stride(0), pe_cache.stride(0), pe_cache.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1),
         NUM_HEADS=heads, R=r, P=p, R_PAD=r_pad, P_PAD=max(16, triton.next_power_of_2(p)),
         HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=bool(kw),
         num_warps=8 if r_pad >= 256 else 4, **kw,

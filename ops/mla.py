@@ -1,11 +1,13 @@
 """Multi-head latent attention (DeepSeek-V2/V3 MLA) ops for absorbed decode over a paged latent cache.
 
 `head_linear` (out[i, h] = w[h] @ x[i, h]: W_UK^T into the query, W_UV out of the latent),
-`mla_kv_write` (one latent row per token: the normalised latent c [R] then the roped key k_pe [P]),
+`mla_kv_write` (one latent row per token: the normalised latent c [R] and the roped key k_pe [P]),
 `mla_decode_attention` (every query head over the latent rows: scores q_lat . c + q_pe . k_pe,
-output sum_t p_t c_t in latent space). The latent pool is a state [num_blocks, block_size, 1, R + P]
-in the GQA pools' layout (one "head" per row). `mla_unabsorbed_ref` is transformers' formulation
-(latents expanded through kv_b_proj), which the absorbed ops are tested against.
+output sum_t p_t c_t in latent space). A token's row lives in two pools of the GQA pools' layout,
+one "head" per row: `pe_cache` [num_blocks, block_size, 1, P] (the roped key, position-dependent)
+and `latent_cache` [num_blocks, block_size, 1, R] (the latent: the keys' position-free part and the
+values), which the draft chain threads as its k_cache and v_cache. `mla_unabsorbed_ref` is
+transformers' formulation (latents expanded through kv_b_proj) the absorbed ops are tested against.
 """
 from __future__ import annotations
 
@@ -61,32 +63,36 @@ class MlaKvWriteAttrs(BaseModel):
     row_offset: int = 0
 
 
-def _check_latent_pool(cache: TensorSpec, tables: TensorSpec, live: TensorSpec, rows: Any) -> tuple[int, int]:
-    """(block_size, R + P) of a latent pool [num_blocks, block_size, 1, R + P]."""
-    rank(cache, 4, "latent cache [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]")
-    check(cache.shape[2] == 1, lambda: f"a latent cache holds one head per row, got {cache}")
+def _check_latent_pools(pe: TensorSpec, latent: TensorSpec, tables: TensorSpec, live: TensorSpec,
+                        rows: Any) -> tuple[int, int]:
+    """(P, R) of the pools pe_cache [num_blocks, block_size, 1, P], latent_cache [.., 1, R]."""
+    for spec, what in ((pe, "pe_cache [num_blocks, block_size, 1, qk_rope_head_dim]"),
+                       (latent, "latent_cache [num_blocks, block_size, 1, kv_lora_rank]")):
+        rank(spec, 4, what)
+        check(spec.shape[2] == 1, lambda: f"an MLA pool holds one head per row, got {spec}")
+    check(pe.shape[:3] == latent.shape[:3], lambda: f"pe_cache {pe} and latent_cache {latent} differ in blocks")
     rank(tables, 2, "block tables [n, max_blocks]")
     rank(live, 1, "live rows [n]")
     check(tables.dtype == "int32" and live.dtype == "int32",
           lambda: f"block tables and live rows must be int32, got {tables}, {live}")
     dim_eq(tables.shape[0], rows, "block table rows")
     dim_eq(live.shape[0], rows, "live row count rows")
-    return int(cache.shape[1]), int(cache.shape[3])
+    return int(pe.shape[3]), int(latent.shape[3])
 
 
 def _infer_mla_kv_write(ins: list[TensorSpec], a: MlaKvWriteAttrs) -> list[TensorSpec]:
-    cache, latent, k_pe, tables, live = ins[:5]
-    same_dtype(cache, latent, k_pe)
+    pe_cache, latent_cache, latent, k_pe, tables, live = ins[:6]
+    same_dtype(pe_cache, latent_cache, latent, k_pe)
     rank(latent, 2, "latent [n, kv_lora_rank]")
     rank(k_pe, 2, "k_pe [n, qk_rope_head_dim]")
     dim_eq(k_pe.shape[0], latent.shape[0], f"latent and k_pe rows ({latent}, {k_pe})")
-    _, width = _check_latent_pool(cache, tables, live, latent.shape[0])
-    dim_eq(int(latent.shape[1]) + int(k_pe.shape[1]), width,
-           f"latent + k_pe widths vs the cache row ({latent}, {k_pe}, cache {cache})")
-    if len(ins) > 5:
-        check(ins[5].dtype == "int32" and ins[5].shape == (latent.shape[0],),
-              lambda: f"active must be int32[{latent.shape[0]}], got {ins[5]}")
-    return [cache]
+    p, r = _check_latent_pools(pe_cache, latent_cache, tables, live, latent.shape[0])
+    dim_eq(latent.shape[1], r, f"latent width vs latent_cache ({latent}, {latent_cache})")
+    dim_eq(k_pe.shape[1], p, f"k_pe width vs pe_cache ({k_pe}, {pe_cache})")
+    if len(ins) > 6:
+        check(ins[6].dtype == "int32" and ins[6].shape == (latent.shape[0],),
+              lambda: f"active must be int32[{latent.shape[0]}], got {ins[6]}")
+    return [pe_cache, latent_cache]
 
 
 def _slots(cache: torch.Tensor, tables: torch.Tensor, live: torch.Tensor,
@@ -98,34 +104,37 @@ def _slots(cache: torch.Tensor, tables: torch.Tensor, live: torch.Tensor,
     return blocks, rows % block_size
 
 
-def mla_kv_write_ref(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, tables: torch.Tensor,
-                     live: torch.Tensor, active: torch.Tensor | None, row_offset: int) -> None:
-    blocks, offs = _slots(cache, tables, live, row_offset)
+def mla_kv_write_ref(pe_cache: torch.Tensor, latent_cache: torch.Tensor, latent: torch.Tensor,
+                     k_pe: torch.Tensor, tables: torch.Tensor, live: torch.Tensor,
+                     active: torch.Tensor | None, row_offset: int) -> None:
+    blocks, offs = _slots(pe_cache, tables, live, row_offset)
     keep = torch.ones_like(blocks, dtype=torch.bool) if active is None else active != 0
-    cache[blocks[keep], offs[keep], 0] = torch.cat([latent, k_pe], dim=1)[keep]
+    pe_cache[blocks[keep], offs[keep], 0] = k_pe[keep]
+    latent_cache[blocks[keep], offs[keep], 0] = latent[keep]
 
 
-def _mla_kv_write(t: list[torch.Tensor], a: MlaKvWriteAttrs) -> tuple[torch.Tensor]:
-    mla_kv_write_ref(t[0], t[1], t[2], t[3], t[4], t[5] if len(t) > 5 else None, a.row_offset)
-    return (t[0],)
+def _mla_kv_write(t: list[torch.Tensor], a: MlaKvWriteAttrs) -> tuple[torch.Tensor, torch.Tensor]:
+    mla_kv_write_ref(t[0], t[1], t[2], t[3], t[4], t[5], t[6] if len(t) > 6 else None, a.row_offset)
+    return t[0], t[1]
 
 
 _k_kv_write = kernel("mla_kv_write", "mla_kv_write")
 
 
 def _launch_kv_write(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
-    cache, latent, k_pe, tables, live, *active = ins
-    _k_kv_write()(cache, latent, k_pe, tables, live, row_offset=a.row_offset,
+    pe_cache, latent_cache, latent, k_pe, tables, live, *active = ins
+    _k_kv_write()(pe_cache, latent_cache, latent, k_pe, tables, live, row_offset=a.row_offset,
                   active=active[0] if active else None)
 
 
 register(OpDef(
-    name="mla_kv_write", inputs=("cache", "latent", "k_pe", "block_tables", "live_rows", "active"),
-    outputs=("cache",), num_required=5, attrs=MlaKvWriteAttrs, infer=_infer_mla_kv_write,
-    reference=_mla_kv_write, mutates={0: 0}, tags=frozenset({ATTENTION}),
+    name="mla_kv_write",
+    inputs=("pe_cache", "latent_cache", "latent", "k_pe", "block_tables", "live_rows", "active"),
+    outputs=("pe_cache", "latent_cache"), num_required=6, attrs=MlaKvWriteAttrs, infer=_infer_mla_kv_write,
+    reference=_mla_kv_write, mutates={0: 0, 1: 1}, tags=frozenset({ATTENTION}),
     # a row's latent and k_pe read once and written once to its slot
-    cost=lambda ins, outs, a, ctx, env: Cost(sum(s.nbytes(env) for s in ins[1:5]),
-                                             ins[1].nbytes(env) + ins[2].nbytes(env), 0),
+    cost=lambda ins, outs, a, ctx, env: Cost(sum(s.nbytes(env) for s in ins[2:6]),
+                                             ins[2].nbytes(env) + ins[3].nbytes(env), 0),
     kernels=(KernelBinding("triton_mla_kv_write", _launch_kv_write, Applies(TRITON)),),
 ))
 
@@ -141,41 +150,42 @@ class MlaAttentionAttrs(BaseModel):
 
 
 def _infer_mla_attention(ins: list[TensorSpec], a: MlaAttentionAttrs) -> list[TensorSpec]:
-    q_lat, q_pe, cache, tables, live = ins
-    same_dtype(q_lat, q_pe, cache)
+    q_lat, q_pe, pe_cache, latent_cache, tables, live = ins
+    same_dtype(q_lat, q_pe, pe_cache, latent_cache)
     rank(q_lat, 2, "q_lat [n, heads * kv_lora_rank]")
     rank(q_pe, 2, "q_pe [n, heads * qk_rope_head_dim]")
     dim_eq(q_pe.shape[0], q_lat.shape[0], f"q_lat and q_pe rows ({q_lat}, {q_pe})")
-    _, width = _check_latent_pool(cache, tables, live, q_lat.shape[0])
+    p, r = _check_latent_pools(pe_cache, latent_cache, tables, live, q_lat.shape[0])
     qw, pw = int(q_lat.shape[1]), int(q_pe.shape[1])
-    # heads = qw / R = pw / P and R + P = width: heads = (qw + pw) / width
-    check((qw + pw) % width == 0 and qw % ((qw + pw) // width) == 0,
-          lambda: f"q_lat {q_lat} and q_pe {q_pe} must split into heads of the cache row {cache}")
+    check(qw % r == 0 and pw % p == 0 and qw // r == pw // p,
+          lambda: f"q_lat {q_lat} and q_pe {q_pe} must hold the same heads of {r} and {p} "
+                  f"(latent_cache {latent_cache}, pe_cache {pe_cache})")
     return [q_lat]
 
 
-def mla_heads(q_lat: Any, q_pe: Any, cache: Any) -> tuple[int, int, int]:
+def mla_heads(q_lat: Any, pe_cache: Any, latent_cache: Any) -> tuple[int, int, int]:
     """(heads, R, P) of the attention's operands (tensors or specs)."""
-    qw, pw, width = int(q_lat.shape[1]), int(q_pe.shape[1]), int(cache.shape[3])
-    heads = (qw + pw) // width
-    return heads, qw // heads, pw // heads
+    r, p = int(latent_cache.shape[3]), int(pe_cache.shape[3])
+    return int(q_lat.shape[1]) // r, r, p
 
 
-def mla_decode_attention_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                             tables: torch.Tensor, live: torch.Tensor, scale: float,
-                             row_offset: int) -> torch.Tensor:
+def mla_decode_attention_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torch.Tensor,
+                             latent_cache: torch.Tensor, tables: torch.Tensor, live: torch.Tensor,
+                             scale: float, row_offset: int) -> torch.Tensor:
     """Each row's heads over its own L = live_rows + row_offset + 1 latent rows, in fp32:
-    s[h, t] = scale * ([q_lat[h], q_pe[h]] . cache row t); out[h] = softmax(s[h]) @ c."""
-    heads, r, p = mla_heads(q_lat, q_pe, cache)
-    block_size = cache.shape[1]
+    s[h, t] = scale * ([q_lat[h], q_pe[h]] . [c_t, k_pe_t]); out[h] = softmax(s[h]) @ c."""
+    heads, r, p = mla_heads(q_lat, pe_cache, latent_cache)
+    block_size = pe_cache.shape[1]
     out = torch.empty_like(q_lat)
     for i in range(q_lat.shape[0]):
         length = int(live[i]) + row_offset + 1
         rows = torch.arange(length, device=q_lat.device)
-        kv = cache[tables[i, rows // block_size].long(), rows % block_size, 0].float()  # [L, R + P]
+        blocks, offs = tables[i, rows // block_size].long(), rows % block_size
+        c = latent_cache[blocks, offs, 0].float()  # [L, R]
+        kv = torch.cat([c, pe_cache[blocks, offs, 0].float()], dim=1)  # [L, R + P]
         q = torch.cat([q_lat[i].float().view(heads, r), q_pe[i].float().view(heads, p)], dim=1)
         probs = ((q @ kv.T) * scale).softmax(-1)  # [heads, L]
-        out[i] = (probs @ kv[:, :r]).reshape(-1).to(q_lat.dtype)
+        out[i] = (probs @ c).reshape(-1).to(q_lat.dtype)
     return out
 
 
@@ -199,12 +209,12 @@ def mla_unabsorbed_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.T
 def _mla_attention_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     """The floor's term: every live latent row (R + P elements) read once per sequence, for all
     heads; flops of the scores and the latent output."""
-    q_lat, q_pe, cache = ins[:3]
+    q_lat, q_pe, pe_cache, latent_cache = ins[:4]
     n = env[ROW] if q_lat.shape[0] == ROW else int(q_lat.shape[0])
-    heads, r, p = mla_heads(q_lat, q_pe, cache)
+    heads, r, p = mla_heads(q_lat, pe_cache, latent_cache)
     live_rows = n * (ctx.kv_rows + a.row_offset + 1)
-    small = sum(s.nbytes(env) for s in (q_lat, q_pe, ins[3], ins[4]))
-    return Cost(small + live_rows * (r + p) * elt(cache.dtype), outs[0].nbytes(env),
+    small = sum(s.nbytes(env) for s in (q_lat, q_pe, ins[4], ins[5]))
+    return Cost(small + live_rows * (r + p) * elt(latent_cache.dtype), outs[0].nbytes(env),
                 2 * live_rows * heads * (2 * r + p))
 
 
@@ -213,26 +223,28 @@ _k_attn_ws = kernel("mla_decode", "mla_decode_workspace_shape")
 
 
 def _launch_attention(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
-    q_lat, q_pe, cache, tables, live = ins
-    _k_attn()(q_lat, q_pe, cache, tables, live, outs[0], scale=a.scale, row_offset=a.row_offset,
-              workspace=ws[0])
+    q_lat, q_pe, pe_cache, latent_cache, tables, live = ins
+    _k_attn()(q_lat, q_pe, pe_cache, latent_cache, tables, live, outs[0], scale=a.scale,
+              row_offset=a.row_offset, workspace=ws[0])
 
 
 def _attention_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
-    q_lat, q_pe, cache, tables = ins[:4]
-    heads, r, _ = mla_heads(q_lat, q_pe, cache)
-    capacity = int(tables.shape[1]) * int(cache.shape[1])
+    q_lat, _, pe_cache, latent_cache, tables = ins[:5]
+    heads, r, _ = mla_heads(q_lat, pe_cache, latent_cache)
+    capacity = int(tables.shape[1]) * int(pe_cache.shape[1])
     return [("float32", _k_attn_ws()(q_lat.concrete(env)[0], heads, r, capacity))]
 
 
 register(OpDef(
-    name="mla_decode_attention", inputs=("q_lat", "q_pe", "cache", "block_tables", "live_rows"),
+    name="mla_decode_attention",
+    inputs=("q_lat", "q_pe", "pe_cache", "latent_cache", "block_tables", "live_rows"),
     outputs=("out",), attrs=MlaAttentionAttrs, infer=_infer_mla_attention, cost=_mla_attention_cost,
-    reference=lambda t, a: (mla_decode_attention_ref(t[0], t[1], t[2], t[3], t[4], a.scale, a.row_offset),),
+    reference=lambda t, a: (mla_decode_attention_ref(t[0], t[1], t[2], t[3], t[4], t[5], a.scale,
+                                                     a.row_offset),),
     tags=frozenset({ATTENTION}),
     # what kernels.mla_decode refuses at launch, refused here at plan time
     kernels=(KernelBinding("triton_mla_decode", _launch_attention, Applies(TRITON, conditions=(
         Condition("row_offset >= 0", lambda ins, a: a.row_offset >= 0),
-        Condition("block tables of >= 1 column", lambda ins, a: ins[3].shape[1] != 0))),
+        Condition("block tables of >= 1 column", lambda ins, a: ins[4].shape[1] != 0))),
         workspace=_attention_ws),),
 ))

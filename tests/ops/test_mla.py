@@ -19,26 +19,26 @@ def test_absorbed_equals_unabsorbed_over_a_paged_cache():
     want = mla_unabsorbed_ref(q_nope, q_pe, latent, k_pe, kv_b, scale)  # [L, H, Dv], causal
     # the latent pool: one sequence's rows in scrambled blocks, written one row per query
     blocks = torch.randperm(12, generator=g)[:6].int()
-    cache = torch.randn(12, bs, 1, r + p, generator=g)
+    pc, lc = torch.randn(12, bs, 1, p, generator=g), torch.randn(12, bs, 1, r, generator=g)
     tables = blocks.expand(length, -1).contiguous()
     live = torch.arange(length, dtype=torch.int32)  # query row t attends to rows 0..t
     for t in range(length):
-        mla_kv_write_ref(cache, latent[t:t + 1], k_pe[t:t + 1], tables[t:t + 1], live[t:t + 1], None, 0)
+        mla_kv_write_ref(pc, lc, latent[t:t + 1], k_pe[t:t + 1], tables[t:t + 1], live[t:t + 1], None, 0)
     w = kv_b.view(heads, dn + dv, r)
     w_uk_t, w_uv = w[:, :dn].transpose(1, 2).contiguous(), w[:, dn:].contiguous()  # [H, R, Dn], [H, Dv, R]
     q_lat = head_linear_ref(q_nope.reshape(length, -1), w_uk_t)
-    o_lat = mla_decode_attention_ref(q_lat, q_pe.reshape(length, -1), cache, tables, live, scale, 0)
+    o_lat = mla_decode_attention_ref(q_lat, q_pe.reshape(length, -1), pc, lc, tables, live, scale, 0)
     got = head_linear_ref(o_lat, w_uv).view(length, heads, dv)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("row_offset", [0, 2])
 def test_inactive_rows_write_nothing(row_offset):
-    cache = torch.zeros(4, 2, 1, 3)
+    pc, lc = torch.zeros(4, 2, 1, 1), torch.zeros(4, 2, 1, 2)
     tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
     live = torch.tensor([1, 0], dtype=torch.int32)
-    mla_kv_write_ref(cache, torch.ones(2, 2), torch.full((2, 1), 2.0), tables, live,
+    mla_kv_write_ref(pc, lc, torch.ones(2, 2), torch.full((2, 1), 2.0), tables, live,
                      torch.tensor([1, 0], dtype=torch.int32), row_offset)
     r = 1 + row_offset
-    assert cache[tables[0, r // 2], r % 2, 0].tolist() == [1.0, 1.0, 2.0]
-    assert int((cache != 0).sum()) == 3
+    assert lc[tables[0, r // 2], r % 2, 0].tolist() == [1.0, 1.0] and pc[tables[0, r // 2], r % 2, 0].tolist() == [2.0]
+    assert int((lc != 0).sum()) == 2 and int((pc != 0).sum()) == 1
