@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
+import networkx as nx
+
 from draft_circuit.circuit.ir import Circuit, Node
 from draft_circuit.circuit.passes.rewrite import fused_node, rewrite, sole_user
 
@@ -70,38 +72,57 @@ class Fusion:
 
 class Taken:
     """The groups a pass has fused so far. Paths run through a taken group as through one node,
-    so a later group is checked against the circuit those fusions will make."""
+    so a later group is checked against the circuit those fusions will make.
+
+    The search is local: with `idx` any topological order of the circuit, every path that leaves
+    a group and comes back stays inside the group's index window widened by each taken group
+    that straddles an end of it (leaving the window needs a real edge, which only climbs, and
+    coming back needs a jump inside one taken group, which would straddle the window's end).
+    """
 
     def __init__(self, c: Circuit) -> None:
         self._graph = c.graph  # data edges and state anti-edges: every order the circuit needs
+        self._index = {name: i for i, name in enumerate(nx.topological_sort(self._graph))}
         self._group: dict[str, frozenset[str]] = {}
+        self._spans: list[tuple[int, int]] = []  # each taken group's (lowest, highest) index
 
     def __contains__(self, name: str) -> bool:
         return name in self._group
 
-    def _reach(self, start: set[str], step: Callable[[str], Iterable[str]]) -> set[str]:
-        """Nodes reachable from `start` by `step`; reaching one node of a group reaches all."""
-        seen: set[str] = set()
-        todo = list(start)
-        while todo:
-            for nxt in step(todo.pop()):
-                if nxt not in seen:
-                    group = self._group.get(nxt, frozenset((nxt,)))
-                    seen.update(group)
-                    todo.extend(group)
-        return seen
+    def _window(self, group: set[str]) -> tuple[int, int]:
+        lo = min(self._index[n] for n in group)
+        hi = max(self._index[n] for n in group)
+        widened = True
+        while widened:
+            widened = False
+            for a, b in self._spans:
+                if a <= hi < b or a < lo <= b:
+                    lo, hi, widened = min(lo, a), max(hi, b), True
+        return lo, hi
 
     def closes_cycle(self, names: Iterable[str]) -> bool:
-        """Fusing `names` into one node would make a cycle: a node outside the group is both
-        reachable from it and reaches it."""
+        """Fusing `names` into one node would make a cycle: a path leaves the group and comes
+        back into it."""
         group = set(names)
-        below = self._reach(group, self._graph.successors) - group
-        return bool(below and below & (self._reach(group, self._graph.predecessors) - group))
+        lo, hi = self._window(group)
+        todo = [x for n in group for x in self._graph.successors(n) if x not in group]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in group:
+                return True
+            if name in seen or not lo <= self._index[name] <= hi:
+                continue
+            members = self._group.get(name, frozenset((name,)))
+            seen.update(members)
+            todo.extend(x for m in members for x in self._graph.successors(m))
+        return False
 
     def take(self, names: Iterable[str]) -> None:
         group = frozenset(names)
         for name in group:
             self._group[name] = group
+        self._spans.append((min(self._index[n] for n in group), max(self._index[n] for n in group)))
 
 
 def fuse(c: Circuit, row: Fusion) -> Circuit:
