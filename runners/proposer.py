@@ -1,19 +1,16 @@
-"""The MTP draft proposer: what a host engine calls (DESIGN.md, "The proposer contract").
+"""The MTP draft proposer: `DraftProposer` (runners/contract.py) over the MTP head.
 
-`propose` drafts one sequence on the one-row program; `propose_batch` drafts n sequences in one
-n-row run, or returns None ("not served here: propose each alone") before anything runs, and
-records how it was served in `last_served`. Chains run on `DraftRunner`s (runners/protocol.py)
-that a factory builds at construction (compiled programs for `forward="circuit"`, the eager
-oracle for `"eager"`) and that a host may replace (`set_circuit_draft`): one code path, whatever
-runs the chain. Drafter KV lives in a paged pool whose block 0 is the scratch block inert rows
-point at. This module is the contract only (its protocol: contract.py): the rules live in
-proposer_state.py, the checks and runner inputs in proposer_inputs.py, the all-or-nothing chain
-runs in proposer_rows.py, the runners and their factories in chains.py.
+`propose` drafts one sequence on the one-row program; `propose_batch` n sequences in one n-row
+run, or None before anything runs, recording how in `last_served`. Chains run on `DraftRunner`s
+a factory builds at construction (compiled for "circuit", the oracle for "eager") and a host may
+replace (`set_circuit_draft`): one code path whatever runs them. This module is the contract
+only: rules in proposer_state.py, checks and inputs in proposer_inputs.py, all-or-nothing runs
+in proposer_rows.py, runners and factories in chains.py. Drafter KV lives in a paged pool whose
+block 0 is the scratch block inert rows point at.
 """
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from typing import Literal, Mapping, Sequence
 
@@ -22,12 +19,13 @@ import torch
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.runners.chains import (ChainRunners, DraftBinding, RunnerFactory,
                                           compiled_runners, eager_runner)
-from draft_circuit.runners.contract import Served
+from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.protocol import DraftRunner
 from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, chain_inputs,
                                                    check_catchup_counts, check_drafter_pairs,
-                                                   check_num_drafts, check_propose)
+                                                   check_num_drafts, check_propose,
+                                                   confidence_log_tau, drafter_pools)
 from draft_circuit.runners.proposer_rows import run_chain, write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, free_all,
                                                   install_kv, kept_drafts, record_drafts, settle,
@@ -58,10 +56,7 @@ class MtpProposer:
         first propose."""
         if forward not in ("eager", "circuit"):
             raise ProposerError(f"forward must be 'eager' or 'circuit', got {forward!r}")
-        if draft_confidence_stop is not None and not 0 < draft_confidence_stop < 1:  # NaN too
-            raise ProposerError(f"draft_confidence_stop must be in (0, 1) exclusive, got "
-                                f"{draft_confidence_stop!r}")
-        c = head.config
+        self.log_tau = confidence_log_tau(draft_confidence_stop)
         # the proposer owns placement: params follow its device (a host may load on CPU)
         self.head, self.num_drafts, self.device = head, num_drafts, device
         self.params = {k: v.to(device) for k, v in params.items()}
@@ -69,13 +64,9 @@ class MtpProposer:
         self.max_width = max_width
         self.widths = tuple(sorted({1, *(w for w in widths if w <= max_width)}))
         self.kv_exact, self.refeed, self.forward = kv_exact, refeed, forward
-        self.log_tau = math.log(draft_confidence_stop) if draft_confidence_stop else float("-inf")
         self.pool = BlockPool(num_blocks, reserved=1)  # block 0: the scratch block
-        dt = getattr(torch, head.dtype)
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        self.states = {"k_cache": torch.zeros(shape, dtype=dt, device=device),
-                       "v_cache": torch.zeros(shape, dtype=dt, device=device),
-                       "embed_target": torch.zeros(max_width, c.hidden_size, dtype=dt, device=device)}
+        self.states = drafter_pools(head.config, getattr(torch, head.dtype), self.kv, max_width,
+                                    device)
         if factory is None:
             factory = compiled_runners(self.widths, device=device) if forward == "circuit" \
                 else eager_runner
@@ -211,16 +202,15 @@ class MtpProposer:
         mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                              num_drafts_max=self.num_drafts, config=self.head.config,
                              device=self.device)
-        if num_drafts == 0:
-            for state, p in zip(mine, positions):
-                record_drafts(state, [], state.rows, p)
-            self.last_served = Served("empty", n)
-            if out_conf is not None:
-                out_conf[:] = [[] for _ in mine]
-            return [[] for _ in mine]
-        out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
-        self.last_served = Served(self.chains.get(num_drafts, mask is not None).plan(n).kind, n)
-        drafts, confs = out["drafts"].tolist(), out["confidences"].tolist()
+        kind: ServedKind
+        drafts: list[list[int]] = [[] for _ in mine]  # zero drafts: nothing runs
+        confs: list[list[float]] = [[] for _ in mine]
+        rows, kind = [s.rows for s in mine], "empty"
+        if num_drafts:
+            out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
+            drafts, confs = out["drafts"].tolist(), out["confidences"].tolist()
+            kind = self.chains.get(num_drafts, mask is not None).plan(n).kind
+        self.last_served = Served(kind, n)
         result = []
         for state, row, r, p in zip(mine, drafts, rows, positions):
             record_drafts(state, kept_drafts(row), r, p)

@@ -3,18 +3,38 @@ block-table growth, and the runner inputs of a set of rows. Nothing here runs a 
 check raises before anything changes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import KvLayout
 from draft_circuit.ops.tokens import TokenError
 from draft_circuit.ops.sampling import mask_words
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
 
 #: block 0 of the drafter pool: what inert rows and the unused tail of every table point at
 SCRATCH_BLOCK = 0
+
+
+def confidence_log_tau(tau: float | None) -> float:
+    """log(tau) for the chain's confidence stop (-inf: no stop); tau must lie in (0, 1)."""
+    if tau is None:
+        return float("-inf")
+    if not 0 < tau < 1:  # NaN fails this too
+        raise ProposerError(f"draft_confidence_stop must be in (0, 1) exclusive, got {tau!r}")
+    return math.log(tau)
+
+
+def drafter_pools(config: MtpConfig, dtype: torch.dtype, kv: KvLayout, max_width: int,
+                  device: str | torch.device) -> dict[str, torch.Tensor]:
+    """The chains' states: the paged drafter-KV pools and the embed target (one row a sequence)."""
+    shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
+    return {"k_cache": torch.zeros(shape, dtype=dtype, device=device),
+            "v_cache": torch.zeros(shape, dtype=dtype, device=device),
+            "embed_target": torch.zeros(max_width, config.hidden_size, dtype=dtype, device=device)}
 
 
 def check_tokens(tokens: Sequence[int], vocab: int, where: str = "") -> None:
