@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 MAX_WIDTH = 1024        # one program per width, one arena sized for the widest: past this, memory
@@ -28,7 +29,7 @@ def _int(text: str, what: str) -> int:
     return int(value)
 
 
-def int_in(lo: int, hi: int | None = None, what: str = "value"):
+def int_in(lo: int, hi: int | None = None, what: str = "value") -> Callable[[str], int]:
     """An argparse type: an integer in [lo, hi] (hi None: no upper bound)."""
     def parse(text: str) -> int:
         value = _int(text, what)
@@ -40,7 +41,7 @@ def int_in(lo: int, hi: int | None = None, what: str = "value"):
     return parse
 
 
-def positive_float(what: str):
+def positive_float(what: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)

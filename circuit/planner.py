@@ -4,7 +4,7 @@ widths and reports itself as plain data (`report()`); runners execute it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -42,7 +42,7 @@ class CompiledDraft:
     params: dict[str, torch.Tensor]
     device: str
     options: CompileOptions
-    notes: dict = field(default_factory=dict)  # the layer's statements for the report
+    notes: dict[str, Any] = field(default_factory=dict)  # the layer's statements for the report
     _report: PlanReport | None = field(default=None, repr=False)
 
     @property
@@ -86,7 +86,7 @@ def device_kind(device: str | torch.device) -> str:
 def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: Sequence[int],
                   device: str | torch.device = "cpu",
                   options: CompileOptions | None = None,
-                  notes: Mapping | None = None) -> CompiledDraft:
+                  notes: Mapping[str, Any] | None = None) -> CompiledDraft:
     """`notes`: plain data the layer states about its plan (e.g. which refused paths the n-row
     program could still serve), carried into the report unchanged."""
     from draft_circuit.circuit.binding import check_params  # the same check every runner applies

@@ -12,4 +12,4 @@ import os
 
 _here = os.path.dirname(os.path.abspath(__file__))
 if not os.path.isdir(os.path.join(_here, "circuit")):
-    __path__.append(os.path.dirname(_here))  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(os.path.dirname(_here))  # noqa: F821  (the package's own search path)

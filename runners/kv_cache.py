@@ -63,7 +63,7 @@ class BlockId(int):
     def __repr__(self) -> str:
         return int.__repr__(self)
 
-    def __reduce__(self):  # pickles and deep-copies with its pool tag
+    def __reduce__(self) -> tuple[type["BlockId"], tuple[int, int]]:  # pickles and deep-copies with its pool tag
         return (BlockId, (int(self), self.pool))
 
 
@@ -137,7 +137,7 @@ class BlockPool:
             raise PoolExhausted(
                 f"requested {count} blocks but only {len(self._free_heap)} of {self._num_blocks} "
                 f"are free ({self._reserved} reserved, {self.num_used} in use)")
-        taken = [BlockId(heapq.heappop(self._free_heap), self.serial) for _ in range(count)]
+        taken: list[int] = [BlockId(heapq.heappop(self._free_heap), self.serial) for _ in range(count)]
         for block in taken:
             self._state[block] = state
         return taken

@@ -2,6 +2,8 @@
 prunes the temps nothing references any more. Passes stay pure: every call returns a new Circuit."""
 from __future__ import annotations
 
+from typing import Any
+
 from draft_circuit.circuit.ir import Circuit, Node
 
 
@@ -27,7 +29,7 @@ def rewrite(c: Circuit, replacements: dict[str, Node | None]) -> Circuit:
 
 
 def fused_node(name: str, op: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
-               attrs: dict, parts: tuple[Node, ...]) -> Node:
+               attrs: dict[str, Any], parts: tuple[Node, ...]) -> Node:
     """A node standing for `parts`, recording their names so programs can show the group."""
     fused = tuple(x for p in parts for x in (p.fused or (p.name,)))
     origin = tuple(o for p in parts for o in p.origin)  # the parts' layer lines, in fused order
