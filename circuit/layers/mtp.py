@@ -127,6 +127,12 @@ class MtpHead:
     def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {k: (self.dtype, s) for k, s in self.param_shapes().items()}
 
+    def cache_shapes(self, kv: KvLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of the two drafter-KV pools emit_step threads as k_cache and v_cache: GQA's
+        K and V here; an MLA head's roped keys and latents (circuit/layers/mla.py)."""
+        shape = (kv.num_blocks, kv.block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return shape, shape
+
 
 def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLayout,
                      bitmask: bool = False, embed_target: bool = False,
@@ -140,7 +146,8 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
     (1: draft this row; 0: an inert row that writes no KV and drafts -1), optionally
     bitmask i32[n, ceil(V/32)] (the same mask at every draft position) and log_tau f32[n]
     (confidence stop: a row stops after the first draft whose log-probability is below it;
-    NaN never stops). States: k_cache and v_cache [num_blocks, block_size, kv_heads, head_dim],
+    NaN never stops). States: k_cache and v_cache (`head.cache_shapes(kv)`: GQA's
+    [num_blocks, block_size, kv_heads, head_dim]),
     optionally embed_target [n, H] (the embedding of each row's last kept draft).
     Outputs: drafts i32[n, k] (-1 after a row stopped), confidences f32[n, k] (top-1
     log-probabilities), hidden_out [n, H] (the drafter's hidden after the last step).
@@ -167,8 +174,8 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
         if bitmask else None
     log_tau = b.input("log_tau", "float32", (ROW,), neutral=float("-inf")) \
         if confidence_stop else None
-    cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
-    k_cache, v_cache = b.state("k_cache", dt, cache_shape), b.state("v_cache", dt, cache_shape)
+    k_shape, v_shape = head.cache_shapes(kv)
+    k_cache, v_cache = b.state("k_cache", dt, k_shape), b.state("v_cache", dt, v_shape)
     target = b.state("embed_target", dt, (ROW, c.hidden_size)) if embed_target else None
     for pname, (pdtype, pshape) in chain_param_specs(head, subset).items():
         b.param(pname, pdtype, pshape)

@@ -110,7 +110,7 @@ class RopeScaling:
     def softmax_scale(self, qk_head_dim: int) -> float:
         """DeepSeek's MLA softmax scale, as transformers' yarn_apply_mscale computes it (same float
         order): qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) twice when that is set."""
-        scaling = qk_head_dim ** (-0.5)
+        scaling: float = qk_head_dim ** (-0.5)
         if self.rope_type != "default" and self.mscale_all_dim:
             m = yarn_get_mscale(self.factor, self.mscale_all_dim)
             scaling = scaling * m * m
