@@ -77,7 +77,9 @@ class MoeConfig(MtpConfig):
                     raise ConfigError(f"config field {name!r} is required for a MoE head but missing")
             assert experts is not None  # checked just above
             scoring = d.get("scoring_func") or ("sigmoid" if d.get("model_type") in SIGMOID_FAMILIES else "softmax")
-            get = lambda k, default: default if d.get(k) is None else d[k]  # noqa: E731
+
+            def get(k: str, default: Any) -> Any:
+                return default if d.get(k) is None else d[k]
             return cls(**dataclasses.asdict(base), n_routed_experts=experts,
                        num_experts_per_tok=d["num_experts_per_tok"],
                        moe_intermediate_size=d["moe_intermediate_size"],
@@ -160,7 +162,8 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = weight.shape[-2:]
     pr, pc = -rows % SCALE_BLOCK, -cols % SCALE_BLOCK
     w = F.pad(weight.float(), (0, pc, 0, pr))
-    blocks = w.unflatten(-1, (-1, SCALE_BLOCK)).unflatten(-3, (-1, SCALE_BLOCK))
+    blocks = w.reshape(*w.shape[:-2], w.shape[-2] // SCALE_BLOCK, SCALE_BLOCK,
+                       w.shape[-1] // SCALE_BLOCK, SCALE_BLOCK)
     scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0
     q = (weight.float() / expand_block_scales(scale, weight.shape)).to(torch.float8_e4m3fn)
     return q, scale
@@ -198,7 +201,9 @@ class MoeMtpHead(MtpHead):
         experts = FP8 if self.fp8_experts else dt
         specs[EXPERTS_GATE_UP], specs[EXPERTS_DOWN] = (experts, (e, 2 * i, h)), (experts, (e, h, i))
         if self.fp8_experts:
-            blocks = lambda r, col: (e, math.ceil(r / SCALE_BLOCK), math.ceil(col / SCALE_BLOCK))  # noqa: E731
+
+            def blocks(r: int, col: int) -> tuple[int, int, int]:
+                return (e, math.ceil(r / SCALE_BLOCK), math.ceil(col / SCALE_BLOCK))
             specs[EXPERTS_GATE_UP + SCALE] = ("float32", blocks(2 * i, h))
             specs[EXPERTS_DOWN + SCALE] = ("float32", blocks(h, i))
         if s:
@@ -255,7 +260,7 @@ class MoeMtpHead(MtpHead):
                                              EXPERTS_DOWN, EXPERTS_DOWN + SCALE, *shared], name="experts")
         return b.op1("moe_experts", [x, ids, weights, EXPERTS_GATE_UP, EXPERTS_DOWN, *shared], name="experts")
 
-    def plan_notes(self) -> dict:
+    def plan_notes(self) -> dict[str, Any]:
         return {"moe": moe_plan_note(self.config)}
 
     def batch_refusal(self, n: int) -> str | None:
