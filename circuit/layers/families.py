@@ -153,9 +153,36 @@ FAMILIES: tuple[Family, ...] = (
                  "(1 + weight), per-head q/k norms, partial rotary (0.25), a MoE whose shared expert "
                  "is scaled by sigmoid(`shared_expert_gate`): none in the layer library yet",),
     ),
+    Family(
+        # a drafter of its own: model_type llama, told from Llama by its architecture alone
+        "llama", ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"),
+        drafter="EAGLE-3 (vLLM's / SGLang's llama_eagle3 names): `fc` over three tapped target "
+                "hiddens, `midlayer.*` (`input_layernorm`, `hidden_norm`, q/k/v over 2 x hidden), "
+                "`norm`, `lm_head` over `draft_vocab_size`, `d2t` offsets (`t2d` checked against "
+                "it), `embed_tokens` optional (absent: the target's)",
+        loads="the drafter alone (circuit/layers/eagle3_checkpoint.py); the target is a Llama",
+        target="no: a drafter", runs="yes: `Eagle3Head`",
+        rules=(
+            FieldRule("hidden_act", ("silu",), "silu", "the MLP is SwiGLU (silu_mul)"),
+            FieldRule("rope_parameters.rope_type", ("default",), "default", _ROPE),
+            FieldRule("rope_scaling.rope_type", ("default",), "default", _ROPE),
+            FieldRule("rope_scaling.type", ("default",), "default", _ROPE),
+            FieldRule("attention_bias", (False,), False, _NO_BIAS),
+            FieldRule("mlp_bias", (False,), False, _NO_BIAS),
+            FieldRule("bias", (False,), False, _NO_BIAS),
+            FieldRule("num_hidden_layers", (1,), 1, "the head runs one EAGLE-3 decoder layer (`midlayer`)"),
+            FieldRule("tie_word_embeddings", (False,), False,
+                      "the head reads its own `lm_head` over `draft_vocab_size` ids"),
+            FieldRule("eagle_config.use_aux_hidden_state", (True,), True,
+                      "the head's step 0 is `fc` over the three tapped target hiddens"),
+        ),
+    ),
 )
 
-_BY_TYPE = {f.model_type: f for f in FAMILIES}
+# A config that names no architecture is the first family of its model_type (llama: Llama).
+_BY_TYPE: dict[str, Family] = {}
+for _f in FAMILIES:
+    _BY_TYPE.setdefault(_f.model_type, _f)
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 
 
@@ -177,11 +204,14 @@ def check_family(d: Mapping[str, Any], source: str = "config") -> Family:
     if mt is None and not archs:
         raise UnsupportedArchitectureError(f"{source}: neither 'model_type' nor 'architectures' is "
                                            f"set, so the family is unknown; known: {_known()}")
-    family = _BY_TYPE.get(mt) if mt is not None else next(iter(by_arch))
-    if family is None or None in by_arch or len(by_arch - {family}) > 0:
-        what = "not in the family table" if family is None or None in by_arch else \
-            "disagree (architectures and model_type name different families)"
-        raise UnsupportedArchitectureError(f"{source}: {label}: {what}; known: {_known()}")
+    # architectures decide (two families share model_type llama); model_type must agree with them
+    named = {f for f in by_arch if f is not None}
+    if len(named) < len(by_arch) or (mt is not None and mt not in _BY_TYPE):
+        raise UnsupportedArchitectureError(f"{source}: {label}: not in the family table; known: {_known()}")
+    family = next(iter(named)) if named else _BY_TYPE[str(mt)]
+    if len(named) > 1 or (mt is not None and mt != family.model_type):
+        raise UnsupportedArchitectureError(f"{source}: {label}: disagree (architectures and model_type "
+                                           f"name different families); known: {_known()}")
     if family.blocked:
         raise UnsupportedArchitectureError(
             f"{source}: {label} is a known family that cannot run yet: {'; '.join(family.blocked)}")

@@ -1,6 +1,7 @@
 """The draft head a checkpoint describes, one rule for every caller (`circuit plan`, the engine):
 `MoeMtpHead` when the MTP layer's MLP is a MoE (its config names an expert count), with fp8
-experts when every routed expert is stored fp8 e4m3 beside its block scales; else `MtpHead`.
+experts when every routed expert is stored fp8 e4m3 beside its block scales; `Eagle3Head` for an
+EAGLE-3 drafter (config.json names `LlamaForCausalLMEagle3`); else `MtpHead`.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
 from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.eagle3 import Eagle3Config, Eagle3Head
+from draft_circuit.circuit.layers.eagle3_checkpoint import is_eagle3_checkpoint, load_eagle3_weights
 from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import MtpHead
 
@@ -27,16 +30,23 @@ def head_for(config: MtpConfig, dtype: str = "float32",
              weights: dict[str, torch.Tensor] | None = None) -> MtpHead:
     """`weights` (canonical names, as `load_mtp_weights(keep_fp8=True)` gives them) decide
     whether the experts stay fp8; without them a MoE head's experts are in `dtype`."""
+    if isinstance(config, Eagle3Config):
+        return Eagle3Head(config, dtype)
     if isinstance(config, MoeConfig):
         return MoeMtpHead(config, dtype, fp8_experts=weights is not None and _fp8_experts(config, weights))
     return MtpHead(config, dtype)
 
 
 def load_head(path: str | os.PathLike[str], dtype: str = "float32", *, device: str | torch.device = "cpu",
-              strict: bool = False) -> tuple[MtpHead, dict[str, torch.Tensor]]:
-    """The checkpoint's MTP layer, loaded (every refusal applied) and its head chosen; the
-    weights are the head's `bind` input (a MoE head dequantises what it keeps in `dtype`)."""
+              strict: bool = False, target_embed: torch.Tensor | None = None) -> tuple[MtpHead, dict[str, torch.Tensor]]:
+    """The checkpoint's MTP layer (or EAGLE-3 drafter), loaded (every refusal applied) and its
+    head chosen; the weights are the head's `bind` input (a MoE head dequantises what it keeps in
+    `dtype`). `target_embed`: the target's embedding, for an EAGLE-3 drafter stored without one."""
     torch_dtype = getattr(torch, dtype)
+    if is_eagle3_checkpoint(path):
+        econfig, eweights = load_eagle3_weights(path, dtype=torch_dtype, device=device, strict=strict,
+                                                target_embed=target_embed)
+        return Eagle3Head(econfig, dtype), eweights
     config, weights = load_mtp_weights(path, dtype=torch_dtype, device=device, strict=strict,
                                        keep_fp8=True)
     head = head_for(config, dtype, weights)
@@ -48,6 +58,10 @@ def load_head(path: str | os.PathLike[str], dtype: str = "float32", *, device: s
 
 def describe_head(head: MtpHead) -> str:
     """One line for people: which head, its MLP, its dtype."""
+    if isinstance(head, Eagle3Head):
+        c3 = head.config
+        return (f"Eagle3Head: fc over 3 x {c3.target_hidden_size} tapped hiddens, draft vocabulary "
+                f"{c3.draft_vocab_size} of {c3.vocab_size}, {head.dtype}")
     if isinstance(head, MoeMtpHead):
         c = head.config
         experts = "fp8 e4m3 experts" if head.fp8_experts else f"{head.dtype} experts"
