@@ -1,7 +1,8 @@
-"""Skinny matmul out[n, N] = x[n, K] @ weight[N, K]^T (fp32 accumulation), optionally fused with SwiGLU.
+"""Skinny matmul out[n, N] = x[n, K] @ weight[N, K]^T (+ bias[N]) (fp32 accumulation), optionally
+fused with SwiGLU.
 
 One pinned configuration, no split-K, no autotuning: a row's bits never depend on n (width
-independence). `linear(x, weight, out)`; `linear_silu_mul(x, gate_up_weight, out)`.
+independence). `linear(x, weight, out, bias=None)`; `linear_silu_mul(x, gate_up_weight, out)`.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ NUM_WARPS, NUM_STAGES = 4, 4
 
 @triton.jit(do_not_specialize=["n_rows"])
 def linear_kernel(
-    x_ptr, w_ptr, out_ptr,
+    x_ptr, w_ptr, out_ptr, bias_ptr,
     n_rows, N, K,
     stride_x, stride_w, stride_out, up_offset,
     SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -57,6 +59,8 @@ def linear_kernel(
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision="ieee")
     if SILU_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
+    if HAS_BIAS:  # added to the fp32 sum, rounded once with it (nn.Linear's addmm does the same)
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -77,24 +81,29 @@ def check_linear_operands(x: torch.Tensor, weight: torch.Tensor, out: torch.Tens
     return n, k, rows, n_out
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool) -> None:
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool,
+            bias: torch.Tensor | None = None) -> None:
     n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
+    if bias is not None:
+        check_operand("bias", bias, (n_out,), (x.dtype,), x.device)
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x)
     grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(n_out, BLOCK_N),)
     linear_kernel[grid](
-        x, weight, out, n, n_out, k,
+        x, weight, out, bias if bias is not None else weight, n, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0), n_out * weight.stride(0) if silu_mul else 0,
-        SILU_MUL=silu_mul, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         **pdl,
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out[n, N] = x[n, K] @ weight[N, K]^T. x and weight share a float dtype; out any float dtype."""
-    _launch(x, weight, out, silu_mul=False)
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+           bias: torch.Tensor | None = None) -> None:
+    """out[n, N] = x[n, K] @ weight[N, K]^T (+ bias[N]). x, weight and bias share a float dtype;
+    out any float dtype."""
+    _launch(x, weight, out, silu_mul=False, bias=bias)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, out: torch.Tensor) -> None:

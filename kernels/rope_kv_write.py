@@ -1,6 +1,7 @@
 """Neox-style rotary embedding of q and k plus the paged KV-cache write, in one launch.
 
-q_out = rope(q); k_cache/v_cache[block_tables[i, r // bs], r % bs] = rope(k)[i], v[i] with
+q_out = rope(q) (with rotary_dim R < head_dim: rotate-half inside each head's first R dims, the
+rest copied, HF's partial rotary); k_cache/v_cache[block_tables[i, r // bs], r % bs] = rope(k)[i], v[i] with
 r = live_rows[i] + row_offset; rows with active[i] == 0 leave the caches untouched. Grid (n, H + Hkv).
 """
 from __future__ import annotations
@@ -28,20 +29,24 @@ def rope_kv_write_kernel(
     theta, log2_theta_hi, log2_theta_lo,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # [0, NUM_HEADS) are q heads, [NUM_HEADS, NUM_HEADS + Hkv) are kv heads
-    half: tl.constexpr = HEAD_DIM // 2
+    half: tl.constexpr = ROTARY_DIM // 2  # rotate-half pairs (j, half + j) of the rotated part
     j = tl.arange(0, BLOCK_HALF)
     mask = j < half
+    p = ROTARY_DIM + tl.arange(0, BLOCK_PASS)  # the dims that pass through unrotated
+    p_mask = p < HEAD_DIM
 
-    # inv_freq[j] = 1 / theta ** (2j / D), rounded as the fp32 reference rounds it: the power,
+    # inv_freq[j] = 1 / theta ** (2j / R), rounded as the fp32 reference rounds it: the power,
     # then the reciprocal (div_rn: Triton's `/` is approximate on the GPU).
-    e = tl.div_rn((2 * j).to(tl.float32), tl.full((BLOCK_HALF,), HEAD_DIM, tl.float32))
+    e = tl.div_rn((2 * j).to(tl.float32), tl.full((BLOCK_HALF,), ROTARY_DIM, tl.float32))
     if LIBDEVICE:
         power = tl.extra.cuda.libdevice.pow(theta, e)  # __nv_powf, as torch's CUDA pow
     else:
@@ -73,6 +78,8 @@ def rope_kv_write_kernel(
         dst = q_out_ptr + row * stride_q_out + head * HEAD_DIM
         tl.store(dst + j, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + half + j, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+        if ROTARY_DIM < HEAD_DIM:
+            tl.store(dst + p, tl.load(src + p, mask=p_mask).to(q_out_ptr.dtype.element_ty), mask=p_mask)
     else:
         kv_head = head - NUM_HEADS
         write = True
@@ -90,12 +97,17 @@ def rope_kv_write_kernel(
             tl.store(dst + j, (x1 * cos - x2 * sin).to(k_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(dst + half + j, (x2 * cos + x1 * sin).to(k_cache_ptr.dtype.element_ty),
                      mask=mask)
+            if ROTARY_DIM < HEAD_DIM:
+                tl.store(dst + p, tl.load(src + p, mask=p_mask).to(k_cache_ptr.dtype.element_ty),
+                         mask=p_mask)
             v_src = v_ptr + row * stride_v + kv_head * HEAD_DIM
             v_dst = v_cache_ptr + blk * stride_vcache_blk + slot * stride_vcache_slot \
                 + kv_head * stride_vcache_head
+            v_half: tl.constexpr = HEAD_DIM // 2  # BLOCK_HALF covers half a head
+            v_mask = j < v_half
             for part in tl.static_range(2):
-                v = tl.load(v_src + part * half + j, mask=mask, other=0.0)
-                tl.store(v_dst + part * half + j, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                v = tl.load(v_src + part * v_half + j, mask=v_mask, other=0.0)
+                tl.store(v_dst + part * v_half + j, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def rope_kv_write(
@@ -116,17 +128,22 @@ def rope_kv_write(
     pos_offset: int,
     row_offset: int,
     active: torch.Tensor | None = None,
+    rotary_dim: int | None = None,
 ) -> None:
     """q_out = rope(q) and the paged write of rope(k), v; one launch, grid (n, num_heads + num_kv_heads).
 
     q, q_out [n, H*D]; k, v [n, Hkv*D]; positions [n] int32/int64; live_rows, active [n] int32;
     block_tables [n, max_blocks] int32; caches [num_blocks, block_size, Hkv, D] with unit last
-    stride. q_out may alias q. Indices are not bounds-checked on the device: padded rows must be
+    stride. rotary_dim (even, <= head_dim; None: head_dim) is the rotated part of each head.
+    q_out may alias q. Indices are not bounds-checked on the device: padded rows must be
     inactive (or point at a scratch block).
     """
     n = q.shape[0]
     dev = q.device
     check(head_dim % 2 == 0 and head_dim > 0, lambda: f"head_dim {head_dim} must be even")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    check(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
+          lambda: f"rotary_dim {rotary_dim} must be even and in (0, head_dim = {head_dim}]")
     check_operand("q", q, (n, num_heads * head_dim), FLOAT_DTYPES, dev)
     check_operand("q_out", q_out, (n, num_heads * head_dim), FLOAT_DTYPES, dev)
     check_operand("k", k, (n, num_kv_heads * head_dim), FLOAT_DTYPES, dev)
@@ -158,8 +175,9 @@ def rope_kv_write(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         int(pos_offset), int(row_offset), block_size,
         theta, log2_theta_hi, log2_theta - log2_theta_hi,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
         HAS_ACTIVE=active is not None, LIBDEVICE=not interpreting(), USE_PDL=bool(pdl),
         num_warps=1 if head_dim <= 128 else 2,
         **pdl,

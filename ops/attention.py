@@ -25,10 +25,12 @@ class RopeAttrs(BaseModel):
     head_dim: int
     theta: float = 10000.0
     pos_offset: int = 0
+    rotary_dim: int | None = None  # rotate only each head's first rotary_dim dims; None: all
 
     def model_post_init(self, _: object) -> None:  # else the reference fails at run time
         if self.head_dim <= 0 or not self.theta > 0:
             raise ValueError(f"head_dim and theta must be > 0, got {self.head_dim}, {self.theta}")
+        _check_rotary_dim(self.head_dim, self.rotary_dim)
 
 
 class KvWriteAttrs(BaseModel):
@@ -42,10 +44,17 @@ class RopeKvWriteAttrs(BaseModel):
     theta: float = 10000.0
     pos_offset: int = 0
     row_offset: int = 0
+    rotary_dim: int | None = None  # as RopeAttrs'
 
     def model_post_init(self, _: object) -> None:  # else the reference fails at run time
         if self.head_dim <= 0 or not self.theta > 0:
             raise ValueError(f"head_dim and theta must be > 0, got {self.head_dim}, {self.theta}")
+        _check_rotary_dim(self.head_dim, self.rotary_dim)
+
+
+def _check_rotary_dim(head_dim: int, rotary_dim: int | None) -> None:
+    if rotary_dim is not None and not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+        raise ValueError(f"rotary_dim must be even and in (0, head_dim = {head_dim}], got {rotary_dim}")
 
 
 class AttentionAttrs(BaseModel):
@@ -56,15 +65,17 @@ class AttentionAttrs(BaseModel):
 
 # ---- rope ----
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
-             pos_offset: int) -> torch.Tensor:
-    """HF rotate-half RoPE over x [n, heads * head_dim], computed in fp32, cast once."""
-    n = x.shape[0]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device).float() / head_dim))
-    angle = (positions.float() + pos_offset).unsqueeze(-1) * inv_freq  # [n, D/2]
-    cos, sin = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)     # [n, 1, D/2]
+             pos_offset: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """HF rotate-half RoPE over x [n, heads * head_dim], computed in fp32, cast once. With
+    rotary_dim R (HF's partial rotary, GLM-4.5), rotate-half runs inside each head's first R dims
+    with frequencies over R and the rest pass through."""
+    n, r = x.shape[0], head_dim if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, device=x.device).float() / r))
+    angle = (positions.float() + pos_offset).unsqueeze(-1) * inv_freq  # [n, R/2]
+    cos, sin = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)     # [n, 1, R/2]
     xf = x.float().view(n, -1, head_dim)
-    x1, x2 = xf[..., : head_dim // 2], xf[..., head_dim // 2:]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = xf[..., : r // 2], xf[..., r // 2: r]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., r:]], dim=-1)
     return out.view(n, -1).to(x.dtype)
 
 
@@ -81,7 +92,7 @@ def _infer_rope(ins: list[TensorSpec], a: RopeAttrs) -> list[TensorSpec]:
 
 register(OpDef(
     name="rope", inputs=("x", "positions"), outputs=("out",), attrs=RopeAttrs, infer=_infer_rope,
-    reference=lambda t, a: (rope_ref(t[0], t[1], a.head_dim, a.theta, a.pos_offset),),
+    reference=lambda t, a: (rope_ref(t[0], t[1], a.head_dim, a.theta, a.pos_offset, a.rotary_dim),),
     tags=frozenset({ATTENTION}),
 ))
 
@@ -167,8 +178,8 @@ def _infer_rope_kv_write(ins: list[TensorSpec], a: RopeKvWriteAttrs) -> list[Ten
 
 def _rope_kv_write(t: list[torch.Tensor], a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
     q, k, v, pos, kc, vc, tables, live = t[:8]
-    q_rot = rope_ref(q, pos, a.head_dim, a.theta, a.pos_offset)
-    k_rot = rope_ref(k, pos, a.head_dim, a.theta, a.pos_offset)
+    q_rot = rope_ref(q, pos, a.head_dim, a.theta, a.pos_offset, a.rotary_dim)
+    k_rot = rope_ref(k, pos, a.head_dim, a.theta, a.pos_offset, a.rotary_dim)
     kv_write_ref(kc, vc, k_rot, v, tables, live, t[8] if len(t) > 8 else None, a.row_offset)
     return q_rot, kc, vc
 
@@ -181,7 +192,7 @@ def _launch_rope_kv_write(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> N
     d = a.head_dim
     _k_rope_kv()(q, k, v, pos, live, tables, kc, vc, outs[0], num_heads=q.shape[1] // d,
                num_kv_heads=kc.shape[2], head_dim=d, theta=a.theta, pos_offset=a.pos_offset,
-               row_offset=a.row_offset, active=active[0] if active else None)
+               row_offset=a.row_offset, active=active[0] if active else None, rotary_dim=a.rotary_dim)
 
 
 register(OpDef(

@@ -184,11 +184,15 @@ class LinearAttrs(BaseModel):
 
 
 def _infer_linear(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
-    x, w = ins
+    x, w = ins[:2]
     same_dtype(x, w)
     rank(x, 2, "linear input")
     rank(w, 2, "linear weight [out, in]")
     dim_eq(x.shape[1], w.shape[1], f"linear in-features ({x} @ weight {w}^T)")
+    if len(ins) > 2:  # the optional bias [out] (Qwen2's q/k/v, GLM-4.5's attention_bias)
+        same_dtype(x, ins[2])
+        check(ins[2].shape == (w.shape[0],), lambda: f"linear bias must be [{w.shape[0]}] (the "
+                                                     f"weight's rows), got {ins[2]}")
     out_dtype = getattr(a, "out_dtype", None) or x.dtype
     return [TensorSpec(dtype=out_dtype, shape=(x.shape[0], w.shape[0]))]
 
@@ -212,7 +216,9 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None =
 
 
 def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:
-    return (linear_ref(t[0], t[1], torch_dtype(a.out_dtype) if a.out_dtype else None),)
+    out = linear_ref(t[0], t[1], torch_dtype(a.out_dtype) if a.out_dtype else None)
+    # the bias after the product, in the output's dtype (one rounding more than a fused epilogue)
+    return (out + t[2].to(out.dtype) if len(t) > 2 else out,)
 
 
 def _splitk_workspace(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
@@ -226,11 +232,14 @@ def _many_splits(ins: Sequence[TensorSpec], a: Any) -> bool:
 
 
 def _cublas_linear(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
-    torch.matmul(ins[0], ins[1].t(), out=outs[0])
+    if len(ins) > 2:
+        torch.addmm(ins[2], ins[0], ins[1].t(), out=outs[0])
+    else:
+        torch.matmul(ins[0], ins[1].t(), out=outs[0])
 
 
 register(OpDef(
-    name="linear", inputs=("x", "weight"), outputs=("out",), attrs=LinearAttrs,
+    name="linear", inputs=("x", "weight", "bias"), outputs=("out",), attrs=LinearAttrs, num_required=2,
     infer=_infer_linear, reference=_linear, cost=_linear_cost, tags=frozenset({MATMUL}),
     kernels=(
         # split-K first: chosen where the plain kernel's grid is too small and the output is the
@@ -239,9 +248,11 @@ register(OpDef(
                       Applies(TRITON, conditions=(
                           Condition("out_dtype None or float32",
                                     lambda ins, a: a.out_dtype in (None, "float32")),
+                          Condition("no bias (its reduction has no epilogue)", lambda ins, a: len(ins) == 2),
                           Condition("K in >= 2 splits", _many_splits))),
                       workspace=_splitk_workspace),
-        KernelBinding("triton_linear", lambda i, o, w, a: _k_linear()(i[0], i[1], o[0]), Applies(TRITON)),
+        KernelBinding("triton_linear", lambda i, o, w, a: _k_linear()(i[0], i[1], o[0], *i[2:]),
+                      Applies(TRITON)),
         KernelBinding("cublas_linear", _cublas_linear, Applies(CUDA, conditions=(
             Condition("out_dtype None or the input's", lambda ins, a: a.out_dtype in (None, ins[0].dtype)),)),
             width_independent=False),

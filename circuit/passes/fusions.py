@@ -10,10 +10,16 @@ from draft_circuit.circuit.passes.rewrite import sole_user
 
 
 def _same_out_dtype(c: Circuit, m: Match, taken: Taken) -> Match | None:
-    """linear_silu_mul has no out_dtype: only a linear that keeps its input's dtype fuses."""
+    """linear_silu_mul has no out_dtype and no bias: only a linear that keeps its input's dtype
+    and has no bias fuses."""
     lin = m.producer
     out_dtype = lin.attrs.get("out_dtype")
-    return m if out_dtype in (None, c.value(lin.inputs[0]).dtype) else None
+    return m if out_dtype in (None, c.value(lin.inputs[0]).dtype) and _unbiased(c, m, taken) else None
+
+
+def _unbiased(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """The fused op takes x and weight only: a linear with a bias input stays unfused."""
+    return m if len(m.producer.inputs) == 2 else None
 
 
 def _q_rope_of_this_attention(c: Circuit, m: Match, taken: Taken) -> Match | None:
@@ -65,7 +71,7 @@ FUSIONS: tuple[Fusion, ...] = (
            "the linear to logits whose only reader is argmax_logprob -> linear_argmax_logprob, "
            "which reduces over the vocabulary in fp32 without keeping [n, V] logits",
            producer="linear", consumer="argmax_logprob", edge=0, sole_reader=True,
-           fused_op="linear_argmax_logprob", rewrite=_lm_head_argmax),
+           fused_op="linear_argmax_logprob", rewrite=_lm_head_argmax, guard=_unbiased),
     Fusion("fuse_rope_kv_write",
            "rope(q), rope(k) and the kv_write of k -> rope_kv_write, rotating q and k and writing "
            "k and v to their paged slots in one launch",

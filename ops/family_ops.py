@@ -1,0 +1,51 @@
+"""Ops the checkpoint families need beyond the Llama vocabulary: `head_rmsnorm`, the per-head RMSNorm
+of Qwen3's and GLM-4.5's `q_norm` / `k_norm` (before RoPE). The families' other needs are attrs or
+inputs of existing ops: a bias on `linear` (ops/basic.py), `rotary_dim` on `rope` and
+`rope_kv_write` (ops/attention.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.ops.basic import EpsAttrs, rmsnorm_ref
+from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Tensors, kernel
+from draft_circuit.ops.registry import NORM, REDUCTION, OpDef, check, rank, register, same_dtype
+
+_k_rmsnorm = kernel("rmsnorm", "rmsnorm")
+
+
+def _infer_head_rmsnorm(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    x, w = ins
+    same_dtype(x, w)
+    rank(x, 2, "head_rmsnorm input [n, heads * head_dim]")
+    rank(w, 1, "head_rmsnorm weight [head_dim]")
+    check(isinstance(x.shape[1], int) and isinstance(w.shape[0], int) and w.shape[0] > 0
+          and x.shape[1] % w.shape[0] == 0,
+          lambda: f"head_rmsnorm weight {w} (one head) must divide the row {x} into heads")
+    return [x]
+
+
+def head_rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head_dim group of a row normalised alone, with HF's cast order (Qwen3RMSNorm,
+    Glm4MoeRMSNorm: normalise in fp32, back to the input dtype, then times the weight)."""
+    return rmsnorm_ref(x.reshape(-1, w.shape[0]), w, eps).view(x.shape)
+
+
+def _launch(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
+    # a row of heads is heads rows of head_dim: the rmsnorm kernel on the [n * heads, head_dim]
+    # views (arena values are contiguous, so the views alias the buffers)
+    d = ins[1].shape[0]
+    _k_rmsnorm()(ins[0].view(-1, d), ins[1], outs[0].view(-1, d), a.eps)
+
+
+register(OpDef(
+    name="head_rmsnorm", inputs=("x", "weight"), outputs=("out",), attrs=EpsAttrs,
+    infer=_infer_head_rmsnorm, reference=lambda t, a: (head_rmsnorm_ref(t[0], t[1], a.eps),),
+    tags=frozenset({REDUCTION, NORM}), inplace={0: 0},
+    # kernels.rmsnorm normalises a row (here: a head) in one program
+    kernels=(KernelBinding("triton_head_rmsnorm", _launch, Applies(TRITON, conditions=(
+        Condition("head_dim <= 65536", lambda ins, a: int(ins[1].shape[0]) <= 65536),))),),
+))
