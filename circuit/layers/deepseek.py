@@ -14,8 +14,9 @@ from typing import Any, Mapping
 import torch
 
 from draft_circuit.circuit.builder import CircuitBuilder
+from draft_circuit.circuit.layers.fp8 import ROW_SCALE, emit_linear, fp8_rows, row_scale_shape
 from draft_circuit.circuit.layers.mla import (INV_FREQ, MlaConfig, bind_mla_attention, emit_mla_attention,
-                                              mla_cache_shapes, mla_checkpoint_shapes, mla_param_shapes)
+                                              mla_cache_shapes, mla_checkpoint_shapes, mla_param_specs)
 from draft_circuit.circuit.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SCALE, SHARED_DOWN,
                                               SHARED_GATE_UP, MoeMtpHead, MoeWeightError, _real, quantize_blocks)
 from draft_circuit.circuit.layers.mtp import GATE_UP, KvLayout, StepIO
@@ -49,17 +50,22 @@ def _moe_specs(c: MlaConfig, dtype: str, fp8_experts: bool) -> ParamSpecs:
     return {k: v for k, v in MoeMtpHead(c, dtype, fp8_experts).param_specs().items() if k.startswith("mlp.")}
 
 
-def layer_param_specs(c: MlaConfig, moe: bool, dtype: str, fp8_experts: bool = False) -> ParamSpecs:
-    """A decoder layer's circuit params (relative names); INV_FREQ is the model's, not listed."""
+def layer_param_specs(c: MlaConfig, moe: bool, dtype: str, fp8_experts: bool = False,
+                      fp8_dense: bool = False) -> ParamSpecs:
+    """A decoder layer's circuit params (relative names); INV_FREQ is the model's, not listed.
+    fp8_experts: routed experts fp8 (moe_experts_fp8); fp8_dense: the attention projections and a
+    dense MLP fp8 with per-row scales (linear_fp8). Shared experts stay in `dtype` (moe_experts
+    takes them so)."""
     h = c.hidden_size
-    specs: ParamSpecs = {_NORMS[0]: (dtype, (h,))}
-    specs.update({k: (dtype, s) for k, s in mla_param_shapes(c).items()})
-    specs[_NORMS[1]] = (dtype, (h,))
+    specs: ParamSpecs = {_NORMS[0]: (dtype, (h,)), **mla_param_specs(c, dtype, fp8_dense), _NORMS[1]: (dtype, (h,))}
     if moe:
         specs.update(_moe_specs(c, dtype, fp8_experts))
-    else:
-        i = c.intermediate_size
-        specs.update({GATE_UP: (dtype, (2 * i, h)), _DENSE[2]: (dtype, (h, i))})
+        return specs
+    i = c.intermediate_size
+    for name, shape in ((GATE_UP, (2 * i, h)), (_DENSE[2], (h, i))):
+        specs[name] = (FP8 if fp8_dense else dtype, shape)
+        if fp8_dense:
+            specs[name + ROW_SCALE] = ("float32", row_scale_shape(shape))
     return specs
 
 
@@ -85,12 +91,11 @@ def _stack_experts(c: MlaConfig, w: Mapping[str, torch.Tensor], p: str, fp8: boo
 
 
 def bind_layer(c: MlaConfig, weights: Mapping[str, torch.Tensor], prefix: str, moe: bool, dtype: str,
-               fp8_experts: bool = False) -> dict[str, torch.Tensor]:
+               fp8_experts: bool = False, fp8_dense: bool = False) -> dict[str, torch.Tensor]:
     """Checkpoint tensors (`prefix` + layer_checkpoint_shapes' names; fp8 ones beside their
     `_scale_inv`) -> the params of layer_param_specs under `prefix`, in their dtypes."""
     p = prefix
-    real = {p + k: _real(weights, p + k) for k in mla_checkpoint_shapes(c)}
-    params = {**bind_mla_attention(c, real, p), **{p + k: _real(weights, p + k) for k in _NORMS}}
+    params = {**bind_mla_attention(c, weights, p, fp8=fp8_dense), **{p + k: _real(weights, p + k) for k in _NORMS}}
     if moe:
         params[p + GATE], params[p + BIAS] = _real(weights, p + GATE), weights[p + BIAS]
         if c.shared_intermediate_size:
@@ -98,10 +103,15 @@ def bind_layer(c: MlaConfig, weights: Mapping[str, torch.Tensor], prefix: str, m
                                                     for q in ("gate", "up")])
             params[p + SHARED_DOWN] = _real(weights, f"{p}mlp.shared_experts.down_proj.weight")
         params.update({p + k: v for k, v in _stack_experts(c, weights, p, fp8_experts).items()})
+    elif fp8_dense:
+        (gw, gs), (uw, us) = fp8_rows(weights, p + _DENSE[0]), fp8_rows(weights, p + _DENSE[1])
+        params[p + GATE_UP] = torch.cat([gw.view(torch.uint8), uw.view(torch.uint8)]).view(gw.dtype)
+        params[p + GATE_UP + ROW_SCALE] = torch.cat([gs, us])
+        params[p + _DENSE[2]], params[p + _DENSE[2] + ROW_SCALE] = fp8_rows(weights, p + _DENSE[2])
     else:
         params[p + GATE_UP] = torch.cat([_real(weights, p + _DENSE[0]), _real(weights, p + _DENSE[1])])
         params[p + _DENSE[2]] = _real(weights, p + _DENSE[2])
-    specs = layer_param_specs(c, moe, dtype, fp8_experts)
+    specs = layer_param_specs(c, moe, dtype, fp8_experts, fp8_dense)
     return {p + k: params[p + k].to(getattr(torch, dt)).contiguous() for k, (dt, _) in specs.items()}
 
 
@@ -135,8 +145,8 @@ def emit_decoder_layer(b: CircuitBuilder, c: MlaConfig, prefix: str, x: str, pos
     if moe:
         y = emit_moe_mlp(b, c, prefix, m)
     else:
-        g = b.op1("silu_mul", [b.op1("linear", [m, prefix + GATE_UP], name="gate_up_proj")])
-        y = b.op1("linear", [g, prefix + _DENSE[2]], name="down_proj")
+        g = b.op1("silu_mul", [emit_linear(b, m, prefix + GATE_UP, "gate_up_proj")])
+        y = emit_linear(b, g, prefix + _DENSE[2], "down_proj")
     return b.op1("add", [x, y], name="mlp_residual"), pe_cache, latent_cache
 
 
@@ -150,17 +160,19 @@ class DeepseekMtpHead(MoeMtpHead):
 
     config: MlaConfig
 
-    def __init__(self, config: MlaConfig, dtype: str = "float32", fp8_experts: bool = False) -> None:
+    def __init__(self, config: MlaConfig, dtype: str = "float32", fp8_experts: bool = False,
+                 fp8_dense: bool = False) -> None:
         if not isinstance(config, MlaConfig):
             raise TypeError(f"DeepseekMtpHead needs an MlaConfig, got {type(config).__name__}")
         super().__init__(config, dtype, fp8_experts)
+        self.fp8_dense = fp8_dense
 
     def param_specs(self) -> ParamSpecs:
         c, dt = self.config, self.dtype
         h, v = c.hidden_size, c.vocab_size
         own = dict(zip(_MTP_OWN, [(v, h), (h,), (h,), (h, 2 * h), (h,), (v, h)]))
         specs: ParamSpecs = {k: (dt, s) for k, s in list(own.items())[:4]}
-        specs.update(layer_param_specs(c, True, dt, self.fp8_experts))
+        specs.update(layer_param_specs(c, True, dt, self.fp8_experts, self.fp8_dense))
         specs.update({k: (dt, s) for k, s in list(own.items())[4:]})
         specs[INV_FREQ] = ("float32", (c.qk_rope_head_dim // 2,))
         return specs
@@ -169,7 +181,7 @@ class DeepseekMtpHead(MoeMtpHead):
         """Canonical MTP-layer weights (checkpoint names, `_scale_inv` beside fp8 ones) -> params."""
         dt = getattr(torch, self.dtype)
         params = {k: _real(weights, k).to(dt).contiguous() for k in _MTP_OWN}
-        params.update(bind_layer(self.config, weights, "", True, self.dtype, self.fp8_experts))
+        params.update(bind_layer(self.config, weights, "", True, self.dtype, self.fp8_experts, self.fp8_dense))
         params[INV_FREQ] = self.config.rope.inv_freq(self.config.qk_rope_head_dim)
         return {k: params[k] for k in self.param_specs()}
 

@@ -5,7 +5,9 @@ checkpoint weights become them (`bind_mla_attention`), and `emit_mla_attention`.
 At bind time q_b_proj (or q_proj) and kv_a_proj_with_mqa are split into their position-free and
 rope rows (rope rows de-interleaved when `rope_interleave`, so one rotate-half rope op serves),
 and kv_b_proj into W_UK^T [H, R, Dn] (absorbed into the query) and W_UV [H, Dv, R] (applied to the
-latent output). Decode then attends over the latent rows directly (ops/mla.py).
+latent output). Decode then attends over the latent rows directly (ops/mla.py). The projections
+may stay fp8 (DeepSeek-V3's block-scaled checkpoints; circuit/layers/fp8.py); the absorbed
+W_UK^T and W_UV are always dequantised, as vLLM's MLA does.
 """
 from __future__ import annotations
 
@@ -17,15 +19,20 @@ import torch
 
 from draft_circuit.circuit.builder import CircuitBuilder
 from draft_circuit.circuit.layers.config import _ROPE_THETA_ALIASES, ConfigError, _agreed, _is_int
-from draft_circuit.circuit.layers.moe import MoeConfig
+from draft_circuit.circuit.layers.fp8 import ROW_SCALE, emit_linear, fp8_rows, row_scale_shape, take_rows
+from draft_circuit.circuit.layers.moe import MoeConfig, _real
 from draft_circuit.circuit.layers.rope import RopeScaling, deinterleaved
+from draft_circuit.ops.moe import FP8
 
 __all__ = ["MlaConfig", "INV_FREQ", "LATENT_EPS", "mla_checkpoint_shapes", "mla_param_shapes",
-           "bind_mla_attention", "emit_mla_attention", "mla_cache_shapes"]
+           "mla_param_specs", "bind_mla_attention", "emit_mla_attention", "mla_cache_shapes", "MLA_PROJECTIONS"]
 
 INV_FREQ = "rope.inv_freq"  # f32 [qk_rope_head_dim / 2], shared by every layer and step
 LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm(rank) keeps its default eps
 _RANKS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# the linear weights among the params: fp8 when the layer keeps its projections fp8
+MLA_PROJECTIONS = tuple(f"self_attn.{p}.weight" for p in
+                        ("q_a_proj", "q_nope", "q_rope", "kv_a_latent", "kv_a_rope", "o_proj"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,34 +142,61 @@ def mla_param_shapes(c: MlaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mla_param_specs(c: MlaConfig, dtype: str, fp8: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of each attention param; with fp8 the projections are fp8 beside their
+    per-row scales (W_UK^T and W_UV, absorbed, stay in `dtype`)."""
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, shape in mla_param_shapes(c).items():
+        if fp8 and name in MLA_PROJECTIONS:
+            specs[name], specs[name + ROW_SCALE] = (FP8, shape), ("float32", row_scale_shape(shape))
+        else:
+            specs[name] = (dtype, shape)
+    return specs
+
+
 def mla_cache_shapes(c: MlaConfig, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(pe_cache, latent_cache) pool shapes: one head per row, the GQA pools' layout."""
     return (num_blocks, block_size, 1, c.qk_rope_head_dim), (num_blocks, block_size, 1, c.kv_lora_rank)
 
 
-def bind_mla_attention(c: MlaConfig, weights: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (real numbers, `prefix` + mla_checkpoint_shapes' names) -> the params of
-    mla_param_shapes under the same prefix, fp32: split, rope rows de-interleaved, kv_b absorbed."""
-    heads, r, p, dn, dv = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
-    a = prefix + "self_attn."
+def _row_sources(c: MlaConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """Each projection param as rows of a stored weight: (its name, the row indices)."""
+    heads, r, p, dn, qk = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.qk_head_dim
     order = deinterleaved(p) if c.rope_interleave else torch.arange(p)
+    per_head = torch.arange(heads)[:, None] * qk
+    q = "self_attn.q_b_proj.weight" if c.q_lora_rank is not None else "self_attn.q_proj.weight"
+    rows = {"self_attn.q_nope.weight": (q, (per_head + torch.arange(dn)).flatten()),
+            "self_attn.q_rope.weight": (q, (per_head + dn + order).flatten()),
+            "self_attn.kv_a_latent.weight": ("self_attn.kv_a_proj_with_mqa.weight", torch.arange(r)),
+            "self_attn.kv_a_rope.weight": ("self_attn.kv_a_proj_with_mqa.weight", r + order)}
+    for name in ("self_attn.o_proj.weight", *(("self_attn.q_a_proj.weight",) if c.q_lora_rank is not None else ())):
+        rows[name] = (name, torch.arange(mla_checkpoint_shapes(c)[name][0]))
+    return rows
+
+
+def bind_mla_attention(c: MlaConfig, weights: Mapping[str, torch.Tensor], prefix: str = "", *,
+                       fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (`prefix` + mla_checkpoint_shapes' names, fp8 ones beside their
+    `_scale_inv`) -> the params of mla_param_specs under the same prefix: projections split and
+    their rope rows de-interleaved (fp32, or with fp8 as fp8 rows and row scales), norms fp32,
+    kv_b_proj absorbed as W_UK^T and W_UV (fp32)."""
+    heads, r, dn, dv = c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
+    a = prefix + "self_attn."
     out: dict[str, torch.Tensor] = {}
-    if c.q_lora_rank is not None:
-        out[a + "q_a_proj.weight"] = weights[a + "q_a_proj.weight"].float()
-        out[a + "q_a_layernorm.weight"] = weights[a + "q_a_layernorm.weight"].float()
-        q = weights[a + "q_b_proj.weight"].float()
-    else:
-        q = weights[a + "q_proj.weight"].float()
-    q = q.view(heads, c.qk_head_dim, -1)
-    out[a + "q_nope.weight"] = q[:, :dn].reshape(heads * dn, -1)
-    out[a + "q_rope.weight"] = q[:, dn:][:, order].reshape(heads * p, -1)
-    kv_a = weights[a + "kv_a_proj_with_mqa.weight"].float()
-    out[a + "kv_a_latent.weight"], out[a + "kv_a_rope.weight"] = kv_a[:r], kv_a[r:][order]
-    out[a + "kv_a_layernorm.weight"] = weights[a + "kv_a_layernorm.weight"].float()
-    kv_b = weights[a + "kv_b_proj.weight"].float().view(heads, dn + dv, r)
-    out[a + "w_uk_t"], out[a + "w_uv"] = kv_b[:, :dn].transpose(1, 2), kv_b[:, dn:]
-    out[a + "o_proj.weight"] = weights[a + "o_proj.weight"].float()
-    return {k: v.contiguous() for k, v in out.items()}
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, (source, index) in _row_sources(c).items():
+        if fp8:
+            if source not in stored:
+                stored[source] = fp8_rows(weights, prefix + source)
+            w, scale = stored[source]
+            out[prefix + name], out[prefix + name + ROW_SCALE] = take_rows(w, index), scale[index].contiguous()
+        else:
+            out[prefix + name] = _real(weights, prefix + source).float()[index].contiguous()
+    for norm in ("kv_a_layernorm", *(("q_a_layernorm",) if c.q_lora_rank is not None else ())):
+        out[a + norm + ".weight"] = _real(weights, a + norm + ".weight").float()
+    kv_b = _real(weights, a + "kv_b_proj.weight").float().view(heads, dn + dv, r)
+    out[a + "w_uk_t"], out[a + "w_uv"] = kv_b[:, :dn].transpose(1, 2).contiguous(), kv_b[:, dn:].contiguous()
+    return out
 
 
 def emit_mla_attention(b: CircuitBuilder, c: MlaConfig, prefix: str, x: str, positions: str, tables: str,
@@ -175,13 +209,13 @@ def emit_mla_attention(b: CircuitBuilder, c: MlaConfig, prefix: str, x: str, pos
     rope = {"head_dim": c.qk_rope_head_dim, "attention_factor": c.rope.attention_factor, "pos_offset": step}
     q_in = x
     if c.q_lora_rank is not None:
-        q_in = b.op1("rmsnorm", [b.op1("linear", [x, a + "q_a_proj.weight"], name="q_a_proj"),
+        q_in = b.op1("rmsnorm", [emit_linear(b, x, a + "q_a_proj.weight", "q_a_proj"),
                                  a + "q_a_layernorm.weight"], {"eps": LATENT_EPS}, name="q_a_layernorm")
-    q_nope = b.op1("linear", [q_in, a + "q_nope.weight"], name="q_nope_proj")      # [n, H*Dn]
-    q_pe = b.op1("linear", [q_in, a + "q_rope.weight"], name="q_rope_proj")        # [n, H*P]
-    latent = b.op1("rmsnorm", [b.op1("linear", [x, a + "kv_a_latent.weight"], name="kv_a_latent_proj"),
+    q_nope = emit_linear(b, q_in, a + "q_nope.weight", "q_nope_proj")      # [n, H*Dn]
+    q_pe = emit_linear(b, q_in, a + "q_rope.weight", "q_rope_proj")        # [n, H*P]
+    latent = b.op1("rmsnorm", [emit_linear(b, x, a + "kv_a_latent.weight", "kv_a_latent_proj"),
                                a + "kv_a_layernorm.weight"], {"eps": LATENT_EPS}, name="kv_a_layernorm")
-    k_pe = b.op1("linear", [x, a + "kv_a_rope.weight"], name="kv_a_rope_proj")     # [n, P]
+    k_pe = emit_linear(b, x, a + "kv_a_rope.weight", "kv_a_rope_proj")     # [n, P]
     q_pe = b.op1("rope_freqs", [q_pe, positions, INV_FREQ], rope, name="rope_q")
     k_pe = b.op1("rope_freqs", [k_pe, positions, INV_FREQ], rope, name="rope_k")
     pe_cache, latent_cache = b.op("mla_kv_write", [pe_cache, latent_cache, latent, k_pe, tables, live, active],
@@ -190,4 +224,4 @@ def emit_mla_attention(b: CircuitBuilder, c: MlaConfig, prefix: str, x: str, pos
     o = b.op1("mla_decode_attention", [q_lat, q_pe, pe_cache, latent_cache, tables, live],
               {"scale": c.softmax_scale, "row_offset": step}, name="attention")
     o = b.op1("head_linear", [o, a + "w_uv"], name="absorb_uv")                    # [n, H*Dv]
-    return b.op1("linear", [o, a + "o_proj.weight"], name="o_proj"), pe_cache, latent_cache
+    return emit_linear(b, o, a + "o_proj.weight", "o_proj"), pe_cache, latent_cache

@@ -59,6 +59,7 @@ EXAMPLES = {
     "rope_freqs": ([S("float32", ROW, 2 * D), S("int32", ROW), S("float32", D // 2)],
                    {"head_dim": D, "attention_factor": 1.2, "pos_offset": 1}),
     "head_linear": ([S("float32", ROW, 3 * 5), S("float32", 3, 4, 5)], {}),
+    "linear_fp8": ([S("float32", ROW, 130), S("float8_e4m3fn", 5, 130), S("float32", 5, 2)], {}),
     "mla_kv_write": ([S("float32", NB, BS, 1, 4), S("float32", NB, BS, 1, 6), S("float32", ROW, 6),
                       S("float32", ROW, 4), S("int32", ROW, 3), S("int32", ROW), S("int32", ROW)],
                      {"row_offset": 1}),
@@ -196,4 +197,5 @@ def test_interpretable_bindings_match_their_references():
     assert {"triton_rmsnorm", "triton_add_rmsnorm", "triton_silu_mul", "triton_linear",
             "triton_linear_silu_mul", "triton_rope_kv_write", "triton_argmax_logprob",
             "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped",
-            "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode"} <= ran
+            "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode",
+            "triton_linear_fp8"} <= ran
