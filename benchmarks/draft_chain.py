@@ -19,7 +19,11 @@ floor: the bytes the chain must move (k x every MTP weight but the embedding tab
 KV rows each step reads, plus small activations; a MoE config counts, instead of every expert,
 k x the expected distinct experts its rows select) over the device-to-device copy bandwidth
 measured in the same run. `--configs moe` (not in the default) runs a MoE MTP layer
-(MoeMtpHead; the torch peer's MoE MLP is torch_mtp.moe_mlp). Results go to `--out` (JSON) and `--results-md` (markdown), rewritten
+(MoeMtpHead; the torch peer's MoE MLP is torch_mtp.moe_mlp). `--configs 8b_vocab32k` runs the 8B
+chain over a 32,768-id draft vocabulary (every strategy; its circuit time is also given over the
+`8b` chain's floor, issue 18's target), `eagle3_8b` the EAGLE-3 drafter at its published 8B
+shapes (circuit strategies only, checked against the project's eager oracle; draft_heads.py).
+Results go to `--out` (JSON) and `--results-md` (markdown), rewritten
 after every config so a run cut short still leaves its numbers. torch_compile runs last, after
 every config's other strategies (its compiles are the slowest and least certain part); a
 (width, strategy) not started by `--deadline-s` is recorded as skipped.
@@ -52,6 +56,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import draft_heads as dh  # noqa: E402
 from benchmarks import torch_mtp as tm  # noqa: E402
 from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig  # noqa: E402
 from draft_circuit.circuit.layers.moe import BIAS, MoeConfig, moe_checkpoint_shapes  # noqa: E402
@@ -59,6 +64,9 @@ from draft_circuit.ops.moe import expected_distinct_experts  # noqa: E402
 
 STRATEGIES = ("eager", "torch_compile", "graph_per_step", "graph_whole_chain", "circuit",
               "circuit_fast")
+PEER_STRATEGIES = ("eager", "torch_compile", "graph_per_step", "graph_whole_chain")  # torch_mtp's
+NO_PEER = ("skipped: no plain-torch peer for EAGLE-3 (circuit strategies only; drafts_agree_eager "
+           "compares them with the project's eager oracle)")
 PHASE_B = ("torch_compile",)  # run after every config's other strategies (slowest to set up)
 INPUT_NAMES = ("tokens", "hidden", "positions", "block_tables", "live_rows")
 
@@ -81,6 +89,10 @@ CONFIGS: dict[str, MtpConfig] = {
                      moe_intermediate_size=1408, n_group=8, topk_group=4,
                      routed_scaling_factor=2.5, scoring_func="sigmoid"),
 }
+# issue 18: the 8B chain over FR-Spec's 32,768 most frequent ids (dh.DRAFT_VOCABS) against "8b",
+# and the EAGLE-3 drafter at its published 8B shapes
+CONFIGS["8b_vocab32k"] = CONFIGS["8b"]
+CONFIGS["eagle3_8b"] = dh.EAGLE3_8B
 DEFAULT_CONFIGS = "small,8b"  # moe only when asked: its setup would delay the others' phase B
 DRY_CONFIG = MtpConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -126,8 +138,11 @@ def expert_bytes(config: MoeConfig, dtype_bytes: int) -> int:
 
 
 def floor_bytes(config: MtpConfig, width: int, num_drafts: int, kv_rows: float,
-                dtype_bytes: int = 2, max_blocks: int = 64) -> dict[str, float]:
+                dtype_bytes: int = 2, max_blocks: int = 64,
+                draft_vocab: int | None = None) -> dict[str, float]:
     """The fewest bytes a k-step chain over `width` rows moves, by part.
+    `draft_vocab` S: the lm-head reads S rows; an Eagle3Config: its own weights (fc once, the
+    lm-head over its draft vocabulary, or S of it) and a 3-hidden-wide input (draft_heads.py).
 
     weights: k x weight_bytes. kv_read: step j reads kv_rows + j + 1 rows (K and V) of every
     sequence. kv_write: one K and V row a sequence a step. activations: inputs read once
@@ -139,11 +154,16 @@ def floor_bytes(config: MtpConfig, width: int, num_drafts: int, kv_rows: float,
     h, eb, k = config.hidden_size, dtype_bytes, num_drafts
     kv_row = 2 * config.num_key_value_heads * config.head_dim * eb
     rows_read = sum(kv_rows + j + 1 for j in range(k))
+    if dh.is_eagle3(config) or draft_vocab:  # a smaller lm-head; EAGLE-3 reads fc once
+        step, once = dh.head_bytes(config, eb, draft_vocab)
+        weights = k * step + once
+    else:
+        weights = k * weight_bytes(config, eb)
     parts = {
-        "weights": float(k * weight_bytes(config, eb)),
+        "weights": float(weights),
         "kv_read": float(width * rows_read * kv_row),
         "kv_write": float(width * k * kv_row),
-        "activations": float(width * (3 * 4 + h * eb + max_blocks * 4      # inputs
+        "activations": float(width * (3 * 4 + dh.hidden_in(config) * eb + max_blocks * 4  # inputs
                                       + 2 * 4 * k + h * eb                  # outputs
                                       + k * h * eb)),                       # embedding rows
     }
@@ -302,12 +322,19 @@ class Bench:
     def __init__(self, name: str, config: MtpConfig, s: Settings) -> None:
         from draft_circuit.circuit.layers.moe import MoeMtpHead
         from draft_circuit.circuit.layers.mtp import MtpHead
+        from draft_circuit.circuit.layers.draft_vocab import bind_draft_vocab
         self.name, self.config, self.s = name, config, s
         self.head = (MoeMtpHead(config, s.dtype_name) if isinstance(config, MoeConfig)
-                     else MtpHead(config, s.dtype_name))
-        weights = random_weights(config, s)
+                     else dh.make_head(config, s.dtype_name))
+        self.draft_vocab = dh.DRAFT_VOCABS.get(name)
+        self.peer = not dh.is_eagle3(config)  # torch_mtp runs MTP heads (over any vocabulary)
+        weights = (dh.random_eagle3_weights(config, s.device, s.dtype, s.seed) if not self.peer
+                   else random_weights(config, s))
         self.params = self.head.bind(weights)
         del weights  # gate and up live on only inside gate_up
+        if self.draft_vocab:
+            vocab = dh.subset_vocab(config.vocab_size, self.draft_vocab, s.seed)
+            self.params = bind_draft_vocab(self.params, self.head, vocab)
         dev, c = s.device, config
         g = torch.Generator(device="cpu").manual_seed(s.seed + 1)
         self.num_blocks = 1 + s.num_sets * s.max_width * s.max_blocks
@@ -324,7 +351,7 @@ class Bench:
             inputs = {
                 "tokens": torch.randint(0, c.vocab_size, (s.max_width,), generator=g,
                                         dtype=torch.int32),
-                "hidden": torch.randn(s.max_width, c.hidden_size, generator=g).to(s.dtype),
+                "hidden": torch.randn(s.max_width, dh.hidden_in(c), generator=g).to(s.dtype),
                 "positions": lives + torch.randint(0, 50, (s.max_width,), generator=g,
                                                    dtype=torch.int32),
                 "block_tables": tables[i].clone(),
@@ -348,9 +375,20 @@ class Bench:
         return {k: self.sets[i][k][:n] for k in names}
 
     def eager_chain(self, inp: dict[str, torch.Tensor]):
+        if not self.peer:  # the project's oracle: the reference every draft is checked against
+            return (self.oracle().run({**inp, "active": torch.ones_like(inp["tokens"])})["drafts"],)
         return tm.mtp_chain(self.params, self.shape, self.freqs, self.s.num_drafts,
                             inp["tokens"], inp["hidden"], inp["positions"], inp["block_tables"],
                             inp["live_rows"], self.k_cache, self.v_cache)
+
+    def oracle(self):
+        from draft_circuit.circuit.layers.mtp import emit_draft_chain
+        from draft_circuit.runners.eager import EagerRunner
+        if not hasattr(self, "_oracle"):
+            chain = emit_draft_chain(self.head, self.s.num_drafts, max_width=self.s.max_width, kv=self.kv(),
+                                     draft_vocab=self.draft_vocab)
+            self._oracle = EagerRunner(chain, self.params, {"k_cache": self.k_cache, "v_cache": self.v_cache})
+        return self._oracle
 
     def kv(self):
         from draft_circuit.circuit.layers.mtp import KvLayout
@@ -428,7 +466,8 @@ class CircuitBuild:
         from draft_circuit.circuit.layers.mtp import emit_draft_chain
         from draft_circuit.runners.draft import CircuitDraftRunner
         s = b.s
-        chain = emit_draft_chain(b.head, s.num_drafts, max_width=s.max_width, kv=b.kv())
+        chain = emit_draft_chain(b.head, s.num_drafts, max_width=s.max_width, kv=b.kv(),
+                                 draft_vocab=b.draft_vocab)
         options = CompileOptions(kv_rows=round(b.mean_live), bandwidth_gbps=bandwidth_gbps,
                                  width_independent=not fast)
         t = time.perf_counter()
@@ -609,11 +648,13 @@ class Run:
         floors = {}
         for n in s.widths:
             live = b.mean_live_at(n)
-            parts = floor_bytes(c, n, s.num_drafts, live, b.dtype_bytes, s.max_blocks)
+            parts = floor_bytes(c, n, s.num_drafts, live, b.dtype_bytes, s.max_blocks, b.draft_vocab)
             floors[str(n)] = {"bytes": parts, "mean_live_rows": live,
                               "floor_us": floor_us(parts["total"], self.bw)}
         self.results[name] = {
             "config": asdict(c), "dtype": s.dtype_name, "num_drafts": s.num_drafts,
+            "head": type(b.head).__name__, "draft_vocab": b.draft_vocab,
+            "full_vocab_config": dh.FULL_VOCAB_PEER.get(name),
             "weight_bytes_per_step": weight_bytes(c, b.dtype_bytes),
             **({"expert_bytes": expert_bytes(c, b.dtype_bytes),
                 "expected_distinct_experts": {
@@ -669,6 +710,9 @@ class Run:
                 free_memory(s.device)
         for n in s.widths:
             for strategy in todo:
+                if strategy in PEER_STRATEGIES and not b.peer:
+                    self.record(name, n, strategy, {"error": NO_PEER})
+                    continue
                 if strategy == "eager":
                     make = lambda: case_eager(b, n)  # noqa: E731
                 elif strategy in ("graph_per_step", "graph_whole_chain"):
@@ -692,6 +736,11 @@ class Run:
             self.results[name]["torch_compile"] = {"error": "skipped: past --deadline-s"}
             for n in s.widths:
                 self.record(name, n, "torch_compile", {"error": "skipped: past --deadline-s"})
+            return
+        if dh.is_eagle3(self.configs[name]):
+            self.results[name]["torch_compile"] = {"error": NO_PEER}
+            for n in s.widths:
+                self.record(name, n, "torch_compile", {"error": NO_PEER})
             return
         log(f"{name}: torch_compile: setting up again (same seeds: same weights and inputs)")
         b = Bench(name, self.configs[name], s)
@@ -752,11 +801,14 @@ class Run:
             for n, row in cfg["widths"].items():
                 fl = cfg["floors"][n]["floor_us"]
                 circ = row.get("circuit", {}).get("median_us")
+                full = self.results.get(cfg.get("full_vocab_config") or "", {}).get("floors", {}).get(n)
                 for entry in row.values():
                     if "median_us" in entry:
                         entry["floor_us"] = fl
                         entry["x_floor"] = entry["median_us"] / fl
                         entry["x_circuit"] = entry["median_us"] / circ if circ else None
+                        if full:  # issue 18's target: the subset chain over the full chain's floor
+                            entry["x_full_vocab_floor"] = entry["median_us"] / full["floor_us"]
 
     def payload(self, partial: bool) -> dict[str, Any]:
         s, dev = self.s, self.s.device
@@ -840,11 +892,27 @@ def _moe_text(c: dict[str, Any]) -> str:
             f"expected distinct experts selected")
 
 
+def _vocab_text(cfg: dict[str, Any]) -> str:
+    c, size = cfg["config"], cfg.get("draft_vocab")
+    if "draft_vocab_size" in c:
+        return (f"; EAGLE-3: fc over 3 x {c['target_hidden_size']}, lm-head over "
+                f"{size or c['draft_vocab_size']} draft ids")
+    return f"; lm-head over a {size}-id draft vocabulary" if size else ""
+
+
+def _full_vocab_line(cfg: dict[str, Any]) -> list[str]:
+    """The subset chain's circuit time over the full-vocabulary chain's floor (issue 18's target)."""
+    cells = [f"n={n} {row['circuit']['x_full_vocab_floor']:.2f}x"
+             for n, row in sorted(cfg["widths"].items(), key=lambda kv: int(kv[0]))
+             if "x_full_vocab_floor" in (row.get("circuit") or {})]
+    return [f"- circuit over the `{cfg['full_vocab_config']}` chain's floor: {', '.join(cells)}"] if cells else []
+
+
 def config_markdown(name: str, cfg: dict[str, Any], strategies: list[str]) -> str:
     c = cfg["config"]
     lines = [f"### {name}: hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
              f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads x {c['head_dim']}, "
-             f"vocab {c['vocab_size']}{_moe_text(c)} ({cfg['dtype']}, k = {cfg['num_drafts']}, "
+             f"vocab {c['vocab_size']}{_moe_text(c)}{_vocab_text(cfg)} ({cfg['dtype']}, k = {cfg['num_drafts']}, "
              f"mean live {cfg['mean_live_rows']:.1f} rows)", "",
              "Median us per chain (x floor, x circuit).", ""]
     head = ["n", "floor us", "circuit launches/step", *strategies]
@@ -856,6 +924,7 @@ def config_markdown(name: str, cfg: dict[str, Any], strategies: list[str]) -> st
                  *[_cell(row.get(st)) for st in strategies]]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    lines += _full_vocab_line(cfg)
     errors = sorted({f"{st}: {e['error']}" for row in cfg["widths"].values()
                      for st, e in row.items() if "error" in e})
     for e in [*errors, *cfg.get("errors", [])]:
@@ -963,7 +1032,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"comma list of {', '.join(CONFIGS)} (--dry-run: a dense name runs the "
-                        "tiny config, moe the tiny MoE one)")
+                        "tiny config, moe the tiny MoE one, 8b_vocab32k tiny and tiny_vocab, "
+                        "eagle3_8b a tiny EAGLE-3)")
     p.add_argument("--widths", default="1,2,4,8,16,32,64")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--num-drafts", type=int, default=4)
@@ -1021,6 +1091,11 @@ def build(args: argparse.Namespace) -> tuple[Settings, dict[str, MtpConfig], lis
         for n in names:
             if isinstance(CONFIGS[n], MoeConfig):
                 configs["tiny_moe"] = DRY_MOE_CONFIG
+            elif dh.is_eagle3(CONFIGS[n]):
+                configs["tiny_eagle3"] = dh.DRY_EAGLE3
+            elif n in dh.DRAFT_VOCABS:
+                configs["tiny"] = DRY_CONFIG  # the full-vocabulary peer, first
+                configs["tiny_vocab"] = DRY_CONFIG
             else:
                 configs["tiny"] = DRY_CONFIG
         s = Settings(device=device, dtype=torch.float32, num_drafts=args.num_drafts,

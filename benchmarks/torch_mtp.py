@@ -8,6 +8,7 @@ no host syncs, no `.item()`, no data-dependent shapes, no boolean-mask indexing.
 Weights are the params `MtpHead.bind` returns (canonical names, `mlp.gate_up_proj.weight` as one
 [2I, H] matrix), so one dict serves the circuit and every torch strategy. A MoeConfig's step runs
 `moe_mlp` (the params of `MoeMtpHead.bind`: stacked [E, 2I, H] / [E, H, I] experts) instead.
+Params of `bind_draft_vocab` (a reduced draft vocabulary) map each argmax through `draft_vocab.ids`.
 
 Attention gathers a fixed number of blocks per sequence through the block table (`attn_blocks`,
 static for a whole run: enough for the longest live + k rows), masks rows past each sequence's
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.draft_vocab import DRAFT_VOCAB_IDS
 from draft_circuit.circuit.layers.moe import (BIAS, EXPERTS_DOWN, EXPERTS_GATE_UP, GATE, SHARED_DOWN, SHARED_GATE_UP,
                             MoeConfig)
 from draft_circuit.ops.moe import MoeRouteAttrs, route_select
@@ -190,8 +192,10 @@ def mtp_step(w: Mapping[str, torch.Tensor], shape: StepShape, freqs: torch.Tenso
     m = rmsnorm(x, w["post_attention_layernorm.weight"], eps)
     x = x + (moe_mlp(w, c, m) if isinstance(c, MoeConfig) else dense_mlp(w, m))
     logits = F.linear(rmsnorm(x, w["shared_head.norm.weight"], eps), w["shared_head.head.weight"]).float()
-    token = logits.argmax(dim=-1)
-    logprob = logits.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    best = logits.argmax(dim=-1)
+    logprob = logits.gather(1, best.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    ids = w.get(DRAFT_VOCAB_IDS)  # a reduced draft vocabulary: the lm-head row's target id
+    token = best if ids is None else ids[best]
     return token.to(torch.int32), logprob, x
 
 
