@@ -65,8 +65,7 @@ class MtpProposer:
         self.widths = tuple(sorted({1, *(w for w in widths if w <= max_width)}))
         self.kv_exact, self.refeed, self.forward = kv_exact, refeed, forward
         self.pool = BlockPool(num_blocks, reserved=1)  # block 0: the scratch block
-        self.states = drafter_pools(head.config, getattr(torch, head.dtype), self.kv, max_width,
-                                    device)
+        self.states = drafter_pools(head, self.kv, max_width, device)
         if factory is None:
             factory = compiled_runners(self.widths, device=device) if forward == "circuit" \
                 else eager_runner

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from draft_circuit.circuit.layers.config import MtpConfig
-from draft_circuit.circuit.layers.mtp import KvLayout
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
 from draft_circuit.ops.tokens import TokenError
 from draft_circuit.ops.sampling import mask_words
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
@@ -28,13 +28,16 @@ def confidence_log_tau(tau: float | None) -> float:
     return math.log(tau)
 
 
-def drafter_pools(config: MtpConfig, dtype: torch.dtype, kv: KvLayout, max_width: int,
+def drafter_pools(head: MtpHead, kv: KvLayout, max_width: int,
                   device: str | torch.device) -> dict[str, torch.Tensor]:
-    """The chains' states: the paged drafter-KV pools and the embed target (one row a sequence)."""
-    shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
-    return {"k_cache": torch.zeros(shape, dtype=dtype, device=device),
-            "v_cache": torch.zeros(shape, dtype=dtype, device=device),
-            "embed_target": torch.zeros(max_width, config.hidden_size, dtype=dtype, device=device)}
+    """The chains' states: the paged drafter-KV pools in the shapes the head declares (GQA's K
+    and V, an MLA head's roped keys and latents) and the embed target (one row a sequence)."""
+    dtype = getattr(torch, head.dtype)
+    k_shape, v_shape = head.cache_shapes(kv)
+    return {"k_cache": torch.zeros(k_shape, dtype=dtype, device=device),
+            "v_cache": torch.zeros(v_shape, dtype=dtype, device=device),
+            "embed_target": torch.zeros(max_width, head.config.hidden_size, dtype=dtype,
+                                        device=device)}
 
 
 def check_tokens(tokens: Sequence[int], vocab: int, where: str = "") -> None:

@@ -132,3 +132,18 @@ def test_no_branch_on_a_runners_type_in_the_proposer_or_the_engine():
                     "GraphRunner"}
     for path in files:
         assert not _isinstance_targets(path) & runner_types, path.name
+
+
+def test_drafter_pools_take_the_shapes_the_head_declares():
+    # an MLA head's pools are roped keys and latents, not GQA's K and V: the proposer must
+    # allocate what head.cache_shapes says (regression: it assumed kv_heads x head_dim)
+    from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
+    from draft_circuit.runners.proposer_inputs import drafter_pools
+    from test_proposer import CFG
+
+    class OtherPools(MtpHead):
+        def cache_shapes(self, kv):
+            return (kv.num_blocks, kv.block_size, 1, 8), (kv.num_blocks, kv.block_size, 1, 24)
+    pools = drafter_pools(OtherPools(CFG), KvLayout(5, 4, 2), 3, "cpu")
+    assert pools["k_cache"].shape == (5, 4, 1, 8) and pools["v_cache"].shape == (5, 4, 1, 24)
+    assert pools["embed_target"].shape == (3, CFG.hidden_size)
