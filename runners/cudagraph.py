@@ -20,7 +20,7 @@ import torch
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
-from draft_circuit.runners.program import ProgramRunner, debug_level
+from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level
 from draft_circuit.runners.device import cuda_available
 
 log = logging.getLogger(__name__)
@@ -123,10 +123,15 @@ class GraphRunner:
         return self.program.static_inputs
 
     def execute(self, n: int) -> None:
-        """Replay width n over whatever the static inputs hold."""
-        if self._debug and any(t.data_ptr() != self._ptrs[k]
-                               for k, t in self.program.static_inputs.items()):
-            raise CaptureError("a static input buffer was rebound; copy into it instead")
+        """Replay width n over whatever the static inputs hold. Under CIRCUIT_DEBUG>=1 first check
+        that nothing the graph reads was rebound: an entry of `input_buffers(n)` replaced or its
+        storage swapped, or a max-width static buffer moved (`RebindError`; host-side only)."""
+        if self._debug:
+            self.program.check_bindings(n)
+            for k, t in self.program.static_inputs.items():
+                if t.data_ptr() != self._ptrs[k]:
+                    raise RebindError(f"static input buffer {k!r} was rebound; copy into it "
+                                      f"instead")
         self.graphs[n].replay()
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,7 +139,6 @@ class GraphRunner:
         n = check_inputs(self.compiled.circuit, inputs)
         if n not in self.graphs:
             raise WidthError(f"width {n} is not captured; captured: {list(self.widths)}")
-        for name, dst in self.program.input_buffers(n).items():
-            dst.copy_(inputs[name], non_blocking=True)
+        self.program.copy_in(n, inputs)
         self.execute(n)
         return self.program.output_buffers(n)

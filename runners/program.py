@@ -5,6 +5,11 @@ input and output buffers sized for the largest width (width n uses their leading
 and states. `run` copies the call's inputs into the static buffers, runs the launch list and
 returns the static outputs: the next call overwrites them (copy what you keep). The hot path
 allocates no tensors of its own; on CPU a reference op may use temporaries inside itself.
+
+`input_buffers(n)` hands out the static input views themselves: copy into them, never replace
+an entry (the launches stay bound to the original views, so a replaced entry is never read).
+Under CIRCUIT_DEBUG>=1 every `run`/`execute` checks that each entry is still the bound view at
+its address and raises `RebindError` naming the input otherwise; at level 0 nothing is checked.
 """
 from __future__ import annotations
 
@@ -59,6 +64,10 @@ def kernel_launch(op_name: str, kernel: str) -> LaunchFn:
     raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
 
 
+class RebindError(RuntimeError):
+    """A static input buffer was replaced (or its storage swapped) instead of copied into."""
+
+
 class DebugLevelError(ValueError):
     """CIRCUIT_DEBUG holds something other than 0, 1, 2 or 3."""
 
@@ -102,6 +111,10 @@ class ProgramRunner:
         self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
                              if s.where == "output"}
                          for w, p in compiled.programs.items()}
+        # what the launches were bound to: the debug check compares the handed-out dicts to it
+        self._bound_inputs = {w: dict(views) for w, views in self._inputs.items()}
+        self._bound_ptrs = {w: {k: v.data_ptr() for k, v in views.items()}
+                            for w, views in self._inputs.items()}
         self._debug = debug_level() if debug is None else debug
 
     @property
@@ -112,8 +125,25 @@ class ProgramRunner:
         return self.compiled.serves(n)
 
     def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
-        """The static input views of width n (a graph runner copies into these)."""
+        """The static input views of width n: copy into them, never replace an entry (checked
+        under CIRCUIT_DEBUG>=1, `RebindError`)."""
         return self._inputs[n]
+
+    def copy_in(self, n: int, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Copy a checked width-n call's inputs into the views the launches are bound to."""
+        for name, dst in self._bound_inputs[n].items():
+            dst.copy_(inputs[name], non_blocking=True)
+
+    def check_bindings(self, n: int) -> None:
+        """Raise `RebindError` if an entry of `input_buffers(n)` was replaced, removed or had its
+        storage swapped (`set_`): the launches would read the stale original view."""
+        handed, bound, ptrs = self._inputs[n], self._bound_inputs[n], self._bound_ptrs[n]
+        for name, view in bound.items():
+            now = handed.get(name)
+            if now is not view or view.data_ptr() != ptrs[name]:
+                raise RebindError(f"static input {name!r} of width {n} was rebound (replaced, "
+                                  f"removed or its storage swapped); copy into "
+                                  f"input_buffers({n})[{name!r}] instead")
 
     def output_buffers(self, n: int) -> dict[str, torch.Tensor]:
         return self._outputs[n]
@@ -123,14 +153,16 @@ class ProgramRunner:
         n = check_inputs(self.circuit, inputs)
         if n not in self._bound:
             raise WidthError(f"width {n} has no program; compiled widths: {list(self.widths)}")
-        for name, dst in self._inputs[n].items():
-            dst.copy_(inputs[name], non_blocking=True)
+        self.copy_in(n, inputs)
         self.execute(n)
         return self._outputs[n]
 
     def execute(self, n: int) -> None:
         """The launch list of width n over the bound buffers: no checks, no copies, no allocation
-        (unless CIRCUIT_DEBUG >= 2 asks for per-launch checks; never under capture)."""
+        (unless CIRCUIT_DEBUG >= 1 asks for the rebinding check, >= 2 for per-launch checks;
+        never under capture)."""
+        if self._debug:
+            self.check_bindings(n)
         if self._debug >= 2:
             return self._execute_checked(n)
         for x in self._bound[n]:
