@@ -37,10 +37,13 @@ def add_chain_args(p: argparse.ArgumentParser) -> None:
                    help="for the floor time (default 4800, the H200's datasheet)")
     p.add_argument("--device", type=cli_args.device,
                    help="the device kernels are chosen for (default cuda: a plan needs no GPU)")
+    p.add_argument("--draft-vocab", metavar="N|FILE",
+                   help="draft over a reduced vocabulary: its N most frequent ids, or a token "
+                        "list (.json, .pt, .npy; circuit/layers/draft_vocab.py)")
 
 
 def fill_chain_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    given = [k for k in CHAIN_DEFAULTS if getattr(args, k, None) is not None]
+    given = [k for k in (*CHAIN_DEFAULTS, "draft_vocab") if getattr(args, k, None) is not None]
     if getattr(args, "report", None) is not None and (given or args.checkpoint is not None):
         flags = ", ".join("--" + k.replace("_", "-") for k in given + (["checkpoint"] if
                                                                        args.checkpoint else []))
@@ -67,12 +70,23 @@ def compile_chain(args: argparse.Namespace) -> CompiledDraft:
     max_width = max(args.widths)
     kv = KvLayout(num_blocks=max_width * blocks + 1, block_size=args.block_size,
                   max_blocks_per_seq=blocks)
-    chain = emit_draft_chain(head, args.num_drafts, max_width=max_width, kv=kv)
+    chain = emit_draft_chain(head, args.num_drafts, max_width=max_width, kv=kv,
+                             draft_vocab=_draft_vocab_size(args.draft_vocab, head.config.vocab_size))
     params = {v.name: torch.empty([int(d) for d in v.shape], device="meta", dtype=getattr(torch, v.dtype))
               for v in chain.values if v.kind == "param"}
     options = CompileOptions(kv_rows=args.kv_rows, bandwidth_gbps=args.bandwidth_gbps)
     return compile_draft(chain, params, args.widths, device=args.device, options=options,
                          notes={"head": describe_head(head), **head.plan_notes()})
+
+
+def _draft_vocab_size(text: str | None, vocab_size: int) -> int | None:
+    """--draft-vocab: an id count, or a token list whose size is the count (a plan needs no ids)."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    from draft_circuit.circuit.layers.draft_vocab import load_draft_vocab
+    return load_draft_vocab(Path(text), vocab_size).size
 
 
 def _kib(nbytes: int) -> str:

@@ -23,6 +23,8 @@ from draft_circuit.circuit.layers.families import (UnsupportedArchitectureError,
                                                    check_family, family_label)
 from draft_circuit.circuit.layers.tensor_checks import check_finite, check_stored_dtype, refuse_unimplemented
 from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, is_moe_hf_config, moe_checkpoint_shapes, quantize_blocks
+from draft_circuit.circuit.layers.deepseek import mtp_checkpoint_shapes
+from draft_circuit.circuit.layers.mla import MlaConfig, is_mla_hf_config
 from draft_circuit.ops.moe import SCALE_BLOCK, dequantize_blocks
 
 __all__ = [
@@ -115,6 +117,9 @@ def read_config(path: str | os.PathLike[str]) -> MtpConfig:
     table and every field that changes the math set to what the head implements (families.py)."""
     file = Path(path) / CONFIG_NAME
     d = _raw_config(Path(path))
+    if is_mla_hf_config(d) or d.get("model_type") == "deepseek_v3":  # MLA layers: MlaConfig reads them
+        check_family(d, source=os.fspath(file))
+        return MlaConfig.from_hf(d, source=os.fspath(file))
     check_family(d, source=os.fspath(file))
     return (MoeConfig if is_moe_hf_config(d) else MtpConfig).from_hf(d, source=os.fspath(file))
 
@@ -129,6 +134,8 @@ def _label(root: Path) -> str:
 
 def _layer_shapes(config: MtpConfig) -> dict[str, tuple[int, ...]]:
     """The MTP layer's canonical tensors: a MoE layer stores its experts one by one."""
+    if isinstance(config, MlaConfig):
+        return mtp_checkpoint_shapes(config)
     return moe_checkpoint_shapes(config) if isinstance(config, MoeConfig) else MTP_PARAM_SHAPES(config)
 
 
@@ -265,6 +272,9 @@ def load_target_weights(
     """
     root = Path(path)
     config = config if config is not None else read_config(root)
+    if isinstance(config, MlaConfig):  # DeepSeek-V3's layers (deepseek_checkpoint.py)
+        from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_target_weights
+        return load_deepseek_target_weights(root, config, dtype, device, strict=strict)
     inv = _inventory(root)
     for layer in range(config.num_hidden_layers):
         if (marker := f"model.layers.{layer}.eh_proj.weight") in inv.where:

@@ -47,6 +47,7 @@ class FieldRule:
 
     def violated(self, d: Mapping[str, Any]) -> bool:
         v = self.value(d)
+        v = tuple(v) if isinstance(v, list) else v  # JSON arrays; `allowed` holds tuples (hashable)
         # `True == 1` in Python: a bool field must be a bool, not an int that compares equal
         return not any(v == a and type(v) is type(a) or (_number(v) and _number(a) and v == a)
                        for a in self.allowed)
@@ -94,6 +95,8 @@ _TENSORS = ("any tensor inside a module the head runs that it has no use for (a 
             "`self_attn.q_norm` / `k_norm`, an MoE gate under a dense MLP): it changes that "
             "module's math")
 _MTP_NAMES = "DeepSeek-V3 MTP names (as for `llama`)"
+_DS_ROPE = "the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies, mscale in the softmax)"
+_DS_ROUTING = "routing is DeepSeek-V3's: sigmoid scores plus `e_score_correction_bias`, group-limited top-k"
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -113,11 +116,34 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "deepseek_v3", ("DeepseekV3ForCausalLM",),
-        drafter=f"{_MTP_NAMES}; MLA block (`self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj`, "
-                "`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`); MoE MLP",
-        loads="nothing", target="no: MLA and MoE layers", runs="no",
-        blocked=("MLA attention (`q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`): the layer "
-                 "library has no MLA head yet",),
+        drafter=f"{_MTP_NAMES}; MLA block (`self_attn.q_a_proj`, `q_a_layernorm`, `q_b_proj`, or "
+                "`q_proj` when `q_lora_rank` is null; `kv_a_proj_with_mqa`, `kv_a_layernorm`, "
+                "`kv_b_proj`, `o_proj`); MoE MLP; bf16, or fp8 e4m3 beside `weight_scale_inv`",
+        loads="target: `model.embed_tokens`, `model.layers.{l}` (MLA; dense MLP below "
+              "`first_k_dense_replace`, MoE from it), `model.norm`, `lm_head`; MTP layer at "
+              "`model.layers.{num_hidden_layers}`, its embed / head falling back to the target's",
+        target="yes: MLA + MoE layers from the layer library (circuit/layers/deepseek.py)",
+        runs="yes: `DeepseekMtpHead` (absorbed MLA decode over paged latent pools, YaRN, MoE; fp8 "
+             "projections and experts kept fp8)",
+        rules=(
+            FieldRule("hidden_act", ("silu",), "silu", "the MLP is SwiGLU (silu_mul)"),
+            *(FieldRule(f, ("default", "yarn"), "default", _DS_ROPE)
+              for f in ("rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type")),
+            FieldRule("attention_bias", (False,), False, "MLA's projections have no bias"),
+            FieldRule("scoring_func", ("sigmoid",), "sigmoid", _DS_ROUTING),
+            FieldRule("topk_method", ("noaux_tc",), "noaux_tc",
+                      "experts are chosen on scores plus `e_score_correction_bias` (noaux_tc)"),
+            FieldRule("moe_layer_freq", (1,), 1, "every layer from `first_k_dense_replace` on is MoE"),
+            FieldRule("ep_size", (1,), 1, "experts are not sharded across ranks (no cross-rank combine op)"),
+            FieldRule("quantization_config.quant_method", ("fp8",), "fp8",
+                      "a quantised weight is fp8 beside its `weight_scale_inv`"),
+            FieldRule("quantization_config.fmt", ("e4m3",), "e4m3", "fp8 weights are e4m3"),
+            FieldRule("quantization_config.weight_block_size", ((128, 128),), (128, 128),
+                      "a block scale covers 128x128 weights"),
+            FieldRule("quantization_config.activation_scheme", ("dynamic",), "dynamic",
+                      "activations stay in the head's dtype (weight-only fp8): there are no static "
+                      "activation scales to apply"),
+        ),
     ),
     Family(
         "qwen2", ("Qwen2ForCausalLM",),

@@ -13,8 +13,11 @@ from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config, Eagle3Head
 from draft_circuit.circuit.layers.eagle3_checkpoint import is_eagle3_checkpoint, load_eagle3_weights
+from draft_circuit.circuit.layers.deepseek import DeepseekMtpHead
+from draft_circuit.circuit.layers.mla import MlaConfig
 from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import MtpHead
+from draft_circuit.ops.moe import SCALE_BLOCK
 
 __all__ = ["head_for", "load_head", "describe_head"]
 
@@ -26,12 +29,26 @@ def _fp8_experts(config: MoeConfig, weights: dict[str, torch.Tensor]) -> bool:
                for n in names)
 
 
+def _fp8_projections(config: MlaConfig, weights: dict[str, torch.Tensor]) -> bool:
+    q = ("q_a_proj", "q_b_proj") if config.q_lora_rank is not None else ("q_proj",)
+    names = [f"self_attn.{p}.weight" for p in (*q, "kv_a_proj_with_mqa", "o_proj")]
+    return all(n in weights and weights[n].dtype == torch.float8_e4m3fn and n + SCALE in weights
+               for n in names)
+
+
 def head_for(config: MtpConfig, dtype: str = "float32",
              weights: dict[str, torch.Tensor] | None = None) -> MtpHead:
     """`weights` (canonical names, as `load_mtp_weights(keep_fp8=True)` gives them) decide
     whether the experts stay fp8; without them a MoE head's experts are in `dtype`."""
     if isinstance(config, Eagle3Config):
         return Eagle3Head(config, dtype)
+    if isinstance(config, MlaConfig):
+        # DeepSeek-V3: what is stored fp8 stays fp8; experts only where gate and up stack at a
+        # 128 scale block (else they are dequantised: the MoE kernel takes one scale per block)
+        stack = config.moe_intermediate_size % SCALE_BLOCK == 0
+        return DeepseekMtpHead(config, dtype,
+                               fp8_experts=weights is not None and stack and _fp8_experts(config, weights),
+                               fp8_dense=weights is not None and _fp8_projections(config, weights))
     if isinstance(config, MoeConfig):
         return MoeMtpHead(config, dtype, fp8_experts=weights is not None and _fp8_experts(config, weights))
     return MtpHead(config, dtype)
@@ -62,6 +79,12 @@ def describe_head(head: MtpHead) -> str:
         c3 = head.config
         return (f"Eagle3Head: fc over 3 x {c3.target_hidden_size} tapped hiddens, draft vocabulary "
                 f"{c3.draft_vocab_size} of {c3.vocab_size}, {head.dtype}")
+    if isinstance(head, DeepseekMtpHead):
+        d = head.config
+        stored = ", fp8 projections" if head.fp8_dense else ""
+        return (f"DeepseekMtpHead: MLA (kv_lora_rank {d.kv_lora_rank}, rope {d.qk_rope_head_dim}, "
+                f"{d.rope.rope_type}), {d.n_routed_experts} experts, top-{d.num_experts_per_tok}, "
+                f"{'fp8 e4m3' if head.fp8_experts else head.dtype} experts{stored}, {head.dtype}")
     if isinstance(head, MoeMtpHead):
         c = head.config
         experts = "fp8 e4m3 experts" if head.fp8_experts else f"{head.dtype} experts"

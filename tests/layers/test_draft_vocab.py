@@ -246,3 +246,19 @@ def test_a_list_for_another_vocabulary_is_refused():
     head = MtpHead(CFG)
     with pytest.raises(DraftVocabError, match="target vocabulary has 150"):
         bind_draft_vocab(head.bind(random_mtp_weights(CFG)), head, DraftVocab((1, 2), 200))
+
+
+def test_circuit_plan_takes_a_draft_vocabulary(tmp_path, capsys):
+    from draft_circuit.circuit.cli import main
+    args = ["plan", "--widths", "1", "--num-drafts", "2", "--device", "cpu"]
+    reports = {}
+    for name, extra in (("full", []), ("n", ["--draft-vocab", "64"]), ("file", ["--draft-vocab", str(tmp_path / "v.json")])):
+        if name == "file":
+            save_draft_vocab(tmp_path / "v.json", DraftVocab(tuple(range(64)), 256))
+        assert main([*args, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())["widths"][0]
+    assert reports["n"]["bytes_moved"] == reports["file"]["bytes_moved"]
+    # 2 steps x the 192 bf16 rows of 128 left out, less each step's map_ids (id, table entry, out)
+    assert reports["full"]["bytes_moved"] - reports["n"]["bytes_moved"] == 2 * (256 - 64) * 128 * 2 - 2 * 12
+    assert main([*args, "--draft-vocab", "300"]) == 2  # more ids than the embedded default's 256
+    assert "draft_vocab = 300" in capsys.readouterr().err
