@@ -94,6 +94,8 @@ class CircuitDraftRunner:
         self.plans = plan_widths(costs, compiled.max_width, policy) if costs else {}
         self._row_states = [n for n, v in root_states(compiled.circuit).items()
                             if v.shape and v.shape[0] == ROW]
+        # the split path's snapshot of each row-dim state (allocated once, not per run)
+        self._saved = {n: torch.empty_like(self.states[n]) for n in self._row_states}
         out = backend.output_buffers(compiled.max_width)
         # split results are gathered here: one buffer per output at the max width
         self._gathered = {k: torch.empty_like(v) for k, v in out.items()}
@@ -139,9 +141,15 @@ class CircuitDraftRunner:
         for w, rows in plan.parts:
             starts.append(offset)
             offset += rows
-        # highest offset first: a part writes row-dim states at rows 0..w-1, which are then
-        # moved to their place before a lower part can overwrite them
+        # a part runs at rows 0..rows-1 of each row-dim state, so it must see its own rows'
+        # values there (an inactive row keeps what it held, as in eager and padding) and not
+        # another part's: snapshot rows 0..n-1, hand each part its slice, then put it back at
+        # its offset. Highest offset first, so the part at offset 0 runs last, in place.
+        for name, snap in self._saved.items():
+            snap[:offset].copy_(self.states[name][:offset])
         for (w, rows), start in sorted(zip(plan.parts, starts), key=lambda p: -p[1]):
+            for name, snap in self._saved.items():
+                self.states[name][:rows].copy_(snap[start:start + rows])
             out = self._run_part(w, rows, start, inputs)
             for k, v in out.items():
                 self._gathered[k][start:start + rows].copy_(v)
