@@ -262,3 +262,16 @@ def test_circuit_plan_takes_a_draft_vocabulary(tmp_path, capsys):
     assert reports["full"]["bytes_moved"] - reports["n"]["bytes_moved"] == 2 * (256 - 64) * 128 * 2 - 2 * 12
     assert main([*args, "--draft-vocab", "300"]) == 2  # more ids than the embedded default's 256
     assert "draft_vocab = 300" in capsys.readouterr().err
+
+
+def test_a_moe_head_drafts_over_a_subset_too():
+    from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, random_moe_weights
+    moe = MoeConfig(**{**CFG.__dict__}, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    n_shared_experts=1)
+    head, vocab = MoeMtpHead(moe), subset(seed=5)
+    params = bind_draft_vocab(head.bind(random_moe_weights(moe, seed=1)), head, vocab)
+    chain = emit_draft_chain(head, K, max_width=4, kv=KV, draft_vocab=S)
+    batch = random_draft_batch(CFG, KV, 3, seed=6, num_drafts=K)
+    drafts = EagerRunner(chain, params, batch.clone_states()).run(batch.inputs)["drafts"]
+    assert params["shared_head.head.weight"].shape == (S, CFG.hidden_size)
+    assert set(drafts.flatten().tolist()) <= set(vocab.ids)
