@@ -5,6 +5,8 @@ allocated before any capture, so no address moves), make every static input row 
 each width, largest first, warm up and capture. A width whose capture fails is not served (the
 reason is logged and counted; `strict=True` raises instead) and the others keep working.
 Every CUDA call is behind `cuda_available()`, so importing this on a CPU-only torch is safe.
+Single-caller: a second thread entering `run`/`execute` while one is inside raises
+`ConcurrentCallError` (runners/single_caller.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level
 from draft_circuit.runners.device import cuda_available
+from draft_circuit.runners.single_caller import single_caller
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ def _progress(done: int, total: int, width: int) -> None:
             print(file=sys.stderr)
 
 
+@single_caller("run", "execute")
 class GraphRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, strict: bool = False, warmup: int = 2,

@@ -5,6 +5,7 @@ Every width 1..max_width is served by exactly one plan, chosen once by cost: its
 padding to a larger program (the extra rows inert), or a split into served widths (13 = 8 + 4 +
 1). A width nothing serves (beyond max_width, or refused by the policy) gives serves(n) False,
 never a silent slow path. Outputs are the runner's buffers: the next run overwrites them.
+Single-caller: a second thread entering `run` while one is inside raises `ConcurrentCallError`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from draft_circuit.circuit.binding import WidthError, check_inputs, root_states
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.protocol import DraftRunner, WidthPlan
+from draft_circuit.runners.single_caller import single_caller
 
 __all__ = ["Backend", "CircuitDraftRunner", "DraftRunner", "WidthPlan", "WidthPolicy", "plan_widths"]
 
@@ -73,6 +75,7 @@ def plan_widths(costs: Mapping[int, float], max_width: int, policy: WidthPolicy)
     return best
 
 
+@single_caller("run")
 class CircuitDraftRunner:
     """A compiled draft behind the `DraftRunner` protocol (graphs on CUDA, programs on CPU).
     Outputs are the backend's static buffers: the next run overwrites them."""

@@ -10,6 +10,8 @@ allocates no tensors of its own; on CPU a reference op may use temporaries insid
 an entry (the launches stay bound to the original views, so a replaced entry is never read).
 Under CIRCUIT_DEBUG>=1 every `run`/`execute` checks that each entry is still the bound view at
 its address and raises `RebindError` naming the input otherwise; at level 0 nothing is checked.
+Single-caller: a second thread entering `run`/`execute` while one is inside raises
+`ConcurrentCallError` (runners/single_caller.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.program import REFERENCE, Launch, Slot
 from draft_circuit.ops.registry import get_op, torch_dtype
 from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
+from draft_circuit.runners.single_caller import single_caller
 
 LaunchFn = Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any], None]
 
@@ -90,6 +93,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@single_caller("run", "execute")
 class ProgramRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor],
                  device: str | torch.device | None = None, debug: int | None = None) -> None:
