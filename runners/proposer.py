@@ -27,6 +27,7 @@ from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, cha
                                                    check_num_drafts, check_propose,
                                                    confidence_log_tau, drafter_pools)
 from draft_circuit.runners.proposer_rows import run_chain, write_rows
+from draft_circuit.runners.single_caller import single_caller
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, free_all,
                                                   install_kv, kept_drafts, record_drafts, settle,
                                                   take_kv, trim_after_verify)
@@ -43,6 +44,10 @@ def warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
+# single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
+@single_caller("propose", "propose_batch", "prefill_drafter", "catchup_drafter", "catchup_batch",
+               "after_verify", "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
+               "free_drafter_kv", "read_deferred_draft_token", "set_circuit_draft")
 class MtpProposer:
     def __init__(self, head: MtpHead, params: Mapping[str, torch.Tensor], *, num_drafts: int,
                  num_blocks: int, block_size: int = 16, max_blocks_per_seq: int,
