@@ -71,7 +71,8 @@ def compile_chain(args: argparse.Namespace) -> CompiledDraft:
     kv = KvLayout(num_blocks=max_width * blocks + 1, block_size=args.block_size,
                   max_blocks_per_seq=blocks)
     chain = emit_draft_chain(head, args.num_drafts, max_width=max_width, kv=kv,
-                             draft_vocab=_draft_vocab_size(args.draft_vocab, head.config.vocab_size))
+                             draft_vocab=_draft_vocab_size(getattr(args, "draft_vocab", None),
+                                                           head.config.vocab_size))
     params = {v.name: torch.empty([int(d) for d in v.shape], device="meta", dtype=getattr(torch, v.dtype))
               for v in chain.values if v.kind == "param"}
     options = CompileOptions(kv_rows=args.kv_rows, bandwidth_gbps=args.bandwidth_gbps)
