@@ -95,6 +95,7 @@ _TENSORS = ("any tensor inside a module the head runs that it has no use for (a 
             "`self_attn.q_norm` / `k_norm`, an MoE gate under a dense MLP): it changes that "
             "module's math")
 _MTP_NAMES = "DeepSeek-V3 MTP names (as for `llama`)"
+_EAGLE3_NO_BIAS = "the EAGLE-3 head's projections (`fc`, q/k/v, o, the MLP) have no bias"
 _DS_ROPE = "the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies, mscale in the softmax)"
 _DS_ROUTING = "routing is DeepSeek-V3's: sigmoid scores plus `e_score_correction_bias`, group-limited top-k"
 
@@ -193,9 +194,9 @@ FAMILIES: tuple[Family, ...] = (
             FieldRule("rope_parameters.rope_type", ("default",), "default", _ROPE),
             FieldRule("rope_scaling.rope_type", ("default",), "default", _ROPE),
             FieldRule("rope_scaling.type", ("default",), "default", _ROPE),
-            FieldRule("attention_bias", (False,), False, _NO_BIAS),
-            FieldRule("mlp_bias", (False,), False, _NO_BIAS),
-            FieldRule("bias", (False,), False, _NO_BIAS),
+            FieldRule("attention_bias", (False,), False, _EAGLE3_NO_BIAS),
+            FieldRule("mlp_bias", (False,), False, _EAGLE3_NO_BIAS),
+            FieldRule("bias", (False,), False, _EAGLE3_NO_BIAS),
             FieldRule("num_hidden_layers", (1,), 1, "the head runs one EAGLE-3 decoder layer (`midlayer`)"),
             FieldRule("tie_word_embeddings", (False,), False,
                       "the head reads its own `lm_head` over `draft_vocab_size` ids"),
