@@ -1,6 +1,8 @@
 """`python -m examples.engine`: greedy speculative decoding on a Llama + MTP checkpoint (the
 embedded byte-level default without --checkpoint), printing each request's continuation and a
-summary. Every bad input is an error before anything is generated (exit status 2)."""
+summary. Every bad input is one `error:` line before anything is loaded or generated (exit
+status 2): flags by their argparse types (circuit/cli_args.py) and the checks in `check_args`,
+checkpoints and prompts by `EngineError`."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from draft_circuit.circuit.cli_args import (DEFAULT_WIDTHS, MAX_NUM_DRAFTS, device, int_in,
+                                             require_usable_device, widths, writable_file)
 from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts,
                                          encode_prompts, load_checkpoint, read_prompts)
 from examples.engine.engine import Engine, EngineConfig
@@ -18,14 +22,34 @@ from examples.engine.report import ProgressBar, format_summary, summary
 from examples.engine.sequence import Request
 
 
-def _widths(text: str) -> tuple[int, ...]:
+# the engine drafts at most --max-batch sequences at once, and every width is a compiled program
+# (a CUDA graph on a GPU): a width past max(--max-batch, the largest default) never runs
+ENGINE_MAX_WIDTH = max(DEFAULT_WIDTHS)
+
+
+def _num_drafts(text: str) -> int:
+    """1..MAX_NUM_DRAFTS: the chain unrolls one step per draft, so its compile time, arena and
+    drafter-KV rows per sequence grow with k."""
+    value = int_in(1, None, "--num-drafts")(text)
+    if value > MAX_NUM_DRAFTS:
+        raise argparse.ArgumentTypeError(
+            f"--num-drafts must be <= {MAX_NUM_DRAFTS}, got {value}: the draft chain unrolls one "
+            f"step per draft, so compile time and the plan's arena grow with it")
+    return value
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks that need more than one flag or the machine; `ap.error` (exit 2) before any work."""
     try:
-        widths = tuple(sorted({int(w) for w in text.split(",") if w.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--widths {text!r}: a comma-separated list of ints")
-    if not widths or widths[0] < 1:
-        raise argparse.ArgumentTypeError(f"--widths {text!r}: widths must be >= 1")
-    return widths
+        require_usable_device(args.device)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    bound = max(ENGINE_MAX_WIDTH, args.max_batch)
+    if max(args.widths) > bound:
+        ap.error(f"--widths: width {max(args.widths)} is past {bound}: the engine drafts at most "
+                 f"--max-batch {args.max_batch} sequences at once (and {ENGINE_MAX_WIDTH} is the "
+                 f"largest default width), and every width is a compiled program, so it would "
+                 f"never run; give widths <= {bound} or raise --max-batch")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,28 +59,31 @@ def parser() -> argparse.ArgumentParser:
                     help="directory holding the MTP layer exported at model.layers.0")
     ap.add_argument("--forward", choices=("eager", "circuit"), default="circuit",
                     help="drafter: compiled n-row programs, or the eager oracle")
-    ap.add_argument("--num-drafts", type=int, default=4, metavar="K")
+    ap.add_argument("--num-drafts", type=_num_drafts, default=4, metavar="K",
+                    help=f"drafts per chain, 1..{MAX_NUM_DRAFTS}")
     ap.add_argument("--draft-confidence-stop", type=float, metavar="TAU",
                     help="stop a chain after the first draft whose top-1 probability is below "
                          "TAU (0 < TAU < 1)")
-    ap.add_argument("--widths", type=_widths, default=(1, 2, 4, 8, 16, 32, 64),
-                    help="draft program widths, e.g. 1,2,4,8")
+    ap.add_argument("--widths", type=widths, default=DEFAULT_WIDTHS,
+                    help=f"draft program widths, e.g. 1,2,4,8 (each <= max({ENGINE_MAX_WIDTH}, "
+                         "--max-batch))")
     ap.add_argument("--prompts", type=Path,
                     help="JSON list of strings (byte-level models) or of token-id lists")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--kv-blocks", type=int, default=1024, help="blocks per KV pool (16 rows each)")
-    ap.add_argument("--max-rows", type=int, default=1024,
+    ap.add_argument("--max-new-tokens", type=int_in(1, None, "--max-new-tokens"), default=64)
+    ap.add_argument("--max-batch", type=int_in(1, None, "--max-batch"), default=4)
+    ap.add_argument("--kv-blocks", type=int_in(2, None, "--kv-blocks"), default=1024,
+                    help="blocks per KV pool (16 rows each; block 0 is the scratch block, so >= 2)")
+    ap.add_argument("--max-rows", type=int_in(1, None, "--max-rows"), default=1024,
                     help="rows per target pass (a longer prefill runs in chunks)")
     ap.add_argument("--target-forward", choices=("eager", "circuit"),
                     help="target: the eager runner, or compiled programs padded to power-of-two "
                          "row counts (default: circuit on CUDA, eager on CPU)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--threads", type=int_in(1, None, "--threads"), default=1,
                     help="torch CPU threads (default 1: the ops are small, threads only add waits)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--no-speculation", action="store_true", help="target-only greedy (the baseline)")
-    ap.add_argument("--summary-json", type=Path, help="write the summary and every request's ids here")
+    ap.add_argument("--summary-json", type=writable_file, help="write the summary and every request's ids here")
     ap.add_argument("--quiet", action="store_true", help="no progress bar and no per-request text")
     ap.add_argument("--progress", action="store_true",
                     help="draw the progress bar even when stderr is not a terminal")
@@ -73,8 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.draft_confidence_stop is not None and not 0 < args.draft_confidence_stop < 1:  # NaN too
         raise EngineError(f"--draft-confidence-stop must be in (0, 1) exclusive, got "
                           f"{args.draft_confidence_stop}")
-    if args.threads >= 1:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     target_forward: Literal["eager", "circuit"] = args.target_forward or (
         "circuit" if args.device.startswith("cuda") else "eager")
     config = EngineConfig(speculate=not args.no_speculation, forward=args.forward,
@@ -96,16 +122,18 @@ def run(args: argparse.Namespace) -> dict:
             text = (repr(decode_bytes(req.prompt)[-40:]) + " -> " + repr(decode_bytes(out))
                     if checkpoint.byte_level else f"{len(req.prompt)} ids -> {out}")
             print(f"[{i}] {text}")
+    if args.summary_json:  # first: the results are kept even if printing fails
+        saved = {**info, "requests_ids": [{"prompt": r.prompt, "generated": o}
+                                          for r, o in zip(requests, result.outputs)]}
+        args.summary_json.write_text(json.dumps(saved, indent=1) + "\n")
     print(format_summary(info))
-    if args.summary_json:
-        info["requests_ids"] = [{"prompt": r.prompt, "generated": o}
-                                for r, o in zip(requests, result.outputs)]
-        args.summary_json.write_text(json.dumps(info, indent=1) + "\n")
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
     try:
         run(args)
     except EngineError as e:

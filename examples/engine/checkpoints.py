@@ -49,6 +49,9 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | 
     """The target from `path` (the embedded default if None) and, with_mtp, its MTP layer from
     `path` (at model.layers.{num_hidden_layers}) or from `draft_path` (an exported layer 0)."""
     root = Path(path) if path is not None else EMBEDDED
+    _require_dir(root, "--checkpoint")
+    if draft_path is not None and with_mtp:
+        _require_dir(Path(draft_path), "--draft-checkpoint")
     try:
         config = read_config(root)
         target = load_target_weights(root, config)
@@ -65,6 +68,18 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | 
     return Checkpoint(root, config, target, mtp, mtp_config,
                       byte_level=(raw.get("draft_circuit") or {}).get("tokenizer") == "bytes",
                       eos_token_id=eos if isinstance(eos, int) else None)
+
+
+def _require_dir(path: Path, flag: str) -> None:
+    """A checkpoint is a directory holding config.json: say so in the command line's terms (the
+    loaders' own message suggests their Python `config=` argument, which the CLI has not)."""
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise EngineError(f"{flag} {path}: {what}; give a Hugging Face-layout checkpoint "
+                          "directory (config.json and *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise EngineError(f"{flag} {path}: no config.json in this directory; give a Hugging "
+                          "Face-layout checkpoint directory (config.json and *.safetensors)")
 
 
 def _load_mtp(root: Path, config: MtpConfig, draft_path) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
@@ -129,7 +144,10 @@ def encode_prompts(items: list, checkpoint: Checkpoint) -> list[list[int]]:
             raise EngineError(f"prompt {i} is empty: the target needs at least one token to "
                               "condition on")
         for j, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise EngineError(f"prompt {i}: token {t!r} at index {j} is not an integer token "
+                                  f"id (got {type(t).__name__})")
+            if not 0 <= t < vocab:
                 raise EngineError(f"prompt {i}: token {t!r} at index {j} is outside the "
                                   f"vocabulary [0, {vocab})")
         out.append(list(ids))

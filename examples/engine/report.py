@@ -58,15 +58,23 @@ def summary(engine: Engine, result: Result) -> dict:
     }
 
 
+def _fmt(value: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
+    """A rate or share as text; None (nothing drafted, no time measured) is "n/a", never a crash."""
+    return "n/a" if value is None else format(scale * value, spec)
+
+
 def format_summary(d: dict) -> str:
+    """The summary as text. Every rate may be None (nothing drafted, every chain stopped early, a
+    zero wall time): it prints as n/a."""
     lines = [f"{d['mode']}: {d['requests']} requests, {d['generated_tokens']} tokens in "
-             f"{d['wall_s']:.2f} s = {d['tokens_per_s']} tokens/s (max batch {d['max_batch']})"]
+             f"{d['wall_s']:.2f} s = {_fmt(d['tokens_per_s'], '.1f')} tokens/s "
+             f"(max batch {d['max_batch']})"]
     if d["verifies"]:
-        lines.append(f"mean accepted drafts per verify: {d['mean_accepted_per_verify']:.2f} of "
-                     f"k={d['num_drafts']} (acceptance rate {d['acceptance_rate']:.2f}, "
+        lines.append(f"mean accepted drafts per verify: {_fmt(d['mean_accepted_per_verify'])} of "
+                     f"k={d['num_drafts']} (acceptance rate {_fmt(d['acceptance_rate'])}, "
                      f"{d['verifies']} verifies in {d['decode_steps']} steps)")
-        lines.append(f"draft time share: {100 * d['draft_time_share']:.1f}%  "
-                     f"(target {100 * d['target_time_share']:.1f}%)")
+        lines.append(f"draft time share: {_fmt(d['draft_time_share'], '.1f', 100)}%  "
+                     f"(target {_fmt(d['target_time_share'], '.1f', 100)}%)")
         lines.append("drafting batches by width (own program / padded / split / per sequence):")
         for n, kinds in d["draft_batches"].items():
             cells = "  ".join(f"{k} {v}" for k, v in kinds.items())

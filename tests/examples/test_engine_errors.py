@@ -1,11 +1,13 @@
-"""Bad input through the command line: each is a clear error (exit status 2, `error: ...` on
-stderr) before any generation; nothing is printed as a result and no summary is written."""
+"""Bad input through the command line: each is a clear error (exit status 2, one `error: ...`
+line on stderr) before any generation; nothing is printed as a result and no summary is written.
+Flags are refused by argparse (its usage lines, then the one error line) before anything loads."""
 from __future__ import annotations
 
 import dataclasses
 import json
 
 import pytest
+import torch
 
 from examples.engine.__main__ import main
 from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
@@ -23,7 +25,12 @@ def run_cli(capsys, tmp_path, argv: list[str], prompts=None) -> tuple[int, str, 
         (tmp_path / "prompts.json").write_text(json.dumps(prompts))
         argv = [*argv, "--prompts", str(tmp_path / "prompts.json")]
     summary = tmp_path / "summary.json"
-    code = main([*argv, "--summary-json", str(summary), "--threads", "0"])
+    # --threads at torch's current count: the test leaves the process's threads as they are
+    try:
+        code = main(["--summary-json", str(summary), "--threads", str(torch.get_num_threads()),
+                     *argv])
+    except SystemExit as e:  # argparse refused a flag (it exits 2 itself)
+        code = e.code
     out, err = capsys.readouterr()
     if code != 0:
         assert not summary.exists(), "a failed run must not leave a summary behind"
@@ -71,12 +78,102 @@ def test_checkpoint_without_mtp_layer(capsys, tmp_path, no_mtp_checkpoint):
     (["--draft-confidence-stop", "0"], "--draft-confidence-stop must be in (0, 1) exclusive"),
     (["--draft-confidence-stop", "nan"], "--draft-confidence-stop must be in (0, 1) exclusive"),
     (["--num-drafts", "0"], "--num-drafts must be >= 1"),
-    (["--checkpoint", "/nonexistent/dir"], "config.json not found"),
+    (["--checkpoint", "/nonexistent/dir"], "--checkpoint /nonexistent/dir: does not exist"),
 ])
 def test_bad_settings(capsys, tmp_path, small_checkpoint, argv, message):
     argv = argv if "--checkpoint" in argv else ["--checkpoint", str(small_checkpoint), *argv]
     code, out, err = run_cli(capsys, tmp_path, argv, [[1, 2, 3]])
     assert code == 2 and out == "" and message in err
+    assert "config=" not in err  # the Python loader's argument is not a flag
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "error:" in line]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "banana"], "device must be one of cpu, cuda (or cuda:N), got 'banana'"),
+    (["--device", "cuda:x"], "device must be one of cpu, cuda"),
+    (["--kv-blocks", "0"], "--kv-blocks must be >= 2, got 0"),
+    (["--max-rows", "0"], "--max-rows must be >= 1, got 0"),
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--max-new-tokens", "1.5"], "--max-new-tokens must be an integer, got '1.5'"),
+    (["--num-drafts", "10000"], "--num-drafts must be <= 64, got 10000: the draft chain unrolls"),
+    (["--widths", "1,2,500"], "--widths: width 500 is past 64: the engine drafts at most "
+                              "--max-batch 4 sequences at once"),
+    (["--widths", "1,0"], "each width must be in 1..1024, got 0"),
+    (["--summary-json", "/nonexistent/dir/s.json"], "cannot write '/nonexistent/dir/s.json'"),
+])
+def test_bad_flags_are_one_error_line_before_any_work(capsys, tmp_path, monkeypatch, argv, message):
+    import examples.engine.__main__ as cli
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a bad flag must be refused before the checkpoint loads")
+    monkeypatch.setattr(cli, "load_checkpoint", no_work)
+    code, out, err = run_cli(capsys, tmp_path, argv)
+    assert code == 2 and out == ""
+    assert len(_error_lines(err)) == 1 and message in _error_lines(err)[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA device")
+def test_cuda_on_a_cpu_only_torch(capsys, tmp_path, monkeypatch):
+    import examples.engine.__main__ as cli
+    monkeypatch.setattr(cli, "load_checkpoint", lambda *a, **k: pytest.fail("loaded a checkpoint"))
+    code, out, err = run_cli(capsys, tmp_path, ["--device", "cuda"])
+    assert code == 2 and out == "" and len(_error_lines(err)) == 1
+    assert "--device cuda: this torch build has no usable CUDA device" in err
+
+
+def test_wide_widths_follow_a_wide_batch():
+    """The width bound is max(64, --max-batch): a batch of 100 may draft at width 100."""
+    import examples.engine.__main__ as cli
+    args = cli.parser().parse_args(["--widths", "1,100", "--max-batch", "100"])
+    cli.check_args(cli.parser(), args)  # no error
+    assert args.widths == (1, 100)
+
+
+def test_float_token_id_is_not_an_integer(capsys, tmp_path, small_checkpoint):
+    code, out, err = run_cli(capsys, tmp_path, ["--checkpoint", str(small_checkpoint)],
+                             [[1, 2, 3], [4, 5.0]])
+    assert code == 2 and out == ""
+    assert "prompt 1: token 5.0 at index 1 is not an integer token id (got float)" in err
+    assert "outside the vocabulary" not in err
+
+
+def test_checkpoint_path_that_is_a_file_or_has_no_config(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for path, message in ((tmp_path / "file", "is not a directory"),
+                          (tmp_path / "empty", "no config.json in this directory")):
+        code, out, err = run_cli(capsys, tmp_path, ["--checkpoint", str(path)], [[1]])
+        assert code == 2 and message in err and "config=" not in err
+
+
+def test_nothing_drafted_still_prints_and_writes_the_summary(capsys, tmp_path, small_checkpoint,
+                                                           monkeypatch):
+    """Item 10: verifies happened but no draft was made (every chain empty): the rates are None;
+    the summary prints them as n/a and the JSON is written."""
+    import examples.engine.engine as engine_module
+    monkeypatch.setattr(engine_module, "draft", lambda proposer, seqs, k, stats: [[] for _ in seqs])
+    code, out, err = run_cli(capsys, tmp_path, ["--checkpoint", str(small_checkpoint),
+                                                "--max-new-tokens", "4", "--widths", "1,2"],
+                             [[5, 6, 7], [8]])
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verifies"] > 0 and summary["acceptance_rate"] is None
+    assert summary["generated_tokens"] == 8
+    assert "acceptance rate n/a" in out
+
+
+def test_format_summary_with_every_rate_none():
+    from examples.engine.report import format_summary
+    d = {"mode": "speculative (circuit drafting)", "requests": 1, "generated_tokens": 0,
+         "wall_s": 0.0, "tokens_per_s": None, "max_batch": 1, "verifies": 2, "num_drafts": 4,
+         "mean_accepted_per_verify": None, "acceptance_rate": None, "decode_steps": 2,
+         "draft_time_share": None, "target_time_share": None, "draft_batches": {}}
+    text = format_summary(d)
+    assert "n/a tokens/s" in text and "acceptance rate n/a" in text and "n/a%" in text
 
 
 def test_summary_json_holds_every_request(capsys, tmp_path, small_checkpoint):
