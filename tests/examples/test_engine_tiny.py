@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from examples.engine.__main__ import main
 from examples.engine.checkpoints import EMBEDDED, HELD_OUT_PROMPTS
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").is_file(),
 
 def cli(tmp_path, capsys, *argv: str) -> dict:
     path = tmp_path / "summary.json"
-    assert main([*argv, "--summary-json", str(path), "--threads", "0"]) == 0
+    assert main([*argv, "--summary-json", str(path), "--threads", str(torch.get_num_threads())]) == 0
     out, _ = capsys.readouterr()
     summary = json.loads(path.read_text())
     summary["stdout"] = out
@@ -42,6 +43,6 @@ def test_held_out_run_circuit_eager_and_target_only_agree(tmp_path, capsys):
 
 def test_empty_string_prompt_is_an_error(tmp_path, capsys):
     (tmp_path / "p.json").write_text(json.dumps(["def f(x):", ""]))
-    assert main(["--prompts", str(tmp_path / "p.json"), "--threads", "0"]) == 2
+    assert main(["--prompts", str(tmp_path / "p.json"), "--threads", str(torch.get_num_threads())]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "prompt 1 is empty" in err
