@@ -24,7 +24,7 @@ from draft_circuit.circuit.layers.moe import MoeConfig, _real
 from draft_circuit.circuit.layers.rope import RopeScaling, deinterleaved
 from draft_circuit.ops.moe import FP8
 
-__all__ = ["MlaConfig", "INV_FREQ", "LATENT_EPS", "mla_checkpoint_shapes", "mla_param_shapes",
+__all__ = ["MlaConfig", "is_mla_hf_config", "INV_FREQ", "LATENT_EPS", "mla_checkpoint_shapes", "mla_param_shapes",
            "mla_param_specs", "bind_mla_attention", "emit_mla_attention", "mla_cache_shapes", "MLA_PROJECTIONS"]
 
 INV_FREQ = "rope.inv_freq"  # f32 [qk_rope_head_dim / 2], shared by every layer and step
@@ -66,6 +66,11 @@ class MlaConfig(MoeConfig):
                               f"[0, num_hidden_layers = {self.num_hidden_layers}]")
         if not isinstance(self.rope_interleave, bool):
             raise ConfigError(f"config field 'rope_interleave' = {self.rope_interleave!r}: must be a bool")
+        if self.num_key_value_heads != self.num_attention_heads:  # every head is expanded from the latent
+            raise ConfigError(f"config field 'num_key_value_heads' = {self.num_key_value_heads}: MLA needs it "
+                              f"equal to 'num_attention_heads' = {self.num_attention_heads}")
+        if self.scoring_func != "sigmoid":
+            raise ConfigError(f"config field 'scoring_func' = {self.scoring_func!r}: DeepSeek-V3 routing is sigmoid")
 
     @property
     def qk_head_dim(self) -> int:
@@ -102,13 +107,19 @@ class MlaConfig(MoeConfig):
 
     def to_hf(self) -> dict[str, Any]:
         """A DeepSeek-V3 config.json in transformers 5's names, which from_hf reads back equal."""
-        d = dataclasses.asdict(self)
-        d.pop("rope")
-        for name in ("routing_dtype", "expert_parallel_size", "scoring_func"):
-            d.pop(name)  # not DeepseekV3Config fields (sigmoid routing is the family's)
-        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-                "hidden_act": "silu", "attention_bias": False, **d,
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "rms_norm_eps", "num_hidden_layers", "tie_word_embeddings", "max_position_embeddings",
+                 "num_nextn_predict_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                 *_RANKS, "q_lora_rank", "first_k_dense_replace", "rope_interleave")
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+                "attention_bias": False, **{k: getattr(self, k) for k in names},
                 "rope_parameters": self.rope.to_hf()}
+
+
+def is_mla_hf_config(d: Mapping[str, Any]) -> bool:
+    """A config.json naming a KV latent rank describes MLA layers (DeepSeek-V2/V3, Kimi-K2)."""
+    return d.get("kv_lora_rank") is not None
 
 
 def mla_checkpoint_shapes(c: MlaConfig) -> dict[str, tuple[int, ...]]:
