@@ -18,6 +18,7 @@ from draft_circuit.circuit.cli_args import (DEFAULT_WIDTHS, MAX_NUM_DRAFTS, devi
 from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts,
                                          encode_prompts, load_checkpoint, read_prompts)
 from examples.engine.engine import Engine, EngineConfig
+from examples.engine.runner import NonFiniteLogitsError
 from examples.engine.report import ProgressBar, format_summary, summary
 from examples.engine.sequence import Request
 
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLogitsError as e:  # found while generating: nothing is printed or saved
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

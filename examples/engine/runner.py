@@ -5,6 +5,10 @@ A sequence contributing tokens x_0..x_m (at positions num_cached..num_cached+m) 
 sharing its block table, row i with live_rows num_cached + i: it writes KV row num_cached + i
 and attends to every row before it and itself. Prefill (num_cached 0, the prompt), verify
 ([last token, drafts...]) and plain decode (the last token) are all this one call.
+
+A row whose logits hold no finite value (argmax_logprob's token -1: NaN/Inf in the target's
+weights or state) raises `NonFiniteLogitsError` naming the request and step (FAULTS 27): the -1
+never reaches a sequence, the drafter or the output.
 """
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ from examples.engine.model import TargetModel, TargetRows
 from examples.engine.sequence import Sequence
 
 SCRATCH_BLOCK = 0  # reserved in the target pool: what a table's unused tail points at
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """A target row's logits were all non-finite (NaN/Inf): no greedy token exists."""
 
 
 @dataclass
@@ -56,7 +64,23 @@ class TargetRunner:
             hiddens.append(h)
         hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         out, offset = [], 0
-        for toks in new_tokens:
+        for seq, toks in zip(seqs, new_tokens):
+            _check_finite(seq, tokens[offset:offset + len(toks)])
             out.append(RowsOut(tokens[offset:offset + len(toks)], hidden[offset:offset + len(toks)]))
             offset += len(toks)
         return out
+
+
+def _check_finite(seq: Sequence, tokens: list[int]) -> None:
+    """The first row of `seq` whose greedy token is -1 (only a row with no finite logit gives
+    it: the target has no mask), named by request and step (the generated token it would be)."""
+    if -1 in tokens:
+        i = tokens.index(-1)
+        position = seq.num_cached + i
+        step = position + 2 - seq.num_prompt  # 1: the token after the prompt's last
+        at = f"decode step {step} (the request's generated token {step})" if step >= 1 else \
+            "prefill"
+        raise NonFiniteLogitsError(
+            f"request {seq.id}: the target's logits at position {position}, {at}, are all "
+            f"non-finite (NaN/Inf), so no token can be chosen; check the target checkpoint's "
+            f"weights for NaN/Inf")
