@@ -26,6 +26,7 @@ from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, cha
                                                    check_catchup_counts, check_drafter_pairs,
                                                    check_num_drafts, check_propose,
                                                    confidence_log_tau, drafter_pools)
+from draft_circuit.runners.proposer_args import check_proposer_args
 from draft_circuit.runners.proposer_rows import run_chain, write_rows
 from draft_circuit.runners.single_caller import single_caller
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, free_all,
@@ -61,6 +62,11 @@ class MtpProposer:
         first propose."""
         if forward not in ("eager", "circuit"):
             raise ProposerError(f"forward must be 'eager' or 'circuit', got {forward!r}")
+        check_proposer_args(head, params, num_drafts=num_drafts, num_blocks=num_blocks,
+                            block_size=block_size, max_blocks_per_seq=max_blocks_per_seq,
+                            max_width=max_width, widths=widths, device=device, kv_exact=kv_exact,
+                            refeed=refeed, draft_confidence_stop=draft_confidence_stop,
+                            factory=factory)  # typed errors up front (ProposerArgumentError)
         self.log_tau = confidence_log_tau(draft_confidence_stop)
         # the proposer owns placement: params follow its device (a host may load on CPU)
         self.head, self.num_drafts, self.device = head, num_drafts, device
