@@ -55,10 +55,10 @@ def load_deepseek_target_weights(
     a tensor inside a module it runs that it does not use, and with strict=True any tensor that
     is neither a target nor an MTP-layer tensor."""
     root = Path(path)
-    config = config if config is not None else read_config(root)
-    if not isinstance(config, MlaConfig):
-        raise TypeError(f"{root}: a DeepSeek-V3 target needs an MlaConfig, got {type(config).__name__}")
-    inv = _inventory(root)
+    read = config if config is not None else read_config(root)
+    if not isinstance(read, MlaConfig):
+        raise TypeError(f"{root}: a DeepSeek-V3 target needs an MlaConfig, got {type(read).__name__}")
+    config, inv = read, _inventory(root)
     for layer in range(config.num_hidden_layers):
         if (marker := f"model.layers.{layer}.eh_proj.weight") in inv.where:
             raise MissingTensorError(f"target layer {layer}: {inv.where[marker]} holds {marker!r}, so "
