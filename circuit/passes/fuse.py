@@ -7,6 +7,11 @@ q rope of `fuse_rope_kv_write`) and if fusing it cannot close a cycle: no path m
 group and come back into it (groups taken earlier in the pass count as one node). The row's
 rewrite gives the fused node's parts, inputs, outputs and attrs; the node takes the place of the
 producer or of the consumer in circuit order.
+
+`fuse_siblings(circuit, row)` applies a `Siblings` row: `count` nodes of one op reading the same
+first input (q/k/v's linears of one normed row), grouped in circuit order; the fused node takes
+the first sibling's place, so the row's guard admits only siblings whose other inputs are params
+(available everywhere), and the cycle check still runs.
 """
 from __future__ import annotations
 
@@ -147,6 +152,54 @@ def fuse(c: Circuit, row: Fusion) -> Circuit:
             replacements[anchor.name] = fused_node(
                 "+".join(p.name for p in parts), row.fused_op, inputs, outputs, dict(attrs), parts)
             break
+    return rewrite(c, replacements)
+
+
+# (circuit, node) -> whether the node may be one of a Siblings row's group
+SiblingGuard = Callable[[Circuit, Node], bool]
+SiblingRewrite = Callable[[tuple[Node, ...]], Parts]
+
+
+@dataclass(frozen=True)
+class Siblings:
+    """One row of sibling nodes: `count` nodes of `op` that read the same value as input 0."""
+
+    name: str
+    doc: str
+    op: str
+    count: int
+    fused_op: str
+    rewrite: SiblingRewrite
+    guard: SiblingGuard
+
+    def as_pass(self) -> Callable[[Circuit], Circuit]:
+        def run(c: Circuit) -> Circuit:
+            return fuse_siblings(c, self)
+        run.__name__ = run.__qualname__ = self.name
+        run.__doc__ = f"{self.name}: {self.doc}"
+        return run
+
+
+def fuse_siblings(c: Circuit, row: Siblings) -> Circuit:
+    """Every group of `row.count` siblings in `c` (in circuit order; a remainder stays), fused."""
+    taken = Taken(c)
+    by_input: dict[str, list[Node]] = {}
+    for n in c.nodes:
+        if n.op == row.op and n.inputs and row.guard(c, n):
+            by_input.setdefault(n.inputs[0], []).append(n)
+    replacements: dict[str, Node | None] = {}
+    for nodes in by_input.values():
+        for i in range(0, len(nodes) - row.count + 1, row.count):
+            group = tuple(nodes[i:i + row.count])
+            names = [n.name for n in group]
+            if any(n in taken for n in names) or taken.closes_cycle(names):
+                continue
+            taken.take(names)
+            parts, inputs, outputs, attrs = row.rewrite(group)
+            for n in group:
+                replacements[n.name] = None
+            replacements[group[0].name] = fused_node(
+                "+".join(p.name for p in parts), row.fused_op, inputs, outputs, dict(attrs), parts)
     return rewrite(c, replacements)
 
 

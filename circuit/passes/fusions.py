@@ -5,7 +5,8 @@ composition of its parts' references, so a fused circuit computes what the unfus
 from __future__ import annotations
 
 from draft_circuit.circuit.ir import Circuit
-from draft_circuit.circuit.passes.fuse import Fusion, Match, Parts, Taken
+from draft_circuit.circuit.ir import Node
+from draft_circuit.circuit.passes.fuse import Fusion, Match, Parts, Siblings, Taken
 from draft_circuit.circuit.passes.rewrite import sole_user
 
 
@@ -38,6 +39,36 @@ def _q_rope_of_this_attention(c: Circuit, m: Match, taken: Taken) -> Match | Non
     return None
 
 
+def _plain_linear(c: Circuit, lin: Node) -> bool:
+    """An unbiased linear that keeps its input's dtype (what the fused linears compute)."""
+    out_dtype = lin.attrs.get("out_dtype")
+    return len(lin.inputs) == 2 and out_dtype in (None, c.value(lin.inputs[0]).dtype)
+
+
+def _qkv_sibling(c: Circuit, lin: Node) -> bool:
+    """A plain linear over a param weight: the fused node takes the first sibling's place, where
+    a param is available and a computed weight might not be."""
+    return _plain_linear(c, lin) and c.value(lin.inputs[1]).kind == "param"
+
+
+def _concat_of_two_rows(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """concat([x1, x2]) along the features of rank-2 rows, read only by a plain linear."""
+    cat, lin = m.producer, m.consumer
+    rank2 = len(c.value(cat.outputs[0]).shape) == 2
+    return m if (len(cat.inputs) == 2 and rank2 and cat.attrs.get("dim", -1) in (-1, 1)
+                 and _plain_linear(c, lin)) else None
+
+
+def _qkv(group: tuple[Node, ...]) -> Parts:
+    return group, (group[0].inputs[0], *(n.inputs[1] for n in group)), \
+        tuple(n.outputs[0] for n in group), {}
+
+
+def _concat_linear(m: Match) -> Parts:
+    cat, lin = m.producer, m.consumer
+    return (cat, lin), (*cat.inputs, lin.inputs[1]), lin.outputs, {}
+
+
 def _add_rmsnorm(m: Match) -> Parts:
     add, norm = m.producer, m.consumer
     return (add, norm), (*add.inputs, norm.inputs[1]), (add.outputs[0], norm.outputs[0]), norm.attrs
@@ -61,7 +92,7 @@ def _linear_silu_mul(m: Match) -> Parts:
     return (lin, act), lin.inputs, act.outputs, {}
 
 
-FUSIONS: tuple[Fusion, ...] = (
+FUSIONS: tuple[Fusion | Siblings, ...] = (
     Fusion("fuse_add_rmsnorm",
            "add(x, r) and the first rmsnorm of its sum -> add_rmsnorm, writing the sum (the "
            "residual stream, which may have other readers) and the normed value in one pass",
@@ -82,4 +113,14 @@ FUSIONS: tuple[Fusion, ...] = (
            "activations never reach memory",
            producer="linear", consumer="silu_mul", edge=0, sole_reader=True,
            fused_op="linear_silu_mul", rewrite=_linear_silu_mul, guard=_same_out_dtype),
+    # after fuse_linear_silu_mul, so an MLP's gate_up linear over the same row is never a sibling
+    Siblings("fuse_qkv",
+             "three plain linears over one input with param weights (q/k/v) -> linear_qkv, one "
+             "launch over the three weights as they are bound (no concatenated copy)",
+             op="linear", count=3, fused_op="linear_qkv", rewrite=_qkv, guard=_qkv_sibling),
+    Fusion("fuse_concat_linear",
+           "concat([x1, x2]) whose only reader is a plain linear -> linear_concat, which reads "
+           "each K tile from x1 or x2, so the concatenated row never reaches memory",
+           producer="concat", consumer="linear", edge=0, sole_reader=True, fused_op="linear_concat",
+           rewrite=_concat_linear, guard=_concat_of_two_rows),
 )

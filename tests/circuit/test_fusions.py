@@ -7,7 +7,7 @@ import torch
 
 from draft_circuit.circuit import CircuitBuilder
 from draft_circuit.circuit.passes import DEFAULT_PIPELINE, PASSES, run_passes
-from draft_circuit.circuit.passes.fuse import Fusion, Taken, fuse
+from draft_circuit.circuit.passes.fuse import Fusion, Siblings, Taken, fuse
 from draft_circuit.circuit.passes.fusions import FUSIONS
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops.registry import FUSED, get_op
@@ -31,7 +31,7 @@ def block():
     p = {name: b.param(name, "float32", shape) for name, shape in (
         ("w", (HIDDEN, HIDDEN)), ("wn", (HIDDEN,)), ("wq", (8, HIDDEN)), ("wk", (4, HIDDEN)),
         ("wv", (4, HIDDEN)), ("wgu", (2 * HIDDEN, HIDDEN)), ("wd", (HIDDEN, HIDDEN)),
-        ("head", (VOCAB, 8)))}
+        ("head", (VOCAB, 8)), ("wc", (4, 2 * HIDDEN)))}
     h = b.op1("add", [x, b.op1("linear", [x, p["w"]], name="proj")], name="res")
     m = b.op1("rmsnorm", [h, p["wn"]], name="norm")
     rope = {"head_dim": 4, "pos_offset": 1}
@@ -47,6 +47,7 @@ def block():
     b.output(tok, "token")
     b.output(lp, "logprob")
     b.output(h, "residual")
+    b.output(b.op1("linear", [b.op1("concat", [x, m], name="cat"), p["wc"]], name="eh"), "eh")
     b.output(kc)
     b.output(vc)
     return b.build()
@@ -113,8 +114,11 @@ def test_rows_name_registered_ops_and_are_the_pipeline():
     assert [row.name for row in FUSIONS] == [p for p in DEFAULT_PIPELINE if p.startswith("fuse_")]
     for row in FUSIONS:
         assert PASSES[row.name].__name__ == row.name and row.doc
-        get_op(row.producer), get_op(row.consumer)  # CircuitError if unregistered
         assert get_op(row.fused_op).has(FUSED)
+        if isinstance(row, Siblings):
+            assert get_op(row.op) and len(get_op(row.fused_op).outputs) == row.count
+            continue
+        get_op(row.producer), get_op(row.consumer)  # CircuitError if unregistered
         assert 0 <= row.edge < len(get_op(row.consumer).inputs)
 
 
@@ -267,3 +271,43 @@ def test_taken_finds_exactly_the_cycles_contraction_would_make():
                 groups.append(cand)
                 free = [n for n in free if n not in cand]
     assert any(outcomes) and not all(outcomes)
+
+
+# ---- fuse_qkv and fuse_concat_linear: what stays unfused ----
+def siblings(bias: bool = False, computed_weight: bool = False, readers: int = 3):
+    b = CircuitBuilder("siblings", max_width=2)
+    x = b.input("x", "float32", ("n", 4))
+    ws = [b.param(f"w{i}", "float32", (4, 4)) for i in range(readers)]
+    if computed_weight:
+        ws[1] = b.op1("add", [ws[1], ws[1]], name="w1x2")
+    bias_in = [b.param("bias", "float32", (4,))] if bias else []
+    for i, w in enumerate(ws):
+        b.output(b.op1("linear", [x, w, *(bias_in if i == 0 else [])], name=f"l{i}"), f"y{i}")
+    return b.build()
+
+
+@pytest.mark.parametrize("kwargs, fused", [
+    ({}, ["l0+l1+l2"]),
+    ({"readers": 4}, ["l0+l1+l2"]),  # a fourth sibling stays a linear
+    ({"readers": 6}, ["l0+l1+l2", "l3+l4+l5"]),
+    ({"bias": True}, []),  # linear_qkv has no bias: l0 is no sibling, two are left
+    ({"computed_weight": True}, []),  # a weight computed in the circuit may not exist at l0
+    ({"readers": 2}, []),
+])
+def test_fuse_qkv_groups_three_plain_linears_over_param_weights(kwargs, fused):
+    c = siblings(**kwargs)
+    got = run_passes(c, ["fuse_qkv"])
+    assert [n.name for n in got.nodes if n.op == "linear_qkv"] == fused
+    params = {v.name: torch.randn(v.shape) for v in c.inputs_of_kind("param")}
+    inputs = {"x": torch.randn(2, 4)}
+    assert_same(EagerRunner(got, params, {}).run(inputs), EagerRunner(c, params, {}).run(inputs))
+
+
+def test_fuse_concat_linear_keeps_a_concat_with_another_reader():
+    b = CircuitBuilder("cat", max_width=2)
+    x, y = b.input("x", "float32", ("n", 4)), b.input("y", "float32", ("n", 4))
+    cat = b.op1("concat", [x, y])
+    b.output(b.op1("linear", [cat, b.param("w", "float32", (4, 8))]), "z")
+    b.output(cat, "cat")
+    c = b.build()
+    assert run_passes(c, ["fuse_concat_linear"]) == c

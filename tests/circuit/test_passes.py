@@ -102,9 +102,7 @@ def test_whole_pipeline_text():
     assert body(out) == "\n".join([
         "  proj: f32[n,8] = linear(x, w)",
         "  res: f32[n,8], norm: f32[n,8] = add_rmsnorm(x, proj, wn)  # fused res + norm",
-        "  q: f32[n,8] = linear(norm, wq)",
-        "  k: f32[n,4] = linear(norm, wk)",
-        "  v: f32[n,4] = linear(norm, wv)",
+        "  q: f32[n,8], k: f32[n,4], v: f32[n,4] = linear_qkv(norm, wq, wk, wv)  # fused q + k + v",
         "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rope_kv_write(q, k, v, pos, kc, vc, "
         "tables, live) {head_dim=4}  # fused rq + rk + kvw",
         "  attn: f32[n,8] = decode_attention(rq, kc@1, vc@1, tables, live)",
