@@ -12,8 +12,11 @@ from pydantic import BaseModel, ConfigDict
 from draft_circuit.circuit.ir import Circuit, CircuitError
 from draft_circuit.circuit.passes import DEFAULT_PIPELINE, run_passes
 from draft_circuit.circuit.program import Program, build_program
-from draft_circuit.circuit.report import PlanReport, node_infos, width_report
+from draft_circuit.circuit.report import PlanReport, family_width, node_infos, width_report
 from draft_circuit.circuit.verify import verify
+
+#: the program family of a one-step chain's KV-only derivative (catch-up and prefill rows)
+KV_ONLY = "kv_only"
 
 
 class CompileOptions(BaseModel):
@@ -43,6 +46,8 @@ class CompiledDraft:
     device: str
     options: CompileOptions
     notes: dict[str, Any] = field(default_factory=dict)  # the layer's statements for the report
+    # derived program families compiled beside this one (KV_ONLY: catch-up rows), by name
+    families: dict[str, "CompiledDraft"] = field(default_factory=dict)
     _report: PlanReport | None = field(default=None, repr=False)
 
     @property
@@ -75,8 +80,34 @@ class CompiledDraft:
                 num_nodes_after=len(self.circuit.nodes), arena_bytes=self.arena_bytes,
                 nodes=node_infos(self.circuit), notes=dict(self.notes),
                 widths=[width_report(self.programs[w], self.options.bandwidth_gbps)
-                        for w in self.widths])
+                        for w in self.widths],
+                families={name: [family_width(f.programs[w], self.options.bandwidth_gbps)
+                                 for w in f.widths]
+                          for name, f in sorted(self.families.items())})
         return self._report
+
+    def add_family(self, name: str, family: "CompiledDraft") -> None:
+        """List `family` (e.g. KV_ONLY) in this draft's report as its own program family."""
+        self.families[name] = family
+        self._report = None
+
+
+def kv_only_circuit(c: Circuit) -> Circuit:
+    """`c` with only its state writes as outputs: dead-node elimination then drops every node no
+    state write reads (attention, MLP, final norm, lm-head, argmax), never a state writer, and
+    the inputs, params and root states nothing reads any more are pruned from the interface.
+    What is left writes exactly the rows `c` writes, from the same ops (catch-up, prefill)."""
+    from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
+
+    outputs = tuple(o for o in c.outputs if c.value(o).kind == "state")
+    if not outputs:
+        raise PlanError(f"circuit {c.name!r} returns no state: a KV-only program would do nothing")
+    live = eliminate_dead_nodes(c.replace(outputs=outputs))
+    used = set(live.outputs).union(*(n.inputs for n in live.nodes),
+                                   *(n.outputs for n in live.nodes))
+    values = [v for v in live.values if v.kind not in ("input", "param", "state") or v.name in used]
+    return Circuit(name=f"{c.name}_kv_only", symbols=dict(live.symbols), values=tuple(values),
+                   nodes=live.nodes, outputs=live.outputs)
 
 
 def device_kind(device: str | torch.device) -> str:

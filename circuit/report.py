@@ -52,6 +52,17 @@ class WidthReport(BaseModel):
     buffers: list[dict[str, Any]]
 
 
+class FamilyWidth(BaseModel):
+    """One width of a derived program family (e.g. the KV-only catch-up program): what it launches
+    and moves, beside the main family's full `WidthReport`."""
+    model_config = ConfigDict(frozen=True)
+    width: int
+    launches: int
+    bytes_moved: int
+    flops: int
+    floor_us: float
+
+
 class PlanReport(BaseModel):
     model_config = ConfigDict(frozen=True)
     schema_version: int = REPORT_SCHEMA_VERSION
@@ -66,9 +77,14 @@ class PlanReport(BaseModel):
     nodes: list[NodeInfo]
     widths: list[WidthReport]
     notes: dict[str, Any] = {}  # what the layer states about the plan (an MoE head's refusals)
+    # derived program families by name (the one-step chain's "kv_only"), each per width
+    families: dict[str, list[FamilyWidth]] = {}
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1)
+        data = self.model_dump(mode="json")
+        if not data["families"]:  # a plan without derived families reads as it always did
+            del data["families"]
+        return json.dumps(data, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan report") -> "PlanReport":
@@ -115,6 +131,12 @@ def node_infos(c: Circuit) -> list[NodeInfo]:
                      shapes={v: str(c.value(v).spec) for v in (*n.inputs, *n.outputs)},
                      fused=list(n.fused), origin=list(n.origin))
             for n in c.topo_order()]
+
+
+def family_width(p: Program, bandwidth_gbps: float) -> FamilyWidth:
+    return FamilyWidth(width=p.width, launches=len(p.launches), bytes_moved=p.bytes_moved,
+                       flops=sum(x.flops for x in p.launches),
+                       floor_us=round(p.bytes_moved / (bandwidth_gbps * 1e3), 4))
 
 
 def width_report(p: Program, bandwidth_gbps: float) -> WidthReport:

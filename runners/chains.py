@@ -5,6 +5,10 @@ keeps one runner per chain with the host's installed runners (`set_circuit_draft
 A chain is keyed by (num_drafts, bitmask). The one-step chain also writes catch-up rows, whose
 rows of one sequence must run in row order: its binding says so (`row_order`), and a compiled
 runner for it pads but never splits (a split runs its parts highest rows first).
+
+Catch-up and prefill rows need only their K/V: they run on the KV-only chain (`KV_ONLY_KEY`),
+the one-step circuit with only its state writes as outputs (planner.kv_only_circuit), which
+writes bitwise the rows the one-step chain writes; its runner pads but never splits either.
 """
 from __future__ import annotations
 
@@ -14,12 +18,14 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from draft_circuit.circuit.ir import Circuit
-from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.circuit.planner import CompiledDraft, compile_draft
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.eager import EagerDraftRunner
 from draft_circuit.runners.protocol import DraftRunner
 
 ChainKey = tuple[int, bool]  # (num_drafts, bitmask)
+#: the KV-only one-step chain (catch-up and prefill rows): no drafts, no bitmask
+KV_ONLY_KEY: ChainKey = (0, False)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class DraftBinding:
     scratch_block: int
     row_order: bool                     # rows of one sequence run in row order: pad, never split
     notes: dict[str, Any] = field(default_factory=dict)  # the layer's plan-report notes
+    family: str | None = None           # KV_ONLY: a derived family of the one-step chain
 
 
 class RunnerFactory(Protocol):
@@ -56,8 +63,15 @@ def compile_chain(binding: DraftBinding, widths: Sequence[int], *, device: str) 
 
 def compiled_runners(widths: Sequence[int], *, device: str) -> RunnerFactory:
     """A factory compiling every chain it is asked for at `widths` (`--forward circuit`)."""
+    one_step: list[CompiledDraft] = []  # the latest one-step chain compiled here
+
     def build(binding: DraftBinding) -> DraftRunner:
-        return compile_chain(binding, widths, device=device)
+        runner = compile_chain(binding, widths, device=device)
+        if binding.family is not None and one_step:
+            one_step[-1].add_family(binding.family, runner.compiled)  # its report lists it
+        elif binding.row_order:
+            one_step.append(runner.compiled)
+        return runner
     return build
 
 
@@ -65,8 +79,9 @@ class ChainRunners:
     """One runner per chain key: an installed runner if the host gave one, else the factory's,
     built on first use and kept."""
 
-    def __init__(self, bind: Callable[[int, bool], DraftBinding], factory: RunnerFactory) -> None:
-        self._bind, self.factory = bind, factory
+    def __init__(self, bind: Callable[[int, bool], DraftBinding], factory: RunnerFactory,
+                 bind_kv_only: Callable[[], DraftBinding] | None = None) -> None:
+        self._bind, self.factory, self._bind_kv_only = bind, factory, bind_kv_only
         self._built: dict[ChainKey, DraftRunner] = {}
         self._installed: dict[ChainKey, DraftRunner] = {}
 
@@ -77,6 +92,21 @@ class ChainRunners:
         if key not in self._built:
             self._built[key] = self.factory(self._bind(num_drafts, bitmask))
         return self._built[key]
+
+    def kv_only(self) -> tuple[DraftRunner, bool]:
+        """The runner of catch-up rows and whether it is the KV-only chain: an installed KV-only
+        runner, else the host's installed one-step runner (its compile, its choice; it writes
+        the same rows), else the KV-only chain built on first use (without a KV-only binding,
+        the one-step chain). Compiled beside a compiled one-step chain, it is listed in that
+        chain's plan report as the `KV_ONLY` program family (`compiled_runners`)."""
+        if KV_ONLY_KEY in self._installed:
+            return self._installed[KV_ONLY_KEY], True
+        if (1, False) in self._installed or self._bind_kv_only is None:
+            return self.get(1, False), False
+        if KV_ONLY_KEY not in self._built:
+            self.get(1, False)  # built first: a compiling factory lists the family in its report
+            self._built[KV_ONLY_KEY] = self.factory(self._bind_kv_only())
+        return self._built[KV_ONLY_KEY], True
 
     def install(self, key: ChainKey, runner: DraftRunner) -> None:
         self._installed[key] = runner

@@ -17,19 +17,22 @@ from typing import Literal, Mapping, Sequence
 import torch
 
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.planner import KV_ONLY, kv_only_circuit
 from draft_circuit.runners.chains import (ChainRunners, DraftBinding, RunnerFactory,
                                           compiled_runners, eager_runner)
 from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.protocol import DraftRunner
-from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows, chain_inputs,
+from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
                                                    check_catchup_counts, check_drafter_pairs,
                                                    check_num_drafts, check_propose,
                                                    confidence_log_tau, drafter_pools)
 from draft_circuit.runners.proposer_args import check_proposer_args
 from draft_circuit.runners.proposer_rows import run_chain, write_rows
+from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
-from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, free_all,
+from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
+                                                  free_all,
                                                   install_kv, kept_drafts, record_drafts, settle,
                                                   take_kv, trim_after_verify)
 
@@ -46,7 +49,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 # single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
-@single_caller("propose", "propose_batch", "prefill_drafter", "catchup_drafter", "catchup_batch",
+@single_caller("propose", "propose_batch", "propose_batch_on_device", "prefill_drafter", "catchup_drafter", "catchup_batch",
                "after_verify", "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
                "free_drafter_kv", "read_deferred_draft_token", "set_circuit_draft")
 class MtpProposer:
@@ -77,11 +80,20 @@ class MtpProposer:
         self.kv_exact, self.refeed, self.forward = kv_exact, refeed, forward
         self.pool = BlockPool(num_blocks, reserved=1)  # block 0: the scratch block
         self.states = drafter_pools(head, self.kv, max_width, device)
+        # persistent input/output buffers: a steady-state run builds no tensor of its own
+        self.staging = ChainStaging(max_width=max_width, max_blocks=max_blocks_per_seq,
+                                    hidden_size=head.hidden_in_size,
+                                    dtype=getattr(torch, head.dtype), max_drafts=num_drafts,
+                                    scratch_block=SCRATCH_BLOCK, device=device)
         if factory is None:
             factory = compiled_runners(self.widths, device=device) if forward == "circuit" \
                 else eager_runner
-        self.chains = ChainRunners(self.circuit_draft, factory)
+        self.chains = ChainRunners(self.circuit_draft, factory, self.circuit_draft_kv_only)
         self._deferred: torch.Tensor | None = None
+        # propose_batch_on_device's outputs (drafts, confidences) and its latest batch
+        self._device_out = (torch.full((max_width, num_drafts), -1, dtype=torch.int32, device=device),
+                            torch.zeros(max_width, num_drafts, dtype=torch.float32, device=device))
+        self._device_batch: PendingBatch | None = None
         self.stats: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.last_served: Served | None = None
         self.warm_up()
@@ -91,6 +103,7 @@ class MtpProposer:
         chain and the one-step catch-up chain. A masked chain or another k is built on first use."""
         self.chains.get(self.num_drafts, False)
         self.chains.get(1, False)
+        self.chains.kv_only()
 
     # ---- circuit binding (the host may compile and install the runners itself) ----
     def circuit_draft(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftBinding:
@@ -100,6 +113,15 @@ class MtpProposer:
                                  bitmask=bitmask, embed_target=True, confidence_stop=True)
         return DraftBinding(chain, self.params, self.states, SCRATCH_BLOCK, row_order=k == 1,
                             notes=self.head.plan_notes())
+
+    def circuit_draft_kv_only(self) -> DraftBinding:
+        """The KV-only chain of catch-up and prefill rows: the one-step chain (no embed target,
+        no confidence stop) with only its K/V writes as outputs, bound to the same pools."""
+        chain = kv_only_circuit(emit_draft_chain(self.head, 1, max_width=self.max_width, kv=self.kv))
+        names = {v.name for v in chain.values}
+        return DraftBinding(chain, {k: v for k, v in self.params.items() if k in names},
+                            {k: v for k, v in self.states.items() if k in names}, SCRATCH_BLOCK,
+                            row_order=True, notes=self.head.plan_notes(), family=KV_ONLY)
 
     def set_circuit_draft(self, runner: DraftRunner | None, *, num_drafts: int | None = None,
                           bitmask: bool = False) -> None:
@@ -122,6 +144,8 @@ class MtpProposer:
 
     def _execute(self, k: int, rows: ChainRows,
                  bitmask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if k == 1 and bitmask is None and rows.kv_only:
+            return self._execute_kv(rows)
         runner, n = self.chains.get(k, bitmask is not None), len(rows.tokens)
         self.stats[runner.plan(n).kind][n] += 1
         if bitmask is not None and k > 1:
@@ -129,10 +153,19 @@ class MtpProposer:
                               "fixed across draft positions; acceptance may drop")
         # a masked draft's confidence is not measured in the reference: a masked chain never stops
         log_tau = float("-inf") if bitmask is not None else self.log_tau
-        inputs = chain_inputs(rows, log_tau=log_tau, dtype=getattr(torch, self.head.dtype),
-                              device=self.device)
+        inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.states,
+                                     rows.hiddens, log_tau)
         if bitmask is not None:
             inputs["bitmask"] = bitmask
+        return runner.run(n, inputs)
+
+    def _execute_kv(self, rows: ChainRows) -> dict[str, torch.Tensor]:
+        """Catch-up rows on the KV-only chain (their K/V, nothing else computed), or on the
+        host's installed one-step chain."""
+        (runner, kv_only), n = self.chains.kv_only(), len(rows.tokens)
+        self.stats[runner.plan(n).kind][n] += 1
+        inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.states,
+                                     rows.hiddens, None if kv_only else self.log_tau)
         return runner.run(n, inputs)
 
     # ---- states ----
@@ -218,7 +251,7 @@ class MtpProposer:
         rows, kind = [s.rows for s in mine], "empty"
         if num_drafts:
             out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
-            drafts, confs = out["drafts"].tolist(), out["confidences"].tolist()
+            drafts, confs = self.staging.read(out["drafts"], out["confidences"])
             kind = self.chains.get(num_drafts, mask is not None).plan(n).kind
         self.last_served = Served(kind, n)
         result = []
@@ -228,6 +261,43 @@ class MtpProposer:
         if out_conf is not None:
             out_conf[:] = [c[:len(d)] for c, d in zip(confs, result)]
         return result
+
+    def propose_batch_on_device(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+                                positions: Sequence[int], num_drafts: int,
+                                states: Sequence[object], *, bitmask: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`propose_batch` whose drafts stay on the device: (drafts i32[n, k], -1 after a row's
+        stop; confidences f32[n, k]), or None before anything runs. Nothing is copied to the host
+        here: each state settles (its rows, key and drafts recorded, one read for the whole
+        batch) on the next call that touches any of them, as a deferred propose does. The
+        tensors are the proposer's buffers, valid until its next device-resident batch."""
+        n = len(last_tokens)
+        reason = self._batch_refusal(n, num_drafts, states, bitmask is not None)
+        if reason is not None:
+            self.last_served = Served("refused", n, reason)
+            return None
+        mine = [self._own(s) for s in states]
+        mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
+                             num_drafts_max=self.num_drafts, config=self.head.config,
+                             device=self.device)
+        drafts, confs = self._device_out[0][:n, :num_drafts], self._device_out[1][:n, :num_drafts]
+        if num_drafts == 0:
+            for state, p in zip(mine, positions):
+                record_drafts(state, [], state.rows, p)
+            self.last_served = Served("empty", n)
+            return drafts, confs
+        if self._device_batch is not None:
+            self._device_batch.settle()  # its drafts live in the buffers this batch overwrites
+        out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
+        drafts.copy_(out["drafts"])
+        confs.copy_(out["confidences"])
+        batch = PendingBatch(drafts, rows, list(positions), mine,
+                             read=lambda d: self.staging.read(d, confs)[0])
+        for state in mine:
+            state.pending = batch
+        self._device_batch = batch
+        self.last_served = Served(self.chains.get(num_drafts, mask is not None).plan(n).kind, n)
+        return drafts, confs
 
     def _batch_refusal(self, n: int, k: int, states: Sequence[object], masked: bool) -> str | None:
         if n == 0:
@@ -249,7 +319,7 @@ class MtpProposer:
     def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
                    k: int, states: list[MtpProposerState],
                    bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], list[int]]:
-        return run_chain(self._execute, ChainRows(list(tokens), hiddens, list(positions), states,
+        return run_chain(self._execute, ChainRows(list(tokens), (hiddens,), list(positions), states,
                                                   [s.rows for s in states]), k, bitmask)
 
     def read_deferred_draft_token(self) -> int:
@@ -279,7 +349,7 @@ class MtpProposer:
                             vocab=c.vocab_size, what="catchup_drafter")
         if row_base != mine.rows or len(tokens) < 2:
             return 0
-        return write_rows(self._execute, self.chains.get(1, False).max_width, [list(tokens[1:])],
+        return write_rows(self._execute, self.chains.kv_only()[0].max_width, [list(tokens[1:])],
                           [hiddens[:len(tokens) - 1]], [pos_base], [mine])
 
     def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
@@ -293,7 +363,7 @@ class MtpProposer:
         mine = [self._mine(s) for s in states]
         if any(m is None for m in mine):
             return 0
-        return write_rows(self._execute, self.chains.get(1, False).max_width,
+        return write_rows(self._execute, self.chains.kv_only()[0].max_width,
                           [list(t) for t in tokens], list(hiddens), list(first_pos),
                           [m for m in mine if m is not None])
 

@@ -153,24 +153,11 @@ class ChainRows:
     this run and writes its first row at RoPE position `positions[i]`."""
 
     tokens: list[int]
-    hiddens: torch.Tensor   # [n, H]
+    hiddens: Sequence[torch.Tensor]  # the rows' hiddens: segments [m, H] adding up to n rows
     positions: list[int]
     states: list[MtpProposerState]
     live: list[int]
-
-
-def chain_inputs(rows: ChainRows, *, log_tau: float, dtype: torch.dtype,
-                 device: str | torch.device) -> dict[str, torch.Tensor]:
-    """The runner inputs of `rows` (every row active; the runner makes padded rows inert)."""
-    n = len(rows.tokens)
-    tables = [s.blocks.table_row(SCRATCH_BLOCK) for s in rows.states]
-    return {"tokens": torch.tensor(rows.tokens, dtype=torch.int32, device=device),
-            "hidden": rows.hiddens.to(device=device, dtype=dtype),
-            "positions": torch.tensor(rows.positions, dtype=torch.int32, device=device),
-            "block_tables": torch.tensor(tables, dtype=torch.int32, device=device),
-            "live_rows": torch.tensor(rows.live, dtype=torch.int32, device=device),
-            "active": torch.ones(n, dtype=torch.int32, device=device),
-            "log_tau": torch.full((n,), log_tau, dtype=torch.float32, device=device)}
+    kv_only: bool = False   # catch-up rows: only their K/V is wanted (the KV-only chain)
 
 
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
@@ -180,14 +167,24 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
     first_pos[i] + k and is written at drafter row bases[i] + k, attending to the rows before
     it (earlier chunks, or earlier rows of the same kv_write launch)."""
-    flat = [(s, t, h, p + k, b + k)
-            for s, ts, hs, p, b in zip(states, tokens, hiddens, first_pos, bases)
-            for k, (t, h) in enumerate(zip(ts, hs))]
+    flat = [(s, t, i, p + k, b + k)
+            for i, (s, ts, p, b) in enumerate(zip(states, tokens, first_pos, bases))
+            for k, t in enumerate(ts)]
+    starts = [0] * len(flat)  # each row's index within its sequence
+    for j in range(1, len(flat)):
+        starts[j] = starts[j - 1] + 1 if flat[j][2] == flat[j - 1][2] else 0
     chunks = []
     for start in range(0, len(flat), width):
-        part = flat[start:start + width]
-        chunks.append(ChainRows(tokens=[t for _, t, _, _, _ in part],
-                                hiddens=torch.stack([h for _, _, h, _, _ in part]),
-                                positions=[p for _, _, _, p, _ in part],
-                                states=[s for s, *_ in part], live=[r for *_, r in part]))
+        part = range(start, min(start + width, len(flat)))
+        segments, j = [], part.start
+        while j < part.stop:  # one hidden slice (a view) per sequence's run of rows
+            i, end = flat[j][2], j
+            while end < part.stop and flat[end][2] == i:
+                end += 1
+            segments.append(hiddens[i][starts[j]:starts[j] + end - j])
+            j = end
+        chunks.append(ChainRows(tokens=[flat[j][1] for j in part], hiddens=segments,
+                                positions=[flat[j][3] for j in part],
+                                states=[flat[j][0] for j in part], live=[flat[j][4] for j in part],
+                                kv_only=True))
     return chunks

@@ -9,7 +9,7 @@ at p - 1, and its pair key is p - 1; a state's `last_pair_key` is its newest row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,8 +32,12 @@ class MtpProposerState:
     last_num_drafted: int = 0
     last_pair_key: int | None = None
     last_drafts: list[int] = field(default_factory=list)
-    pending: tuple[torch.Tensor, int, int] | None = None  # (drafts [k] on device, rows, position)
+    # a deferred propose's drafts still on the device: (drafts [k], rows, position), or the
+    # device-resident batch this state drafted in (settled for all its states at once)
+    pending: "tuple[torch.Tensor, int, int] | PendingBatch | None" = None
     awaiting_verify: bool = False
+    # (staging, row) of this state's block table on the device (runners/staging.py)
+    slot: tuple[object, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -65,9 +69,34 @@ def record_drafts(state: MtpProposerState, drafts: list[int], rows: int, positio
     state.awaiting_verify = True
 
 
+@dataclass(eq=False)
+class PendingBatch:
+    """A device-resident propose_batch not yet read: its drafts [n, k] on the device, each row's
+    rows before the run and position. The first call that touches any of its states settles all
+    of them with one read (`read`: device drafts -> host rows; one copy, one sync)."""
+
+    drafts: torch.Tensor
+    rows: list[int]
+    positions: list[int]
+    states: list[MtpProposerState]
+    read: Callable[[torch.Tensor], list[list[int]]]
+    done: bool = False
+
+    def settle(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for s, row, r, p in zip(self.states, self.read(self.drafts), self.rows, self.positions):
+            if s.pending is self:  # a state freed or handed over since has nothing to record
+                s.pending = None
+                record_drafts(s, kept_drafts(row), r, p)
+
+
 def settle(state: MtpProposerState) -> None:
     """Read a deferred propose's drafts (the one host sync it postponed) into the state."""
-    if state.pending is not None:
+    if isinstance(state.pending, PendingBatch):
+        state.pending.settle()
+    elif state.pending is not None:
         drafts, rows, position = state.pending
         state.pending = None
         record_drafts(state, kept_drafts(drafts.tolist()), rows, position)

@@ -51,12 +51,15 @@ def test_the_factory_builds_the_chains_a_step_uses_at_construction():
         asked.append(binding)
         return eager_runner(binding)
     p = make("circuit", factory=factory)
-    assert [(b.circuit.name, b.row_order) for b in asked] == [("mtp_draft_chain", False),
-                                                               ("mtp_draft_chain", True)]
-    assert all(b.states is p.states for b in asked)
+    assert [(b.circuit.name, b.row_order) for b in asked] == [
+        ("mtp_draft_chain", False), ("mtp_draft_chain", True), ("mtp_draft_chain_kv_only", True)]
+    assert all(b.states is p.states for b in asked[:2])
+    # the KV-only chain binds the very pools it writes (and only those)
+    assert sorted(asked[2].states) == ["k_cache", "v_cache"]
+    assert all(asked[2].states[n] is p.states[n] for n in asked[2].states)
     s, _ = prefilled(p, 1)
     p.propose(5, hidden(2), 11, K, s)
-    assert len(asked) == 2  # built once, kept
+    assert len(asked) == 3  # built once, kept
     assert p.chain_runner().plan(1).kind == "eager"
 
 

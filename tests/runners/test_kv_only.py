@@ -1,0 +1,128 @@
+"""The KV-only catch-up chain (issue 14 step 1): the one-step circuit with only its state writes
+as outputs. It writes bitwise the KV rows the full one-step chain writes (compiled program vs the
+eager oracle, at padded widths), its plan is listed as its own program family, and eliminating
+outputs never removes a state write."""
+import pytest
+import torch
+
+from draft_circuit.circuit import CircuitBuilder
+from draft_circuit.circuit.planner import KV_ONLY, PlanError, compile_draft, kv_only_circuit
+from draft_circuit.circuit.report import PlanReport
+from draft_circuit.runners.chains import compile_chain
+from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
+
+
+def catch_up(p, seeds, lengths):
+    """Prefill one sequence per seed, then catch each up by `lengths[i]` rows in one batch."""
+    states = [prefilled(p, s, length=5 + s % 4)[0] for s in seeds]
+    g = torch.Generator().manual_seed(99)
+    tokens = [torch.randint(0, CFG.vocab_size, (m,), generator=g).tolist() for m in lengths]
+    hiddens = [hidden(50 + i, m) for i, m in enumerate(lengths)]
+    first = [st.rows + 1 for st in states]
+    assert p.catchup_batch(tokens, hiddens, first, states) == sum(lengths)
+    return states
+
+
+@pytest.mark.parametrize("lengths", [[1, 2], [2, 1, 2], [3, 2], [1, 1, 1, 1, 1], [2, 3, 2]])
+def test_kv_only_catchup_writes_the_one_step_chains_rows_bitwise(lengths):
+    """3, 5 and 7 rows run padded on the KV-only program (widths 1, 2, 4, 8); the pools equal
+    the eager oracle's, which runs the full one-step chain."""
+    program, oracle = make("circuit"), make("eager")
+    runner, kv_only = program.chains.kv_only()
+    assert kv_only and runner is not program.chain_runner(1)
+    assert runner.plan(3).kind == "pad" and runner.plan(7).kind == "pad"
+    assert {runner.plan(n).kind for n in range(1, 9)} <= {"own", "pad"}  # never split
+    seeds = list(range(1, len(lengths) + 1))
+    mine, theirs = catch_up(program, seeds, lengths), catch_up(oracle, seeds, lengths)
+    assert [s.rows for s in mine] == [s.rows for s in theirs]
+    assert [s.last_pair_key for s in mine] == [s.last_pair_key for s in theirs]
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(program.states[name], oracle.states[name]), name
+    # and a propose after the catch-up drafts the same from those rows
+    pos = [s.rows + 1 for s in mine]
+    got = program.propose_batch([3] * len(mine), hidden(7, len(mine)), pos, K, mine)
+    assert got == oracle.propose_batch([3] * len(theirs), hidden(7, len(theirs)), pos, K, theirs)
+
+
+def test_kv_only_program_equals_the_full_one_step_program_on_the_same_rows():
+    """Program vs program as well: the same padded rows through both compiled circuits."""
+    a, b = make("circuit"), make("circuit")
+    full = compile_chain(b.circuit_draft(1), (1, 2, 4, 8), device="cpu")
+    b.set_circuit_draft(full, num_drafts=1)  # b's catch-up now runs the host's full chain
+    assert not b.chains.kv_only()[1] and a.chains.kv_only()[1]
+    catch_up(a, [1, 2, 3], [2, 2, 1]), catch_up(b, [1, 2, 3], [2, 2, 1])
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(a.states[name], b.states[name]), name
+
+
+def test_the_plan_report_lists_the_kv_only_family_per_width():
+    p = make("circuit")
+    report = p.chain_runner(1).compiled.report()
+    family = report.families[KV_ONLY]
+    assert [w.width for w in family] == [1, 2, 4, 8]
+    for fw in family:
+        full = report.width(fw.width)
+        assert 0 < fw.launches < full.launches and 0 < fw.bytes_moved < full.bytes_moved
+        assert fw.floor_us < full.floor_us
+    again = PlanReport.from_json(report.to_json())
+    assert again.families == report.families
+    # the k-step chain's report has no derived family, and its JSON reads as before
+    k_report = p.chain_runner().compiled.report()
+    assert k_report.families == {} and '"families"' not in k_report.to_json()
+
+
+def test_kv_only_circuit_keeps_only_what_the_writes_read():
+    p = make("eager")
+    c = p.circuit_draft_kv_only().circuit
+    ops = {n.op for n in c.nodes}
+    assert "kv_write" in ops or "rope_kv_write" in ops
+    assert not ops & {"decode_attention", "lm_head_argmax", "argmax", "silu_mul", "embed_write"}
+    assert all(c.value(o).kind == "state" for o in c.outputs)
+    assert {v.name for v in c.inputs_of_kind("param")} <= set(p.params)
+    assert "lm_head.weight" not in {v.name for v in c.inputs_of_kind("param")}
+    # the proposer's one-step chain writes the embed target too: a state write, so never dropped
+    # (which is why the KV-only chain is emitted without it)
+    with_target = kv_only_circuit(p.circuit_draft(1).circuit)
+    assert "embed_write" in {n.op for n in with_target.nodes}
+
+
+def unreturned_write():
+    """A state write whose new version nobody reads, beside a returned output."""
+    b = CircuitBuilder("unreturned", max_width=4)
+    x = b.input("x", "float32", ("n", 8))
+    tables, live = b.input("tables", "int32", ("n", 2)), b.input("live", "int32", ("n",))
+    kc, vc = b.state("kc", "float32", (9, 4, 1, 4)), b.state("vc", "float32", (9, 4, 1, 4))
+    wk, wo = b.param("wk", "float32", (4, 8)), b.param("wo", "float32", (8, 8))
+    k = b.op1("linear", [x, wk], name="k")
+    b.op("kv_write", [kc, vc, k, k, tables, live], name="kvw")
+    b.output(b.op1("linear", [x, wo], name="out"), "out")
+    return b.build()
+
+
+def test_eliminating_outputs_never_removes_a_state_write():
+    c = unreturned_write()
+    kept = kv_only_circuit(c.replace(outputs=(*c.outputs, "kc")))
+    assert [n.name for n in kept.nodes] == ["k", "kvw"]  # `out` went, the write stayed
+    assert {v.name for v in kept.inputs_of_kind("param")} == {"wk"}  # wo pruned
+    # the pass itself, with the only returned value removed: the write and what it reads stay
+    from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
+    live = eliminate_dead_nodes(c.replace(outputs=()))
+    assert {n.name for n in live.nodes} == {"k", "kvw"}
+
+
+def test_a_circuit_that_returns_no_state_has_no_kv_only_program():
+    c = unreturned_write()
+    with pytest.raises(PlanError, match="returns no state"):
+        kv_only_circuit(c)
+
+
+def test_kv_only_family_round_trips_through_compile():
+    p = make("eager")
+    one = p.circuit_draft(1)
+    compiled = compile_draft(one.circuit, one.params, (1, 4), device="cpu")
+    binding = p.circuit_draft_kv_only()
+    family = compile_draft(binding.circuit, binding.params, (1, 4), device="cpu")
+    before = compiled.report().to_json()
+    compiled.add_family(KV_ONLY, family)
+    assert compiled.report().to_json() != before
+    assert [w.width for w in compiled.report().families[KV_ONLY]] == [1, 4]
