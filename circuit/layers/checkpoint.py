@@ -4,6 +4,7 @@ subclass whose message names the tensor and the file (config faults are `ConfigE
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -114,14 +115,20 @@ def _raw_config(root: Path) -> dict[str, Any]:
 def read_config(path: str | os.PathLike[str]) -> MtpConfig:
     """The config of a checkpoint directory's config.json: a `MoeConfig` when it names an expert
     count (the MTP layer's MLP is then a MoE), else an `MtpConfig`. Its family must be in the
-    table and every field that changes the math set to what the head implements (families.py)."""
+    table and every field that changes the math set to what the head implements (families.py);
+    the family sets the attention options (q/k/v bias, q/k norm, partial rotary)."""
     file = Path(path) / CONFIG_NAME
     d = _raw_config(Path(path))
     if is_mla_hf_config(d) or d.get("model_type") == "deepseek_v3":  # MLA layers: MlaConfig reads them
         check_family(d, source=os.fspath(file))
         return MlaConfig.from_hf(d, source=os.fspath(file))
-    check_family(d, source=os.fspath(file))
-    return (MoeConfig if is_moe_hf_config(d) else MtpConfig).from_hf(d, source=os.fspath(file))
+    family = check_family(d, source=os.fspath(file))
+    config = (MoeConfig if is_moe_hf_config(d) else MtpConfig).from_hf(d, source=os.fspath(file))
+    options = family.config_options(d, os.fspath(file))
+    try:
+        return dataclasses.replace(config, **options) if options else config
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e}") from None
 
 
 def _label(root: Path) -> str:

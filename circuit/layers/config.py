@@ -30,6 +30,8 @@ _DEFAULTS: dict[str, Any] = {
 _ROPE_THETA_ALIASES = ("rope_theta", "rope_parameters.rope_theta", "rope_scaling.rope_theta")
 _NUM_EXPERTS_ALIASES = ("n_routed_experts", "num_experts", "num_local_experts")
 _MISSING = object()
+FAMILY_OPTIONS = ("qkv_bias", "qk_norm", "partial_rotary_factor")  # set by the family table only
+_NO_OPTIONS = {"qkv_bias": False, "qk_norm": False, "partial_rotary_factor": 1.0}
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,21 @@ class MtpConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     num_nextn_predict_layers: int = 1
+    # The attention's family options (set from config.json by the family table, families.py;
+    # never read from a field of these names): q/k/v projections with a bias (Qwen2, GLM-4.5's
+    # attention_bias), a per-head RMSNorm of q and k before RoPE (Qwen3, GLM-4.5's use_qk_norm),
+    # RoPE over each head's first int(head_dim * partial_rotary_factor) dims only (GLM-4.5: 0.5).
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dims of each head (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], *, source: str = "config") -> MtpConfig:
@@ -67,12 +81,18 @@ class MtpConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
-        """A Llama config.json dict (plus `num_nextn_predict_layers`) that `from_hf` reads back equal."""
+        """A Llama config.json dict (plus `num_nextn_predict_layers`) that `from_hf` reads back equal.
+        A config with family options is no Llama's: transformers' own config class writes those."""
+        options = {f: getattr(self, f) for f in FAMILY_OPTIONS}
+        if options != _NO_OPTIONS:
+            raise ConfigError(f"to_hf writes Llama's config.json; {options} are a family's attention "
+                              "(Qwen2, Qwen3, GLM-4.5): write its config with transformers' config class")
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in FAMILY_OPTIONS}
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_act": "silu",
-            **dataclasses.asdict(self),
+            **fields,
             "rope_scaling": None,
         }
 
@@ -92,7 +112,7 @@ def _hf_fields(d: Mapping[str, Any]) -> dict[str, Any]:
                 f"by 'num_attention_heads'={heads!r}: give head_dim explicitly"
             )
         head_dim = hidden // heads
-    fields = {f.name: d.get(f.name) for f in dataclasses.fields(MtpConfig)}
+    fields = {f.name: d.get(f.name) for f in dataclasses.fields(MtpConfig) if f.name not in FAMILY_OPTIONS}
     fields = {k: (_DEFAULTS.get(k) if v is None else v) for k, v in fields.items()}
     if d.get("num_key_value_heads") is None:
         fields["num_key_value_heads"] = heads  # HF: absent means multi-head attention (no GQA)
@@ -170,6 +190,16 @@ def _validate(c: MtpConfig) -> None:
         )
     if c.head_dim % 2:
         raise ConfigError(f"config field 'head_dim' = {c.head_dim}: must be even (RoPE rotates pairs)")
+    for name in ("qkv_bias", "qk_norm"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"attention option {name!r} = {getattr(c, name)!r}: must be a bool")
+    f = c.partial_rotary_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise ConfigError(f"config field 'partial_rotary_factor' = {f!r}: must be a number in (0, 1]")
+    if c.rotary_dim % 2 or c.rotary_dim < 2:
+        raise ConfigError(f"config field 'partial_rotary_factor' = {f!r}: rotates {c.rotary_dim} of "
+                          f"head_dim = {c.head_dim} dims; RoPE needs an even count >= 2")
+    object.__setattr__(c, "partial_rotary_factor", float(f))
 
 
 DEFAULT_CONFIG = MtpConfig(
@@ -182,11 +212,15 @@ DEFAULT_CONFIG = MtpConfig(
 def _decoder_shapes(c: MtpConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     h, i = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    bias = {f"{prefix}self_attn.{p}_proj.bias": (size,) for p, size in (("q", q), ("k", kv), ("v", kv))}
+    norms = {f"{prefix}self_attn.{p}_norm.weight": (c.head_dim,) for p in ("q", "k")}
     return {
         f"{prefix}input_layernorm.weight": (h,),
         f"{prefix}self_attn.q_proj.weight": (q, h),
         f"{prefix}self_attn.k_proj.weight": (kv, h),
         f"{prefix}self_attn.v_proj.weight": (kv, h),
+        **(bias if c.qkv_bias else {}),
+        **(norms if c.qk_norm else {}),
         f"{prefix}self_attn.o_proj.weight": (h, q),
         f"{prefix}post_attention_layernorm.weight": (h,),
         f"{prefix}mlp.gate_proj.weight": (i, h),

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from draft_circuit.circuit.layers.config import ConfigError
+from draft_circuit.circuit.layers.family_options import (OptionReader, no_options, qwen2_options,
+                                                         qwen3_options)
 
 __all__ = ["UnsupportedConfigError", "UnsupportedArchitectureError", "FieldRule", "Family",
            "FAMILIES", "check_family", "family_label", "markdown_table"]
@@ -70,6 +72,14 @@ class Family:
     runs: str       # what runs as the drafter
     rules: tuple[FieldRule, ...] = ()
     blocked: tuple[str, ...] = ()
+    options: OptionReader = no_options  # config.json -> MtpConfig's attention options
+
+    def config_options(self, d: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+        """The attention options this family's config.json sets (family_options.py)."""
+        try:
+            return self.options(d)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e} ({family_label(d)})") from None
 
     @property
     def refused(self) -> tuple[str, ...]:
@@ -82,8 +92,10 @@ class Family:
             f"{' / '.join(json.dumps(a) for a in rules[0].allowed)}: {why}" for why, rules in by_why.items())
 
 
-_NO_BIAS = "the projections have no bias: `add` takes equal shapes, no [out] bias broadcast over rows"
-_ROPE = "the rope op is default RoPE over the whole head (no scaling)"
+_NO_BIAS = ("the head's only biases are q/k/v's (Qwen2's, GLM-4.5's): o_proj and the MLP have "
+            "none")
+_ROPE = "the rope op is default RoPE (no scaling)"
+_SLIDING = "attention is full causal over the drafter's rows (no sliding window)"
 # Fields every runnable family reads the same way (transformers' Llama semantics).
 _COMMON = (
     FieldRule("hidden_act", ("silu",), "silu", "the MLP is SwiGLU (silu_mul)"),
@@ -148,17 +160,23 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen2", ("Qwen2ForCausalLM",),
-        drafter=f"{_MTP_NAMES}; Qwen2 block", loads="nothing", target="no", runs="no",
-        blocked=("q/k/v biases (`self_attn.q_proj.bias`, `k_proj.bias`, `v_proj.bias`; "
-                 "Qwen2Attention always has them): needs an `add` broadcasting an [out] param over "
-                 "rows, or a `linear` with a bias input",),
+        drafter=f"{_MTP_NAMES}; Qwen2 block: q/k/v with biases (`self_attn.{{q,k,v}}_proj.bias`, "
+                "always: Qwen2Attention has no flag); MLP dense SwiGLU",
+        loads="as for `llama`, plus each layer's q/k/v biases", target="no: the engine's target is Llama",
+        runs="yes: `MtpHead` (`qkv_bias`)",
+        rules=_COMMON + (FieldRule("use_sliding_window", (False,), False, _SLIDING),),
+        options=qwen2_options,
     ),
     Family(
         "qwen3", ("Qwen3ForCausalLM",),
-        drafter=f"{_MTP_NAMES}; Qwen3 block", loads="nothing", target="no", runs="no",
-        blocked=("per-head q/k RMSNorm before RoPE (`self_attn.q_norm.weight`, "
-                 "`self_attn.k_norm.weight`, [head_dim]): needs an RMSNorm over each head_dim group "
-                 "of an [n, heads * head_dim] row (or a reshape to [n * heads, head_dim])",),
+        drafter=f"{_MTP_NAMES}; Qwen3 block: per-head RMSNorm of q and k before RoPE "
+                "(`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, [head_dim]); MLP dense SwiGLU",
+        loads="as for `llama`, plus each layer's q/k norms", target="no: the engine's target is Llama",
+        runs="yes: `MtpHead` (`qk_norm`)",
+        rules=_COMMON + (FieldRule("attention_bias", (False,), False, _NO_BIAS + " (Qwen3's flag "
+                                   "biases o_proj too)"),
+                         FieldRule("use_sliding_window", (False,), False, _SLIDING)),
+        options=qwen3_options,
     ),
     Family(
         "glm4_moe", ("Glm4MoeForCausalLM",),

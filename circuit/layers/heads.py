@@ -89,5 +89,13 @@ def describe_head(head: MtpHead) -> str:
         c = head.config
         experts = "fp8 e4m3 experts" if head.fp8_experts else f"{head.dtype} experts"
         return (f"MoeMtpHead: {c.n_routed_experts} experts, top-{c.num_experts_per_tok}, "
-                f"{c.n_shared_experts} shared, {c.scoring_func} routing, {experts}")
-    return f"MtpHead: dense SwiGLU MLP, {head.dtype}"
+                f"{c.n_shared_experts} shared, {c.scoring_func} routing, {experts}{_attention(c)}")
+    return f"MtpHead: dense SwiGLU MLP, {head.dtype}{_attention(head.config)}"
+
+
+def _attention(c: MtpConfig) -> str:
+    """The family options of the attention, where any is set (nothing for Llama's)."""
+    parts = [what for on, what in ((c.qkv_bias, "q/k/v bias"), (c.qk_norm, "q/k norm"),
+                                   (c.rotary_dim != c.head_dim, f"rotary {c.rotary_dim} of {c.head_dim} dims"))
+             if on]
+    return "".join(f", {p}" for p in parts)

@@ -87,15 +87,15 @@ class MtpHead:
                   bitmask: str | None = None) -> StepIO:
         c = self.config
         eps = {"eps": c.rms_norm_eps}
-        rope = {"head_dim": c.head_dim, "theta": c.rope_theta, "pos_offset": step}
+        rope = {"head_dim": c.head_dim, "theta": c.rope_theta, "pos_offset": step, **rotary_attrs(c)}
         emb = b.op1("embedding", ["embed_tokens.weight", token])
         x = b.op1("concat", [b.op1("rmsnorm", [emb, "enorm.weight"], eps, name="enorm"),
                              b.op1("rmsnorm", [hidden, "hnorm.weight"], eps, name="hnorm")])
         x = b.op1("linear", [x, "eh_proj.weight"], name="eh_proj")
         a = b.op1("rmsnorm", [x, "input_layernorm.weight"], eps, name="input_layernorm")
-        q = b.op1("linear", [a, "self_attn.q_proj.weight"], name="q_proj")
-        k = b.op1("linear", [a, "self_attn.k_proj.weight"], name="k_proj")
-        v = b.op1("linear", [a, "self_attn.v_proj.weight"], name="v_proj")
+        q = emit_qk_norm(b, c, "q", b.op1("linear", [a, *qkv_params(c, "q")], name="q_proj"))
+        k = emit_qk_norm(b, c, "k", b.op1("linear", [a, *qkv_params(c, "k")], name="k_proj"))
+        v = b.op1("linear", [a, *qkv_params(c, "v")], name="v_proj")
         q = b.op1("rope", [q, positions], rope, name="rope_q")
         k = b.op1("rope", [k, positions], rope, name="rope_k")
         # rows that stopped (or are inert padding) write no drafter-KV row
@@ -205,3 +205,27 @@ def emit_draft_chain(head: MtpHead, num_drafts: int, *, max_width: int, kv: KvLa
         # only the last kept draft's embedding goes to the host buffer (the deferred draft)
         b.output(b.op1("embed_write", [target, "embed_tokens.weight", last, drafting]))
     return b.build()
+
+
+# ---- the attention's family options (MtpConfig.qkv_bias, qk_norm, partial_rotary_factor), also
+# emitted by the engine's target; defined last so the lines above keep their numbers (node origins)
+def rotary_attrs(c: MtpConfig) -> dict[str, int]:
+    """rope's `rotary_dim` when only part of each head rotates (GLM-4.5); nothing when the whole
+    head does, so a Llama circuit's attrs are what they always were."""
+    return {"rotary_dim": c.rotary_dim} if c.rotary_dim != c.head_dim else {}
+
+
+def qkv_params(c: MtpConfig, which: str, prefix: str = "") -> list[str]:
+    """The params of the q, k or v projection: its weight, and its bias where the family has one
+    (Qwen2, GLM-4.5's attention_bias): `linear`'s optional third input."""
+    weight = f"{prefix}self_attn.{which}_proj.weight"
+    return [weight, f"{prefix}self_attn.{which}_proj.bias"] if c.qkv_bias else [weight]
+
+
+def emit_qk_norm(b: CircuitBuilder, c: MtpConfig, which: str, x: str, prefix: str = "") -> str:
+    """q or k normed per head before RoPE where the family does it (Qwen3, GLM-4.5's use_qk_norm);
+    else x itself."""
+    if not c.qk_norm:
+        return x
+    return b.op1("head_rmsnorm", [x, f"{prefix}self_attn.{which}_norm.weight"], {"eps": c.rms_norm_eps},
+                 name=f"{which}_norm")
