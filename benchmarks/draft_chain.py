@@ -22,7 +22,9 @@ measured in the same run. `--configs moe` (not in the default) runs a MoE MTP la
 (MoeMtpHead; the torch peer's MoE MLP is torch_mtp.moe_mlp). `--configs 8b_vocab32k` runs the 8B
 chain over a 32,768-id draft vocabulary (every strategy; its circuit time is also given over the
 `8b` chain's floor, issue 18's target), `eagle3_8b` the EAGLE-3 drafter at its published 8B
-shapes (circuit strategies only, checked against the project's eager oracle; draft_heads.py).
+shapes (circuit strategies only, checked against the project's eager oracle; draft_heads.py),
+`deepseek_v3` DeepSeek-V3's MTP layer (MLA, YaRN, 256 fp8 experts, fp8 projections; circuit
+strategies only, against the eager oracle; its floor counts latent rows; deepseek_head.py).
 Results go to `--out` (JSON) and `--results-md` (markdown), rewritten
 after every config so a run cut short still leaves its numbers. torch_compile runs last, after
 every config's other strategies (its compiles are the slowest and least certain part); a
@@ -56,6 +58,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import deepseek_head as dsh  # noqa: E402
 from benchmarks import draft_heads as dh  # noqa: E402
 from benchmarks import torch_mtp as tm  # noqa: E402
 from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig  # noqa: E402
@@ -93,6 +96,7 @@ CONFIGS: dict[str, MtpConfig] = {
 # and the EAGLE-3 drafter at its published 8B shapes
 CONFIGS["8b_vocab32k"] = CONFIGS["8b"]
 CONFIGS["eagle3_8b"] = dh.EAGLE3_8B
+CONFIGS["deepseek_v3"] = dsh.DEEPSEEK_V3  # issue 16: MLA + YaRN + fp8 MoE at DeepSeek-V3's shapes
 DEFAULT_CONFIGS = "small,8b"  # moe only when asked: its setup would delay the others' phase B
 DRY_CONFIG = MtpConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -151,6 +155,8 @@ def floor_bytes(config: MtpConfig, width: int, num_drafts: int, kv_rows: float,
     A MoeConfig adds experts: k x expected_distinct_experts(E, top_k, width) x expert_bytes (each
     step reads every expert its rows select once; uniform routing, the high end).
     """
+    if dsh.is_mla(config):  # latent rows, fp8 projections and experts (deepseek_head.py)
+        return dsh.floor_bytes(config, width, num_drafts, kv_rows, dtype_bytes, max_blocks)
     h, eb, k = config.hidden_size, dtype_bytes, num_drafts
     kv_row = 2 * config.num_key_value_heads * config.head_dim * eb
     rows_read = sum(kv_rows + j + 1 for j in range(k))
@@ -324,11 +330,15 @@ class Bench:
         from draft_circuit.circuit.layers.mtp import MtpHead
         from draft_circuit.circuit.layers.draft_vocab import bind_draft_vocab
         self.name, self.config, self.s = name, config, s
-        self.head = (MoeMtpHead(config, s.dtype_name) if isinstance(config, MoeConfig)
+        self.head = (dsh.make_head(config, s.dtype_name) if dsh.is_mla(config)
+                     else MoeMtpHead(config, s.dtype_name) if isinstance(config, MoeConfig)
                      else dh.make_head(config, s.dtype_name))
         self.draft_vocab = dh.DRAFT_VOCABS.get(name)
-        self.peer = not dh.is_eagle3(config)  # torch_mtp runs MTP heads (over any vocabulary)
-        weights = (dh.random_eagle3_weights(config, s.device, s.dtype, s.seed) if not self.peer
+        # torch_mtp runs GQA MTP heads (over any vocabulary); not EAGLE-3, not MLA
+        self.no_peer = NO_PEER if dh.is_eagle3(config) else dsh.NO_PEER if dsh.is_mla(config) else None
+        self.peer = self.no_peer is None
+        weights = (dh.random_eagle3_weights(config, s.device, s.dtype, s.seed) if dh.is_eagle3(config)
+                   else dsh.random_weights(config, s.device, s.dtype, s.seed) if dsh.is_mla(config)
                    else random_weights(config, s))
         self.params = self.head.bind(weights)
         del weights  # gate and up live on only inside gate_up
@@ -338,10 +348,10 @@ class Bench:
         dev, c = s.device, config
         g = torch.Generator(device="cpu").manual_seed(s.seed + 1)
         self.num_blocks = 1 + s.num_sets * s.max_width * s.max_blocks
-        cache_shape = (self.num_blocks, s.block_size, c.num_key_value_heads, c.head_dim)
+        k_shape, v_shape = self.head.cache_shapes(self.kv())  # MLA: roped keys and latents
         gd = torch.Generator(device=dev).manual_seed(s.seed + 2)
-        self.k_cache = torch.randn(cache_shape, generator=gd, device=dev, dtype=s.dtype)
-        self.v_cache = torch.randn(cache_shape, generator=gd, device=dev, dtype=s.dtype)
+        self.k_cache = torch.randn(k_shape, generator=gd, device=dev, dtype=s.dtype)
+        self.v_cache = torch.randn(v_shape, generator=gd, device=dev, dtype=s.dtype)
         perm = (torch.randperm(self.num_blocks - 1, generator=g) + 1).to(torch.int32)
         tables = perm.view(s.num_sets, s.max_width, s.max_blocks)
         self.sets: list[dict[str, torch.Tensor]] = []
@@ -711,7 +721,7 @@ class Run:
         for n in s.widths:
             for strategy in todo:
                 if strategy in PEER_STRATEGIES and not b.peer:
-                    self.record(name, n, strategy, {"error": NO_PEER})
+                    self.record(name, n, strategy, {"error": b.no_peer})
                     continue
                 if strategy == "eager":
                     make = lambda: case_eager(b, n)  # noqa: E731
@@ -737,10 +747,11 @@ class Run:
             for n in s.widths:
                 self.record(name, n, "torch_compile", {"error": "skipped: past --deadline-s"})
             return
-        if dh.is_eagle3(self.configs[name]):
-            self.results[name]["torch_compile"] = {"error": NO_PEER}
+        if dh.is_eagle3(self.configs[name]) or dsh.is_mla(self.configs[name]):
+            reason = dsh.NO_PEER if dsh.is_mla(self.configs[name]) else NO_PEER
+            self.results[name]["torch_compile"] = {"error": reason}
             for n in s.widths:
-                self.record(name, n, "torch_compile", {"error": NO_PEER})
+                self.record(name, n, "torch_compile", {"error": reason})
             return
         log(f"{name}: torch_compile: setting up again (same seeds: same weights and inputs)")
         b = Bench(name, self.configs[name], s)
@@ -1089,7 +1100,9 @@ def build(args: argparse.Namespace) -> tuple[Settings, dict[str, MtpConfig], lis
         device = torch.device(args.device or "cpu")
         configs = {}
         for n in names:
-            if isinstance(CONFIGS[n], MoeConfig):
+            if dsh.is_mla(CONFIGS[n]):
+                configs["tiny_deepseek"] = dsh.DRY_DEEPSEEK
+            elif isinstance(CONFIGS[n], MoeConfig):
                 configs["tiny_moe"] = DRY_MOE_CONFIG
             elif dh.is_eagle3(CONFIGS[n]):
                 configs["tiny_eagle3"] = dh.DRY_EAGLE3
