@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -40,13 +40,13 @@ class CaptureStats:
     failures: dict[int, str] = field(default_factory=dict)
 
 
-def _progress(done: int, total: int, width: int) -> None:
-    if sys.stderr.isatty() or os.environ.get("CIRCUIT_PROGRESS"):
-        bar = "#" * (20 * done // total)
-        print(f"\rcapturing widths [{bar:<20}] {done}/{total} (n={width})", end="",
-              file=sys.stderr, flush=done == total)
-        if done == total:
-            print(file=sys.stderr)
+def _progress_bar(total: int) -> Any:
+    """tqdm over the widths to capture: drawn on a terminal (or with CIRCUIT_PROGRESS set)."""
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() or bool(os.environ.get("CIRCUIT_PROGRESS"))
+    return tqdm(total=total, desc="capturing widths", unit="width", disable=not show,
+                file=sys.stderr, leave=False)
 
 
 @single_caller("run", "execute")
@@ -66,9 +66,11 @@ class GraphRunner:
         # warm-up writes no KV
         fill_neutral(compiled.circuit, self.program.static_inputs, 0, scratch_block)
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
-        for i, w in enumerate(widths):
-            self._capture(w, warmup, fail=w in fail_widths)
-            _progress(i + 1, len(widths), w)
+        with _progress_bar(len(widths)) as bar:
+            for w in widths:
+                bar.set_postfix_str(f"n={w}")
+                self._capture(w, warmup, fail=w in fail_widths)
+                bar.update(1)
         self._debug = debug_level()
         self._ptrs = {n: t.data_ptr() for n, t in self.program.static_inputs.items()}
 

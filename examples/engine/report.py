@@ -3,37 +3,32 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
 
 from examples.engine.engine import Engine, Result
 
 
 class ProgressBar:
-    """`[#####.....] 120/512 tokens  4 running  3 waiting  250 tok/s`, redrawn at most 10x a second."""
+    """tqdm over generated tokens, with the scheduler's running / waiting counts and tok/s."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 30) -> None:
-        self.total, self.stream, self.width = max(total, 1), stream, width
-        self.start = self.last = time.perf_counter()
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=max(total, 1), unit="tok", file=stream, mininterval=0.1,
+                         dynamic_ncols=True, desc="generating")
+        self._done = 0
 
     def update(self, engine: Engine, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < 0.1:
-            return
-        self.last = now
-        done = engine.stats.generated
-        filled = self.width * min(done, self.total) // self.total
-        rate = done / max(now - self.start, 1e-9)
+        done = min(engine.stats.generated, self._bar.total)
         sched = engine.scheduler
-        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} "
-                          f"tokens  {len(sched.running)} running  {len(sched.waiting)} waiting  "
-                          f"{rate:.0f} tok/s ")
-        self.stream.flush()
+        self._bar.set_postfix(running=len(sched.running), waiting=len(sched.waiting),
+                              refresh=force)
+        self._bar.update(done - self._done)
+        self._done = done
 
     def close(self, engine: Engine) -> None:
         self.update(engine, force=True)
-        self.stream.write("\n")
-        self.stream.flush()
+        self._bar.close()
 
 
 def summary(engine: Engine, result: Result) -> dict:
