@@ -45,7 +45,7 @@ def single_caller(*methods: str) -> Callable[[_T], _T]:
     """Class decorator: the object gets its lock before its own __init__ runs, and each of
     `methods` raises `ConcurrentCallError` when another thread is inside any of them."""
     def decorate(cls: _T) -> _T:
-        init = cls.__init__
+        init = cls.__init__  # type: ignore[misc]  # the class's own, wrapped below
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -65,8 +65,8 @@ class ChainStaging:
         self._out_dev = torch.zeros(w * k2, dtype=torch.int32, device=self.device)
         self._out_host = torch.zeros(w * k2, dtype=torch.int32, pin_memory=self.cuda) \
             if self.cuda else self._out_dev
-        self._copied = torch.cuda.Event() if self.cuda else None
-        self._read = torch.cuda.Event() if self.cuda else None
+        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
     # ---- slots: one device table row per state ----
     def _slot(self, state: MtpProposerState) -> int:

@@ -60,4 +60,4 @@ def _rotary_factor(d: Mapping[str, Any], default: float) -> float:
     if len(set(found.values())) > 1:
         listed = ", ".join(f"{k}={v!r}" for k, v in found.items())
         raise ConfigError(f"config aliases disagree: {listed}; make them equal or drop one")
-    return float(next(iter(found.values()), default))
+    return float(next(iter(found.values()), default))  # type: ignore[arg-type]  # checked numeric above

@@ -78,7 +78,7 @@ class MtpHead:
         """Why an n-row batch must draft per sequence (None: it need not). Dense: never."""
         return None
 
-    def plan_notes(self) -> dict:
+    def plan_notes(self) -> dict[str, object]:
         """What this head states in the plan report (an MoE head: its refusals). Dense: nothing."""
         return {}
 
