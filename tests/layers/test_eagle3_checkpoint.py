@@ -133,6 +133,8 @@ def test_circuit_plan_plans_an_eagle3_checkpoint(tmp_path, capsys):
                  "--device", "cpu", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["notes"]["head"].startswith("Eagle3Head")
-    lm = [x for x in report["widths"][0]["schedule"] if x["op"] == "linear_argmax_logprob"]
-    assert len(lm) == 2 and all(x["inputs"][1]["shape"] == [70, 32] for x in lm)  # the draft rows
-    assert any(x["op"] == "map_ids" for x in report["widths"][0]["schedule"])
+    lm = [slot for x in report["widths"][0]["schedule"] for slot in x["inputs"]
+          if slot["where"] == "param" and slot["name"] == "lm_head.weight"]
+    assert len(lm) == 2 and all(slot["shape"] == [70, 32] for slot in lm)  # the draft rows, 2 steps
+    assert any(x["op"] == "map_ids" or any(f.endswith(".draft_id") for f in x["fused"])
+               for x in report["widths"][0]["schedule"])  # drafts mapped to target ids
