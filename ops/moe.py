@@ -35,7 +35,8 @@ class MoeRouteAttrs(BaseModel):
     """scoring_func "sigmoid" (DeepSeek-V3, GLM-4.5): select on sigmoid scores + bias, limited to
     the topk_group of n_group groups with the largest top-2 sums; "softmax": plain top-k of the
     softmax (n_group must be 1). Weights: the unbiased scores of the chosen experts, divided by
-    their sum when norm_topk_prob and top_k > 1, times routed_scaling_factor."""
+    their sum when norm_topk_prob and top_k > 1 (or at top_k == 1 too with norm_top1: GLM-4.5,
+    as transformers' Glm4MoeTopkRouter; DeepSeek-V3 skips it), times routed_scaling_factor."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     top_k: int = Field(ge=1)
@@ -44,6 +45,7 @@ class MoeRouteAttrs(BaseModel):
     topk_group: int = Field(1, ge=1)
     norm_topk_prob: bool = True
     routed_scaling_factor: float = Field(1.0, gt=0)
+    norm_top1: bool = False
 
     def model_post_init(self, _: object) -> None:
         if self.topk_group > self.n_group:
@@ -102,7 +104,7 @@ def route_select(logits: torch.Tensor, bias: torch.Tensor | None,
         keep = keep[:, :, None].expand(n, a.n_group, num_experts // a.n_group).reshape(n, num_experts)
     ids = topk_lowest_id(choice, a.top_k, keep)
     weights = scores.gather(1, ids)
-    if a.norm_topk_prob and a.top_k > 1:
+    if a.norm_topk_prob and (a.top_k > 1 or a.norm_top1):
         total = weights[:, 0]
         for j in range(1, a.top_k):  # a fixed order, so a row's bits never depend on the batch
             total = total + weights[:, j]

@@ -248,7 +248,10 @@ def load_mtp_weights(
         known = {prefix + name for name in shapes} | set(scales.values())
         _reject_extras(inv, sorted(k for k in inv.where if k.startswith(prefix) and k not in known),
                        f"under the MTP layer prefix {prefix!r}")
-    fp32 = {n: plan.pop(n) for n in list(plan) if n.endswith("e_score_correction_bias")}
+    # read in fp32: the routing bias, and a gate the family keeps fp32 (GLM-4.5's, as transformers)
+    fp32_gate = isinstance(config, MoeConfig) and config.fp32_gate
+    fp32 = {n: plan.pop(n) for n in list(plan)
+            if n.endswith("e_score_correction_bias") or (fp32_gate and n == "mlp.gate.weight")}
     out = {**_read(inv, plan, shapes, dtype, device), **_read(inv, fp32, shapes, torch.float32, device)}
     blocks = {s: tuple(math.ceil(d / SCALE_BLOCK) for d in shapes[s.removesuffix(SCALE)]) for s in scales}
     for s, scale in _read(inv, scales, blocks, torch.float32, device).items():

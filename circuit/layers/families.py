@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from draft_circuit.circuit.layers.config import ConfigError
-from draft_circuit.circuit.layers.family_options import (OptionReader, no_options, qwen2_options,
-                                                         qwen3_options)
+from draft_circuit.circuit.layers.family_options import (OptionReader, glm4_moe_options, no_options,
+                                                         qwen2_options, qwen3_options)
 
 __all__ = ["UnsupportedConfigError", "UnsupportedArchitectureError", "FieldRule", "Family",
            "FAMILIES", "check_family", "family_label", "markdown_table"]
@@ -182,11 +182,17 @@ FAMILIES: tuple[Family, ...] = (
         "glm4_moe", ("Glm4MoeForCausalLM",),
         drafter=f"{_MTP_NAMES} (`num_nextn_predict_layers`); GLM-4.5 block; MoE MLP (sigmoid "
                 "routing, `e_score_correction_bias`, shared experts)",
-        loads="nothing", target="no: MoE layers after `first_k_dense_replace`", runs="no",
-        blocked=("partial rotary (`partial_rotary_factor`, in `rope_parameters` since "
-                 "transformers 5, 0.5 by default): the rope op rotates the whole head; q/k/v biases "
-                 "(`attention_bias`, true in the released configs); per-head q/k norms "
-                 "(`use_qk_norm`). Its routing, experts and shared experts are MoeMtpHead's",),
+        loads="the MTP layer at `model.layers.{num_hidden_layers}`: `enorm`, `hnorm`, `eh_proj`, "
+              "`shared_head.*` (embed / head falling back to the target's), q/k/v biases iff "
+              "`attention_bias`, `self_attn.{q,k}_norm` iff `use_qk_norm`, `mlp.gate` (read fp32), "
+              "`e_score_correction_bias`, `mlp.experts.{e}.*`, `mlp.shared_experts.*`",
+        target="no: the engine's target is a dense Llama (GLM-4.5's layers after "
+               "`first_k_dense_replace` are MoE)",
+        runs="yes: `MoeMtpHead` (partial rotary from `rope_parameters.partial_rotary_factor` or the "
+             "top-level field, 0.5 absent; fp32 gate; weights normalised at top_k 1 too, as "
+             "transformers). Position 0's embedding is not zeroed as in vLLM: the engine never drafts there",
+        rules=_COMMON,
+        options=glm4_moe_options,
     ),
     Family(
         "qwen3_next", ("Qwen3NextForCausalLM",),

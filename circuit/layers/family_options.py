@@ -35,6 +35,14 @@ def glm4_moe_options(d: Mapping[str, Any]) -> dict[str, Any]:
     """Glm4MoeAttention: q/k/v biases iff `attention_bias`, per-head q/k norms iff `use_qk_norm`,
     RoPE over int(head_dim * partial_rotary_factor) dims; the factor sits in `rope_parameters`
     since transformers 5 and top-level in older config.json files, absent: 0.5 (the class's)."""
+    if all(d.get(k) is None for k in ("n_routed_experts", "num_local_experts")):
+        raise ConfigError("config field 'n_routed_experts' is absent: Glm4MoeConfig would build 128 "
+                          "experts by default; give the count explicitly")
+    layers, dense = d.get("num_hidden_layers"), d.get("first_k_dense_replace", 1)
+    if isinstance(layers, int) and isinstance(dense, int) and dense > layers:
+        # Glm4MoeDecoderLayer: MoE iff layer_idx >= first_k_dense_replace; the MTP layer is index L
+        raise ConfigError(f"config field 'first_k_dense_replace' = {dense} > 'num_hidden_layers' = "
+                          f"{layers}: the MTP layer would be dense; the GLM-4.5 MTP head is a MoE layer")
     return {"qkv_bias": _flag(d, "attention_bias"), "qk_norm": _flag(d, "use_qk_norm"),
             "partial_rotary_factor": _rotary_factor(d, default=0.5)}
 

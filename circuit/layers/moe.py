@@ -25,6 +25,9 @@ SHARED_GATE_UP, SHARED_DOWN = "mlp.shared_experts.gate_up_proj.weight", "mlp.sha
 SCALE = "_scale_inv"  # "<weight>_scale_inv": DeepSeek-V3's name for a weight's block scales
 DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")  # model_types whose absent scoring_func is sigmoid
+# model_types whose router transformers keeps fp32 (_keep_in_fp32_modules_strict) and whose weights
+# are normalised at top_k == 1 too (Glm4MoeTopkRouter: `if self.norm_topk_prob`, no top_k > 1)
+ROUTER_FP32_FAMILIES = ("glm4_moe",)
 ROUTING_DTYPES = (None, "float32")  # None: the head's dtype
 
 
@@ -37,7 +40,10 @@ class MoeConfig(MtpConfig):
     """An MtpConfig whose MTP layer's MLP is a MoE. `routing_dtype` None: the gate runs in the
     head's dtype (fp32 logits either way); "float32": an fp32 gate (refused for batches, as the
     reference engine's grouped decode does). `expert_parallel_size` > 1: experts are sharded
-    across ranks by the host (refused: the circuit has no cross-rank combine yet)."""
+    across ranks by the host (refused: the circuit has no cross-rank combine yet).
+    `fp32_gate`, `norm_top1`: GLM-4.5's router as transformers runs it (an fp32 gate by the model's
+    definition, never refused for batches; a lone expert's weight normalised too), set for
+    ROUTER_FP32_FAMILIES; DeepSeek-V3's and Llama-named MoE configs keep both off."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -50,10 +56,18 @@ class MoeConfig(MtpConfig):
     scoring_func: str = "sigmoid"
     routing_dtype: str | None = None
     expert_parallel_size: int = 1
+    fp32_gate: bool = False
+    norm_top1: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _validate_moe(self)
+
+    @property
+    def gate_dtype(self) -> str | None:
+        """The gate's dtype: float32 when routing is configured so or the family's gate is fp32;
+        None: the head's."""
+        return "float32" if self.routing_dtype == "float32" or self.fp32_gate else None
 
     @property
     def num_experts(self) -> int:
@@ -88,7 +102,9 @@ class MoeConfig(MtpConfig):
                        routed_scaling_factor=get("routed_scaling_factor", 1.0),
                        norm_topk_prob=get("norm_topk_prob", scoring == "sigmoid"),
                        routing_dtype=d.get("routing_dtype"),
-                       expert_parallel_size=get("expert_parallel_size", 1))
+                       expert_parallel_size=get("expert_parallel_size", 1),
+                       fp32_gate=d.get("model_type") in ROUTER_FP32_FAMILIES,
+                       norm_top1=d.get("model_type") in ROUTER_FP32_FAMILIES)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
@@ -122,6 +138,9 @@ def _validate_moe(c: MoeConfig) -> None:
     object.__setattr__(c, "routed_scaling_factor", float(c.routed_scaling_factor))
     if not isinstance(c.norm_topk_prob, bool):
         raise ConfigError(f"config field 'norm_topk_prob' = {c.norm_topk_prob!r}: must be a bool")
+    for name in ("fp32_gate", "norm_top1"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"MoE option {name!r} = {getattr(c, name)!r}: must be a bool")
     if c.routing_dtype not in ROUTING_DTYPES:
         raise ConfigError(f"config field 'routing_dtype' = {c.routing_dtype!r}: must be one of {ROUTING_DTYPES}")
     if e % c.expert_parallel_size:  # FAULT 23
@@ -195,7 +214,7 @@ class MoeMtpHead(MtpHead):
         h, i, s, e = c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size, c.n_routed_experts
         specs = {k: (dt, v) for k, v in MtpHead.param_shapes(self).items()
                  if k not in (GATE_UP, "mlp.down_proj.weight")}
-        specs[GATE] = ("float32" if c.routing_dtype == "float32" else dt, (e, h))
+        specs[GATE] = (c.gate_dtype or dt, (e, h))
         if c.scoring_func == "sigmoid":
             specs[BIAS] = ("float32", (e,))
         experts = FP8 if self.fp8_experts else dt
@@ -251,7 +270,7 @@ class MoeMtpHead(MtpHead):
         c = self.config
         attrs = {"top_k": c.num_experts_per_tok, "scoring_func": c.scoring_func, "n_group": c.n_group,
                  "topk_group": c.topk_group, "norm_topk_prob": c.norm_topk_prob,
-                 "routed_scaling_factor": c.routed_scaling_factor}
+                 "routed_scaling_factor": c.routed_scaling_factor, **({"norm_top1": True} if c.norm_top1 else {})}
         bias = BIAS if c.scoring_func == "sigmoid" else None
         ids, weights = b.op("moe_route", [x, GATE, bias], attrs, name="router")
         shared = [SHARED_GATE_UP, SHARED_DOWN] if c.shared_intermediate_size else []

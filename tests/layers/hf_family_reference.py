@@ -53,6 +53,7 @@ def family_checkpoint(root: Path, family: str, seed: int = 0, **fields) -> Path:
 def hf_config(root: Path):
     config = transformers.AutoConfig.from_pretrained(root)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the per-expert loop (what a standalone layer runs)
     return config
 
 

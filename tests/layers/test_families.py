@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from draft_circuit.circuit.layers.config import ConfigError
 from draft_circuit.circuit.layers.families import (FAMILIES, FieldRule, UnsupportedArchitectureError,
                                                    UnsupportedConfigError, check_family, markdown_table)
 
@@ -97,8 +98,15 @@ def test_transformers_qwen_configs_pass_and_set_their_attention() -> None:
         check_family(hf_config("Qwen3Config", attention_bias=True))
 
 
+def test_transformers_glm4_moe_config_passes_and_sets_its_attention() -> None:
+    d = hf_config("Glm4MoeConfig", attention_bias=True, use_qk_norm=True, head_dim=8)
+    assert check_family(d).config_options(d) == {"qkv_bias": True, "qk_norm": True, "partial_rotary_factor": 0.5}
+    d.pop("n_routed_experts")
+    with pytest.raises(ConfigError, match=r"x/config\.json: config field 'n_routed_experts' is absent.*128"):
+        check_family(d).config_options(d, "x/config.json")
+
+
 @pytest.mark.parametrize("name, pattern", [
-    ("Glm4MoeConfig", r"Glm4MoeForCausalLM.*partial_rotary_factor"),
     ("Qwen3NextConfig", r"Qwen3NextForCausalLM.*mtp\."),
 ])
 def test_transformers_configs_of_blocked_families_are_refused(name: str, pattern: str) -> None:
