@@ -26,6 +26,7 @@ from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.program import REFERENCE, Launch, Slot
 from draft_circuit.ops.registry import get_op, torch_dtype
 from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
+from draft_circuit.runners.input_values import InputValueCheck
 from draft_circuit.runners.single_caller import single_caller
 
 LaunchFn = Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any], None]
@@ -120,6 +121,10 @@ class ProgramRunner:
         self._bound_ptrs = {w: {k: v.data_ptr() for k, v in views.items()}
                             for w, views in self._inputs.items()}
         self._debug = debug_level() if debug is None else debug
+        # values (block ids, live_rows, tokens) are read on the host: free on CPU, a sync on a
+        # GPU, where run() leaves them to the proposer (runners/input_values.py)
+        self._values = InputValueCheck.for_circuit(circuit, self.states, compiled.params) \
+            if self.device.type == "cpu" else None
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -157,6 +162,8 @@ class ProgramRunner:
         n = check_inputs(self.circuit, inputs)
         if n not in self._bound:
             raise WidthError(f"width {n} has no program; compiled widths: {list(self.widths)}")
+        if self._values is not None:
+            self._values(inputs)
         self.copy_in(n, inputs)
         self.execute(n)
         return self._outputs[n]
