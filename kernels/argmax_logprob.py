@@ -136,8 +136,8 @@ def _linear_partials_kernel(
 
 @triton.jit
 def _merge_partials_kernel(
-    ws_ptr, token_ptr, logprob_ptr, num_chunks,
-    MERGE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    ws_ptr, token_ptr, logprob_ptr, num_chunks, active_ptr, kept_ptr,
+    MERGE_BLOCK: tl.constexpr, KEEP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per row; blocks of chunk partials folded serially in chunk order
     row = tl.program_id(0).to(tl.int64)
@@ -157,6 +157,9 @@ def _merge_partials_kernel(
         m, tok, s = _top1_reduce(m, tok, s, valid & (m > float("-inf")), 0)
         m_run, tok_run, s_run = _top1_merge(m_run, tok_run, s_run, m, tok, s)
     _top1_finish(m_run, tok_run, s_run, token_ptr, logprob_ptr, row)
+    if KEEP:  # keep_if_active folded in: an inactive row's draft is -1
+        token = tl.where(m_run == float("-inf"), -1, tok_run)
+        tl.store(kept_ptr + row, tl.where(tl.load(active_ptr + row) != 0, token, -1))
 
 
 def _check_outputs(n: int, device: torch.device, token_out: torch.Tensor, logprob_out: torch.Tensor) -> None:
@@ -204,8 +207,11 @@ def linear_argmax_workspace_shape(n: int, V: int) -> tuple[int, int, int]:
 
 def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torch.Tensor,
                           logprob_out: torch.Tensor, bitmask: torch.Tensor | None = None,
-                          workspace: torch.Tensor | None = None) -> None:
-    """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype."""
+                          workspace: torch.Tensor | None = None, active: torch.Tensor | None = None,
+                          kept_out: torch.Tensor | None = None) -> None:
+    """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype.
+    With `active` int32 [n] and `kept_out` int32 [n]: also kept_out = token where active != 0, else -1
+    (keep_if_active in the merge's epilogue, no launch of its own)."""
     check(x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1,
           lambda: f"x must be [n, K] fp32/fp16/bf16 with contiguous rows; got {describe('x', x)}")
     n, K = x.shape
@@ -218,6 +224,11 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
         raise KernelInputError(f"weight: vocab {V} must be below {_MAX_VOCAB} (token ids pass through fp32)")
     _check_outputs(n, x.device, token_out, logprob_out)
     _check_bitmask(bitmask, n, V, x.device)
+    check((active is None) == (kept_out is None), lambda: "active and kept_out come together")
+    if active is not None and kept_out is not None:
+        for name, t in (("active", active), ("kept_out", kept_out)):
+            check(t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous() and t.device == x.device,
+                  lambda: f"{name} must be int32 [{n}] contiguous on {x.device}; got {describe(name, t)}")
     shape = linear_argmax_workspace_shape(n, V)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.float32, device=x.device)
@@ -236,7 +247,9 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
             BLOCK_K=LINEAR_BLOCK_K, USE_PDL=bool(kw),
             num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
         )
+    keep = active is not None
     _merge_partials_kernel[(n,)](
         workspace, token_out, logprob_out, shape[1],
-        MERGE_BLOCK=MERGE_BLOCK, USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
+        active if keep else token_out, kept_out if keep else token_out,
+        MERGE_BLOCK=MERGE_BLOCK, KEEP=keep, USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
     )

@@ -173,3 +173,34 @@ register(OpDef(
     num_required=2, attrs=KeepAttrs, infer=_infer_keep, reference=_keep,
     tags=frozenset({SAMPLING, ELEMENTWISE}),
 ))
+
+
+# ---- the lm-head's draft: linear_argmax_logprob with keep_if_active in its epilogue ----
+def _infer_linear_argmax_keep(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    x, w, active, *mask = ins
+    outs = _infer_linear_argmax([x, w, *mask], a)
+    _infer_keep([outs[0], active], KeepAttrs())
+    return [*outs, outs[0]]
+
+
+def _linear_argmax_keep(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor, ...]:
+    token, logprob = _linear_argmax([t[0], t[1], *t[3:]], a)
+    return token, logprob, _keep([token, t[2]], KeepAttrs())[0]
+
+
+def _launch_linear_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
+    _k_lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[3] if len(ins) > 3 else None, ws[0],
+                    active=ins[2], kept_out=outs[2])
+
+
+register(OpDef(
+    # fuse_argmax_keep: `kept` is keep_if_active(token, active) (fill -1); `token` stays for the
+    # next step's embedding, which drafts on even where this row's draft is not kept
+    name="linear_argmax_keep", inputs=("x", "weight", "active", "bitmask"),
+    outputs=("token", "logprob", "kept"), num_required=3, infer=_infer_linear_argmax_keep,
+    reference=_linear_argmax_keep, cost=_linear_argmax_cost,
+    tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
+    kernels=(KernelBinding("triton_linear_argmax_keep", _launch_linear_argmax_keep, Applies(TRITON, conditions=(
+        Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: isinstance(v := ins[1].shape[0], int) and v < MAX_FUSED_VOCAB),)),
+        workspace=_linear_argmax_ws),),
+))

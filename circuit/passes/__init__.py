@@ -20,7 +20,7 @@ PASSES: dict[str, Pass] = {"eliminate_dead_nodes": eliminate_dead_nodes,
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "eliminate_dead_nodes", "fuse_add_rmsnorm", "fuse_lm_head_argmax", "fuse_rope_kv_write",
-    "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear")
+    "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear", "fuse_argmax_keep")
 
 
 class PassError(CircuitError):

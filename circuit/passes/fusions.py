@@ -59,6 +59,23 @@ def _concat_of_two_rows(c: Circuit, m: Match, taken: Taken) -> Match | None:
                  and _plain_linear(c, lin)) else None
 
 
+def _keep_after_argmax(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """keep_if_active(token, active) with fill -1 and no fallback; the fused node takes the keep's
+    place, so every other reader of the argmax's outputs must come after it in circuit order."""
+    arg, keep = m.producer, m.consumer
+    if len(keep.inputs) != 2 or keep.attrs.get("fill", -1) != -1:
+        return None
+    order = {n.name: i for i, n in enumerate(c.nodes)}
+    readers = [u for out in arg.outputs for u in c.users(out) if u is not keep]
+    return m if all(order[u.name] > order[keep.name] for u in readers) else None
+
+
+def _argmax_keep(m: Match) -> Parts:
+    arg, keep = m.producer, m.consumer
+    x, w, *mask = arg.inputs
+    return (arg, keep), (x, w, keep.inputs[1], *mask), (*arg.outputs, keep.outputs[0]), {}
+
+
 def _qkv(group: tuple[Node, ...]) -> Parts:
     return group, (group[0].inputs[0], *(n.inputs[1] for n in group)), \
         tuple(n.outputs[0] for n in group), {}
@@ -123,4 +140,9 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            "each K tile from x1 or x2, so the concatenated row never reaches memory",
            producer="concat", consumer="linear", edge=0, sole_reader=True, fused_op="linear_concat",
            rewrite=_concat_linear, guard=_concat_of_two_rows),
+    Fusion("fuse_argmax_keep",
+           "keep_if_active(token, active) of the lm-head's fused argmax -> linear_argmax_keep, "
+           "which writes the kept draft in its merge epilogue (the token stays an output)",
+           producer="linear_argmax_logprob", consumer="keep_if_active", edge=0, sole_reader=False,
+           fused_op="linear_argmax_keep", rewrite=_argmax_keep, guard=_keep_after_argmax),
 )

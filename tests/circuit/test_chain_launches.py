@@ -21,9 +21,9 @@ CFG = MtpConfig(vocab_size=133, hidden_size=40, intermediate_size=72, num_attent
 KV = KvLayout(num_blocks=60, block_size=8, max_blocks_per_seq=5)
 K, MAX_WIDTH = 3, 8
 # per step: embedding, enorm, hnorm, eh_proj (+concat), input_layernorm, q/k/v, rope_kv_write,
-# attention, o_proj, add_rmsnorm, gate_up+silu, down_proj, add_rmsnorm, lm-head argmax,
-# keep_if_active; the two stacks once per chain
-LAUNCHES_PER_STEP, PER_CHAIN = 15, 2
+# attention, o_proj, add_rmsnorm, gate_up+silu, down_proj, add_rmsnorm, lm-head argmax (+keep);
+# the two stacks once per chain
+LAUNCHES_PER_STEP, PER_CHAIN = 14, 2
 
 
 def chain(**kw):
@@ -67,7 +67,7 @@ def test_interpreted_kernels_of_the_fused_chain(width):
     params = MtpHead(CFG).bind(random_mtp_weights(CFG, seed=20 + width))
     compiled = compile_draft(c, params, [width], options=CompileOptions(interpret_kernels=True))
     kernels = {x.kernel for x in compiled.programs[width].launches}
-    assert {"triton_linear_qkv", "triton_linear_concat"} <= kernels
+    assert {"triton_linear_qkv", "triton_linear_concat", "triton_linear_argmax_keep"} <= kernels
     got, want, got_states, want_states = _run(c, compiled, width, params, seed=width)
     assert torch.equal(got["drafts"], want["drafts"])
     torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)

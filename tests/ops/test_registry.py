@@ -37,6 +37,7 @@ EXAMPLES = {
     "add_rmsnorm": ([S("float32", ROW, 6), S("float32", ROW, 6), S("float32", 6)], {}),
     "linear": ([S("float32", ROW, 6), S("float32", 5, 6)], {}),
     "linear_silu_mul": ([S("float32", ROW, 6), S("float32", 10, 6)], {}),
+    "linear_argmax_keep": ([S("float32", ROW, 6), S("float32", 40, 6), S("int32", ROW), S("int32", ROW, 2)], {}),
     "linear_qkv": ([S("float32", ROW, 6), S("float32", 8, 6), S("float32", 4, 6), S("float32", 4, 6)], {}),
     "linear_concat": ([S("float32", ROW, 3), S("float32", ROW, 5), S("float32", 7, 8)], {}),
     "embedding": ([S("float32", 11, 6), S("int32", ROW)], {}),
@@ -200,4 +201,5 @@ def test_interpretable_bindings_match_their_references():
             "triton_linear_silu_mul", "triton_rope_kv_write", "triton_argmax_logprob",
             "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped",
             "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode",
-            "triton_linear_fp8", "triton_linear_qkv", "triton_linear_concat"} <= ran
+            "triton_linear_fp8", "triton_linear_qkv", "triton_linear_concat",
+            "triton_linear_argmax_keep"} <= ran
