@@ -162,7 +162,8 @@ FAMILIES: tuple[Family, ...] = (
         "qwen2", ("Qwen2ForCausalLM",),
         drafter=f"{_MTP_NAMES}; Qwen2 block: q/k/v with biases (`self_attn.{{q,k,v}}_proj.bias`, "
                 "always: Qwen2Attention has no flag); MLP dense SwiGLU",
-        loads="as for `llama`, plus each layer's q/k/v biases", target="no: the engine's target is Llama",
+        loads="as for `llama`, plus each layer's q/k/v biases",
+        target="yes: examples/engine (the dense target with its q/k/v biases)",
         runs="yes: `MtpHead` (`qkv_bias`)",
         rules=_COMMON + (FieldRule("use_sliding_window", (False,), False, _SLIDING),),
         options=qwen2_options,
@@ -171,7 +172,8 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3", ("Qwen3ForCausalLM",),
         drafter=f"{_MTP_NAMES}; Qwen3 block: per-head RMSNorm of q and k before RoPE "
                 "(`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, [head_dim]); MLP dense SwiGLU",
-        loads="as for `llama`, plus each layer's q/k norms", target="no: the engine's target is Llama",
+        loads="as for `llama`, plus each layer's q/k norms",
+        target="yes: examples/engine (the dense target with its q/k norms)",
         runs="yes: `MtpHead` (`qk_norm`)",
         rules=_COMMON + (FieldRule("attention_bias", (False,), False, _NO_BIAS + " (Qwen3's flag "
                                    "biases o_proj too)"),

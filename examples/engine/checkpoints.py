@@ -21,6 +21,11 @@ EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "tiny"
 HELD_OUT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "heldout_prompts.json"
 
 
+# dense decoders the target emits: Llama's block with the config's attention options (Qwen2's q/k/v
+# biases, Qwen3's q/k norms; the family table refuses what they do not cover)
+TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
 class EngineError(ValueError):
     """A bad checkpoint, prompt or setting, found before any generation."""
 
@@ -52,16 +57,16 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | 
     _require_dir(root, "--checkpoint")
     if draft_path is not None and with_mtp:
         _require_dir(Path(draft_path), "--draft-checkpoint")
+    raw = _raw_config(root)
+    arch = raw.get("architectures") or ["LlamaForCausalLM"]
+    if not set(arch) & set(TARGET_ARCHITECTURES):  # before its weights: a MoE target lacks dense MLPs
+        raise EngineError(f"{root}/config.json: architectures {arch}; the engine's target is a "
+                          f"dense Llama-like decoder ({', '.join(TARGET_ARCHITECTURES)})")
     try:
         config = read_config(root)
         target = load_target_weights(root, config)
     except (CheckpointError, ConfigError) as e:
         raise EngineError(f"target checkpoint {root}: {e}") from None
-    raw = _raw_config(root)
-    arch = raw.get("architectures") or ["LlamaForCausalLM"]
-    if "LlamaForCausalLM" not in arch:
-        raise EngineError(f"{root}/config.json: architectures {arch}; the engine's target is a "
-                          "dense Llama (LlamaForCausalLM)")
     mtp_config, mtp = _load_mtp(root, config, draft_path) if with_mtp else (None, None)
     eos = raw.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and len(eos) == 1 else eos

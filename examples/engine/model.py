@@ -1,4 +1,5 @@
-"""The target: a dense Llama decoder emitted as a circuit of the project's own ops over query rows.
+"""The target: a dense Llama decoder emitted as a circuit of the project's own ops over query rows
+(with the config's attention options: Qwen2's q/k/v biases, Qwen3's per-head q/k norms).
 
 Every query token is a row. A row attends, through its sequence's block table, to the KV rows
 0..live_rows (its own row included: kv_write runs before attention), so a prefill of P tokens, a
@@ -15,7 +16,7 @@ import torch
 from draft_circuit.circuit.builder import CircuitBuilder
 from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
-from draft_circuit.circuit.layers.mtp import KvLayout
+from draft_circuit.circuit.layers.mtp import KvLayout, emit_qk_norm, qkv_params, rotary_attrs
 from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.eager import EagerDraftRunner
@@ -70,7 +71,7 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
         b.param(pname, dtype, shape)
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
     eps = {"eps": c.rms_norm_eps}
-    rope = {"head_dim": c.head_dim, "theta": c.rope_theta}
+    rope = {"head_dim": c.head_dim, "theta": c.rope_theta, **rotary_attrs(c)}
     x = b.op1("embedding", ["model.embed_tokens.weight", tokens], name="embed_tokens")
     for layer in range(c.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -78,9 +79,9 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
         v_cache = b.state(f"v_cache_{layer}", dtype, cache_shape)
         with b.scope(f"l{layer}"):
             a = b.op1("rmsnorm", [x, p + "input_layernorm.weight"], eps, name="input_layernorm")
-            q = b.op1("linear", [a, p + "self_attn.q_proj.weight"], name="q_proj")
-            k = b.op1("linear", [a, p + "self_attn.k_proj.weight"], name="k_proj")
-            v = b.op1("linear", [a, p + "self_attn.v_proj.weight"], name="v_proj")
+            q = emit_qk_norm(b, c, "q", b.op1("linear", [a, *qkv_params(c, "q", p)], name="q_proj"), p)
+            k = emit_qk_norm(b, c, "k", b.op1("linear", [a, *qkv_params(c, "k", p)], name="k_proj"), p)
+            v = b.op1("linear", [a, *qkv_params(c, "v", p)], name="v_proj")
             q = b.op1("rope", [q, positions], rope, name="rope_q")
             k = b.op1("rope", [k, positions], rope, name="rope_k")
             k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live, active])
