@@ -11,6 +11,7 @@ from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.linear import linear
 from draft_circuit.kernels.rope_kv_write import rope_kv_write
 from draft_circuit.ops import get_op
+from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 from tests.kernels.test_rope_kv_write import TOL, _case, reference_kv_write
 
 
@@ -109,3 +110,48 @@ def test_head_rmsnorm_binding_normalises_each_head(dtype):
     (want,) = op.reference([x, w], attrs)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out, want, **tol)
+
+
+# ---- GPU (run by `pytest -m cuda` on the GPU machine) ----
+@cuda
+@pytest.mark.parametrize("head_dim, rotary_dim", [(128, 64), (128, 32), (80, 40)])
+def test_cuda_bf16_partial_rope_kv_write(head_dim, rotary_dim):
+    n, heads, kv_heads = 37, 8, 2
+    q, k, v, positions, live, tables, k_cache, v_cache = _case(n, heads, kv_heads, head_dim, torch.bfloat16,
+                                                               seed=head_dim, device="cuda", max_blocks=8)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_out = torch.full_like(q, float("nan"))
+    rope_kv_write(q, k, v, positions, live, tables, k_cache, v_cache, q_out, num_heads=heads,
+                  num_kv_heads=kv_heads, head_dim=head_dim, theta=1e6, pos_offset=2, row_offset=1,
+                  rotary_dim=rotary_dim)
+    pos = positions.long().cpu() + 2
+    want_q = partial_rope(q.cpu(), pos, heads, head_dim, rotary_dim, 1e6)
+    torch.testing.assert_close(q_out.cpu().double(), want_q, **TOL[torch.bfloat16])
+    rest = lambda t, h: t.view(t.shape[0], h, head_dim)[..., rotary_dim:]  # noqa: E731
+    assert torch.equal(rest(q_out, heads), rest(q, heads))
+    k_rot = partial_rope(k.cpu(), pos, kv_heads, head_dim, rotary_dim, 1e6).float()
+    k_want, v_want, written = reference_kv_write(k_rot, v.cpu(), live.cpu(), tables.cpu(), k_before.cpu().float(),
+                                                 v_before.cpu(), 1, None)
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
+    assert torch.equal(k_cache[~written], k_before.cpu()[~written])
+    assert torch.equal(v_cache[written], v_want[written])
+    torch.testing.assert_close(k_cache[written].float(), k_want[written], **TOL[torch.bfloat16])
+
+
+@cuda
+def test_cuda_linear_bias_is_width_independent():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, rows = 2048, 1000
+    w = (torch.randn(rows, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    bias = torch.randn(rows, device="cuda", generator=g).bfloat16()
+    x0 = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    alone = torch.empty(1, rows, device="cuda", dtype=torch.bfloat16)
+    linear(x0, w, alone, bias)
+    want = (x0.double() @ w.double().T + bias.double()).float()
+    torch.testing.assert_close(alone.float(), want, atol=5e-2, rtol=2e-2)
+    for n in (2, 17, 64):
+        x = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        x[n // 2] = x0[0]
+        out = torch.empty(n, rows, device="cuda", dtype=torch.bfloat16)
+        linear(x, w, out, bias)
+        assert torch.equal(out[n // 2], alone[0]), n
