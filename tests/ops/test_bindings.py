@@ -34,7 +34,9 @@ def test_triton_chain_matches_eager(width):
     compiled = compile_draft(chain, params, [width], options=CompileOptions(interpret_kernels=True))
     kernels = {x.kernel for x in compiled.programs[width].launches}
     assert {"triton_rope_kv_write", "triton_decode_attention", "triton_linear",
-            "triton_add_rmsnorm", "triton_linear_argmax_logprob"} <= kernels
+            "triton_add_rmsnorm"} <= kernels, kernels
+    # the lm-head argmax, fused with keep_if_active (fuse_argmax_keep) where the chain gates drafts
+    assert kernels & {"triton_linear_argmax_logprob", "triton_linear_argmax_keep"}, kernels
     batch = random_draft_batch(CFG, KV, width, seed=width, num_drafts=K, bitmask=True)
     batch.inputs["bitmask"][:, 0] |= 1  # token 0 allowed: no all-masked row here
     batch.inputs["log_tau"] = torch.full((width,), math.log(0.004))
