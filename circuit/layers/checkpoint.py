@@ -146,6 +146,30 @@ def _layer_shapes(config: MtpConfig) -> dict[str, tuple[int, ...]]:
     return moe_checkpoint_shapes(config) if isinstance(config, MoeConfig) else MTP_PARAM_SHAPES(config)
 
 
+def read_planned(inv: _Inventory, plan: dict[str, str], fp32: dict[str, str],
+                 scales: dict[str, str], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                 device: str | torch.device, keep_fp8: bool) -> dict[str, torch.Tensor]:
+    """Read `plan` in `dtype` and `fp32` in float32 (name -> stored name), then apply each
+    weight's 128x128 `weight_scale_inv` from `scales`: kept beside an fp8 weight with `keep_fp8`,
+    else dequantised into `dtype`. An fp8 weight with no scale is a corrupt checkpoint."""
+    out = {**_read(inv, plan, shapes, dtype, device), **_read(inv, fp32, shapes, torch.float32, device)}
+    stored = {**plan, **fp32}
+    blocks = {s: tuple(math.ceil(d / SCALE_BLOCK) for d in shapes[s.removesuffix(SCALE)]) for s in scales}
+    for s, scale in _read(inv, scales, blocks, torch.float32, device).items():
+        w = s.removesuffix(SCALE)
+        if keep_fp8 and out[w].dtype == torch.float8_e4m3fn:
+            out[s] = scale
+        else:
+            out[w] = dequantize_blocks(out[w], scale).to(dtype)
+            if dtype == torch.float16:  # a block scale may carry a weight past float16's range
+                check_finite(inv.where[stored[w]], stored[w], out[w], converted_to=dtype)
+    for name, t in out.items():
+        if t.dtype == torch.float8_e4m3fn and name + SCALE not in out:
+            raise CorruptFileError(f"{inv.where[stored[name]]}: tensor {stored[name]!r} is "
+                                   f"float8_e4m3fn but {stored[name] + SCALE!r} is in no file")
+    return out
+
+
 def _read(inv: _Inventory, plan: dict[str, str], shapes: dict[str, tuple[int, ...]],
           dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
     """plan: result name -> stored name. A stored tensor serving two names is read once and shared."""
@@ -252,21 +276,7 @@ def load_mtp_weights(
     fp32_gate = isinstance(config, MoeConfig) and config.fp32_gate
     fp32 = {n: plan.pop(n) for n in list(plan)
             if n.endswith("e_score_correction_bias") or (fp32_gate and n == "mlp.gate.weight")}
-    out = {**_read(inv, plan, shapes, dtype, device), **_read(inv, fp32, shapes, torch.float32, device)}
-    blocks = {s: tuple(math.ceil(d / SCALE_BLOCK) for d in shapes[s.removesuffix(SCALE)]) for s in scales}
-    for s, scale in _read(inv, scales, blocks, torch.float32, device).items():
-        w = s.removesuffix(SCALE)
-        if keep_fp8 and out[w].dtype == torch.float8_e4m3fn:
-            out[s] = scale
-        else:
-            out[w] = dequantize_blocks(out[w], scale).to(dtype)
-            if dtype == torch.float16:  # a block scale may carry a weight past float16's range
-                check_finite(inv.where[plan[w]], plan[w], out[w], converted_to=dtype)
-    for name, t in out.items():
-        if t.dtype == torch.float8_e4m3fn and name + SCALE not in out:
-            raise CorruptFileError(f"{inv.where[plan[name]]}: tensor {plan[name]!r} is float8_e4m3fn "
-                                   f"but {plan[name] + SCALE!r} is in no file")
-    return config, out
+    return config, read_planned(inv, plan, fp32, scales, shapes, dtype, device, keep_fp8)
 
 
 def load_target_weights(

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from draft_circuit.circuit.layers.checkpoint import (CONFIG_NAME, _first_present, _inventory, _label, _read,
-                                                     _reject_extras, _write_shards, read_config)
-from draft_circuit.circuit.layers.checkpoint_errors import CorruptFileError, MissingTensorError
+from draft_circuit.circuit.layers.checkpoint import (CONFIG_NAME, _first_present, _inventory, _label,
+                                                     _reject_extras, _write_shards, read_config, read_planned)
+from draft_circuit.circuit.layers.checkpoint_errors import MissingTensorError
 from draft_circuit.circuit.layers.deepseek import layer_checkpoint_shapes, mtp_checkpoint_shapes
 from draft_circuit.circuit.layers.mla import MlaConfig
 from draft_circuit.circuit.layers.moe import SCALE, quantize_blocks
-from draft_circuit.circuit.layers.tensor_checks import check_finite, refuse_unimplemented
-from draft_circuit.ops.moe import SCALE_BLOCK, dequantize_blocks
+from draft_circuit.circuit.layers.tensor_checks import refuse_unimplemented
+from draft_circuit.ops.moe import SCALE_BLOCK
 
 __all__ = ["target_checkpoint_shapes", "load_deepseek_target_weights", "write_deepseek_checkpoint",
            "FP8_STORED"]
@@ -77,21 +77,7 @@ def load_deepseek_target_weights(
         _reject_extras(inv, sorted(k for k in inv.where if k not in known and not k.startswith(mtp)),
                        "outside the target and MTP layers")
     fp32 = {n: plan.pop(n) for n in list(plan) if n.endswith("e_score_correction_bias")}
-    out = {**_read(inv, plan, shapes, dtype, device), **_read(inv, fp32, shapes, torch.float32, device)}
-    blocks = {s: tuple(math.ceil(d / SCALE_BLOCK) for d in shapes[s.removesuffix(SCALE)]) for s in scales}
-    for s, scale in _read(inv, scales, blocks, torch.float32, device).items():
-        w = s.removesuffix(SCALE)
-        if keep_fp8 and out[w].dtype == torch.float8_e4m3fn:
-            out[s] = scale
-        else:
-            out[w] = dequantize_blocks(out[w], scale).to(dtype)
-            if dtype == torch.float16:  # a block scale may carry a weight past float16's range
-                check_finite(inv.where[plan[w]], plan[w], out[w], converted_to=dtype)
-    for name, t in out.items():
-        if t.dtype == torch.float8_e4m3fn and name + SCALE not in out:
-            raise CorruptFileError(f"{inv.where[plan[name]]}: tensor {plan[name]!r} is float8_e4m3fn "
-                                   f"but {plan[name] + SCALE!r} is in no file")
-    return out
+    return read_planned(inv, plan, fp32, scales, shapes, dtype, device, keep_fp8)
 
 
 def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
