@@ -78,3 +78,16 @@ def check_operand(
     check(t.device == device, lambda: f"{describe(name, t)}: expected device {device}")
     check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1,
           lambda: f"{describe(name, t)}: the innermost dimension must be contiguous")
+
+
+def fp32_workspace(workspace: torch.Tensor | None, shape: tuple[int, ...],
+                   device: torch.device) -> torch.Tensor:
+    """The launcher's fp32 scratch: the planner's preallocated buffer, checked, or (outside a
+    plan, as tests call the launchers) a fresh one."""
+    if workspace is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    check(tuple(workspace.shape) == tuple(shape) and workspace.dtype == torch.float32
+          and workspace.is_contiguous() and workspace.device == device,
+          lambda: f"workspace must be float32 {list(shape)} contiguous on {device}; "
+                  f"got {describe('workspace', workspace)}")
+    return workspace

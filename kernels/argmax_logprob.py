@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import KernelInputError, check, describe, launch_kwargs
+from draft_circuit.kernels._common import (KernelInputError, check, describe, fp32_workspace,
+                                           launch_kwargs)
 
 # Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
 CHUNK = 2048  # vocab entries per step of the per-row loop in argmax_logprob
@@ -230,12 +231,7 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
             check(t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous() and t.device == x.device,
                   lambda: f"{name} must be int32 [{n}] contiguous on {x.device}; got {describe(name, t)}")
     shape = linear_argmax_workspace_shape(n, V)
-    if workspace is None:
-        workspace = torch.empty(shape, dtype=torch.float32, device=x.device)
-    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32 and workspace.is_contiguous()
-          and workspace.device == x.device,
-          lambda: f"workspace must be float32 {list(shape)} contiguous on {x.device}; "
-                  f"got {describe('workspace', workspace)}")
+    workspace = fp32_workspace(workspace, shape, x.device)
     if n == 0:
         return
     kw = launch_kwargs(x)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import check, describe, launch_kwargs
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
@@ -175,12 +175,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
           lambda: f"split_rows must be a positive multiple of {block_n}; got {split_rows}")
     capacity = block_tables.shape[1] * block_size
     shape = decode_attention_workspace_shape(n, num_heads, head_dim, capacity, split_rows)
-    if workspace is None:
-        workspace = torch.empty(shape, dtype=torch.float32, device=q.device)
-    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32 and workspace.is_contiguous()
-          and workspace.device == q.device,
-          lambda: f"workspace must be float32 {list(shape)} contiguous on {q.device}; "
-                  f"got {describe('workspace', workspace)}")
+    workspace = fp32_workspace(workspace, shape, q.device)
     if n == 0:
         return
     kw = launch_kwargs(q)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe,
+                                           fp32_workspace, launch_kwargs)
 from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (acc, m, l) layout
 
 # Pinned for every n and L (a split size, never a split count): bitwise width independence.
@@ -132,12 +133,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
     n, block_size = q_lat.shape[0], pe_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
     shape = mla_decode_workspace_shape(n, heads, r, capacity, split_rows)
-    if workspace is None:
-        workspace = torch.empty(shape, dtype=torch.float32, device=q_lat.device)
-    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32 and workspace.is_contiguous()
-          and workspace.device == q_lat.device,
-          lambda: f"workspace must be float32 {list(shape)} contiguous on {q_lat.device}; "
-                  f"got {describe('workspace', workspace)}")
+    workspace = fp32_workspace(workspace, shape, q_lat.device)
     if n == 0:
         return
     kw = launch_kwargs(q_lat)
