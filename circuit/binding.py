@@ -37,14 +37,19 @@ def _check_tensor(v: Value, t: object, env: dict[str, int], what: str) -> None:
                            f"width {env.get(ROW)}, got {got_dtype}{list(t.shape)}")
 
 
+def _same_names(wanted: Mapping[str, Value], given: Mapping[str, object], kind: str) -> None:
+    """Every declared value given, nothing undeclared: the message lists the names."""
+    missing = sorted(set(wanted) - set(given))
+    if missing:
+        raise BindingError(f"missing {kind}: {', '.join(missing)}")
+    extra = sorted(set(given) - set(wanted))
+    if extra:
+        raise BindingError(f"{kind} the circuit does not declare: {', '.join(extra)}")
+
+
 def check_params(circuit: Circuit, params: Mapping[str, torch.Tensor]) -> None:
     wanted = {v.name: v for v in circuit.inputs_of_kind("param")}
-    missing = sorted(set(wanted) - set(params))
-    if missing:
-        raise BindingError(f"missing params: {', '.join(missing)}")
-    extra = sorted(set(params) - set(wanted))
-    if extra:
-        raise BindingError(f"params the circuit does not declare: {', '.join(extra)}")
+    _same_names(wanted, params, "params")
     for name, v in wanted.items():
         _check_tensor(v, params[name], {}, "param")
 
@@ -56,12 +61,7 @@ def root_states(circuit: Circuit) -> dict[str, Value]:
 def check_states(circuit: Circuit, states: Mapping[str, torch.Tensor]) -> None:
     """States are bound once; a state with a row dim is given at the circuit's max width."""
     wanted = root_states(circuit)
-    missing = sorted(set(wanted) - set(states))
-    if missing:
-        raise BindingError(f"missing states: {', '.join(missing)}")
-    extra = sorted(set(states) - set(wanted))
-    if extra:
-        raise BindingError(f"states the circuit does not declare: {', '.join(extra)}")
+    _same_names(wanted, states, "states")
     for name, v in wanted.items():
         _check_tensor(v, states[name], {ROW: circuit.max_width}, "state")
 
@@ -69,12 +69,7 @@ def check_states(circuit: Circuit, states: Mapping[str, torch.Tensor]) -> None:
 def check_inputs(circuit: Circuit, inputs: Mapping[str, torch.Tensor]) -> int:
     """Validate one call's inputs; returns the width they share."""
     wanted = {v.name: v for v in circuit.inputs_of_kind("input")}
-    missing = sorted(set(wanted) - set(inputs))
-    if missing:
-        raise BindingError(f"missing inputs: {', '.join(missing)}")
-    extra = sorted(set(inputs) - set(wanted))
-    if extra:
-        raise BindingError(f"inputs the circuit does not declare: {', '.join(extra)}")
+    _same_names(wanted, inputs, "inputs")
     first = next(v for v in wanted.values() if v.shape and v.shape[0] == ROW)
     width = int(inputs[first.name].shape[0]) if inputs[first.name].dim() else -1
     check_width(circuit, width)
