@@ -182,7 +182,10 @@ class DeepseekMtpHead(MoeMtpHead):
         dt = getattr(torch, self.dtype)
         params = {k: _real(weights, k).to(dt).contiguous() for k in _MTP_OWN}
         params.update(bind_layer(self.config, weights, "", True, self.dtype, self.fp8_experts, self.fp8_dense))
-        params[INV_FREQ] = self.config.rope.inv_freq(self.config.qk_rope_head_dim)
+        # computed, not read: put it where the weights are, as every other bound param is (issue 16:
+        # left on the CPU, the H200 benchmark's chain failed at setup)
+        device = params["embed_tokens.weight"].device
+        params[INV_FREQ] = self.config.rope.inv_freq(self.config.qk_rope_head_dim).to(device)
         return {k: params[k] for k in self.param_specs()}
 
     def cache_shapes(self, kv: KvLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -48,7 +48,8 @@ def bind_deepseek_target(c: MlaConfig, weights: Mapping[str, torch.Tensor], dtyp
                                                                  "lm_head.weight")}
     for layer in range(c.num_hidden_layers):
         params.update(bind_layer(c, weights, _layer(layer), c.is_moe_layer(layer), dtype, fp8_experts, fp8_dense))
-    params[INV_FREQ] = c.rope.inv_freq(c.qk_rope_head_dim)
+    # computed, not read: on the weights' device like every other param (issue 16)
+    params[INV_FREQ] = c.rope.inv_freq(c.qk_rope_head_dim).to(params["model.embed_tokens.weight"].device)
     return {k: params[k] for k in target_param_specs(c, dtype, fp8_experts=fp8_experts, fp8_dense=fp8_dense)}
 
 
