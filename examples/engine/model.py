@@ -5,7 +5,8 @@ Every query token is a row. A row attends, through its sequence's block table, t
 0..live_rows (its own row included: kv_write runs before attention), so a prefill of P tokens, a
 verify of k+1 tokens and a plain decode step are the same circuit at different row counts.
 Outputs per row: the greedy token, its log-probability and the final-norm hidden (the MTP
-head's target hidden).
+head's target hidden); with `tap_layers` (an EAGLE-3 drafter) also the chosen layers' outputs
+concatenated, which is then the hidden the drafter is handed.
 """
 from __future__ import annotations
 
@@ -50,17 +51,32 @@ def bind_target(config: MtpConfig, weights: dict[str, torch.Tensor],
     return params
 
 
+def check_tap_layers(config: MtpConfig, tap_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Distinct layer indices of the target, ascending (the order the outputs are concatenated
+    in, as vLLM and SGLang collect them while running the layers); ValueError names a bad one."""
+    if not tap_layers or len(set(tap_layers)) != len(tap_layers):
+        raise ValueError(f"tap_layers {list(tap_layers)}: give distinct target layer indices")
+    for i in tap_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < config.num_hidden_layers:
+            raise ValueError(f"tap_layers: {i!r} is no layer of a {config.num_hidden_layers}-layer target")
+    return tuple(sorted(tap_layers))
+
+
 def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = "float32",
-                name: str = "llama_target") -> Circuit:
+                name: str = "llama_target", tap_layers: tuple[int, ...] | None = None) -> Circuit:
     """The target's forward over n query rows.
 
     Inputs: tokens i32[n], positions i32[n], block_tables i32[n, M] (a row's sequence's table),
     live_rows i32[n] (KV rows before this row: the row writes row live_rows and attends to
     0..live_rows), active i32[n] (0: an inert padding row that writes no KV).
     States: k_cache_{l}, v_cache_{l} [num_blocks, block_size, kv_heads, head_dim] per layer.
-    Outputs: token i32[n] (argmax), logprob f32[n], hidden [n, H] (after the final norm).
+    Outputs: token i32[n] (argmax), logprob f32[n], hidden [n, H] (after the final norm);
+    with tap_layers also taps [n, len(tap_layers) * H]: the residual stream after each tapped
+    layer (before the next layer's norm), ascending layer order (`check_tap_layers`).
     """
     c = config
+    taps = check_tap_layers(c, tap_layers) if tap_layers is not None else ()
+    tapped: list[str] = []
     b = CircuitBuilder(name, max_width=max_rows)
     tokens = b.input("tokens", "int32", (ROW,))
     positions = b.input("positions", "int32", (ROW,))
@@ -93,6 +109,8 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
             g = b.op1("silu_mul", [b.op1("linear", [m, p + GATE_UP], name="gate_up_proj")])
             x = b.op1("add", [x, b.op1("linear", [g, p + "mlp.down_proj.weight"],
                                        name="down_proj")], name="mlp_residual")
+        if layer in taps:
+            tapped.append(x)
         b.output(k_cache)
         b.output(v_cache)
     h = b.op1("rmsnorm", [x, "model.norm.weight"], eps, name="norm")
@@ -101,6 +119,8 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
     b.output(token, "token")
     b.output(logprob, "logprob")
     b.output(h, "hidden")
+    if taps:
+        b.output(b.op1("concat", tapped, name="taps") if len(tapped) > 1 else tapped[0], "taps")
     return b.build()
 
 
@@ -125,12 +145,17 @@ class TargetModel:
     output equal target-only output.
     """
 
+    hidden_output = "hidden"  # the circuit output `forward` hands back as the drafter's hidden
+
     def __init__(self, config: MtpConfig, weights: dict[str, torch.Tensor], kv: KvLayout, *,
                  max_rows: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 forward: str = "eager") -> None:
+                 forward: str = "eager", tap_layers: tuple[int, ...] | None = None) -> None:
         self.config, self.kv, self.device, self.max_rows = config, kv, torch.device(device), max_rows
         dtype_name = str(dtype).removeprefix("torch.")
-        self.circuit = emit_target(config, kv=kv, max_rows=max_rows, dtype=dtype_name)
+        self.circuit = emit_target(config, kv=kv, max_rows=max_rows, dtype=dtype_name, tap_layers=tap_layers)
+        # the hidden handed to the drafter: the tapped layers' outputs (EAGLE-3) or the last one
+        self.hidden_output = "taps" if tap_layers else "hidden"
+        self.hidden_size = config.hidden_size * (len(tap_layers) if tap_layers else 1)
         params = {k: w.to(self.device) for k, w in bind_target(config, weights, dtype).items()}
         shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
         states = {f"{kind}_cache_{layer}": torch.zeros(shape, dtype=dtype, device=self.device)
@@ -147,8 +172,8 @@ class TargetModel:
             raise ValueError(f"target forward must be 'eager' or 'circuit', got {forward!r}")
 
     def forward(self, rows: TargetRows) -> tuple[list[int], torch.Tensor]:
-        """Greedy tokens (host ints) and final-norm hiddens [n, H] (on the device, the caller's
-        to keep) of every row."""
+        """Greedy tokens (host ints) and the drafter's hiddens of every row (on the device, the
+        caller's to keep): final-norm hiddens [n, H], or with tap_layers the taps [n, taps * H]."""
         n = rows.tokens.shape[0]
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"a target pass takes 1..{self.max_rows} rows, got {n}")
@@ -157,4 +182,4 @@ class TargetModel:
                   "active": torch.ones(n, dtype=torch.int32)}
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         out = self.runner.run(n, inputs)  # a compiled runner's buffers: the next pass overwrites them
-        return out["token"].tolist(), out["hidden"].clone()
+        return out["token"].tolist(), out[self.hidden_output].clone()
