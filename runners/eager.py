@@ -4,13 +4,14 @@ as a `RunError` "while running node N (op, input shapes)". `EagerDraftRunner` pu
 `DraftRunner` protocol, so callers run the oracle and compiled runners through one call."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from draft_circuit.circuit.ir import ROW, Circuit, Node
 from draft_circuit.circuit.verify import verify
 from draft_circuit.ops.registry import get_op
+from draft_circuit.ops.collectives import eager_collective
 from draft_circuit.circuit.binding import (WidthError, check_inputs, check_params, check_states,
                                            state_view)
 from draft_circuit.runners.protocol import WidthPlan
@@ -46,10 +47,11 @@ class EagerRunner:
 
     States are mutated in place (a state with a row dim is bound at max width; a call at
     width n touches its first n rows). Returned tensors are fresh: later calls never overwrite them.
+    With a torch.distributed `group`, collectives run on it (every other node by its reference).
     """
 
     def __init__(self, circuit: Circuit, params: Mapping[str, torch.Tensor],
-                 states: Mapping[str, torch.Tensor]) -> None:
+                 states: Mapping[str, torch.Tensor], group: Any = None) -> None:
         verify(circuit)  # the oracle refuses what the compiled runners refuse (a temp output)
         check_params(circuit, params)
         check_states(circuit, states)
@@ -58,6 +60,8 @@ class EagerRunner:
         keep = set(circuit.outputs)
         self._free = last_uses(self.order, keep)
         self._attrs = [get_op(n.op).parse_attrs(n.attrs) for n in self.order]
+        self._refs = [(group is not None and eager_collective(get_op(n.op), a, group))
+                      or get_op(n.op).reference for n, a in zip(self.order, self._attrs)]
         self.outputs = tuple(o for o in circuit.outputs if circuit.value(o).kind != "state")
 
     def run(self, inputs: Mapping[str, torch.Tensor],
@@ -70,7 +74,7 @@ class EagerRunner:
         for i, (node, attrs) in enumerate(zip(self.order, self._attrs)):
             args = [env[x] for x in node.inputs]
             try:
-                outs = get_op(node.op).reference(args, attrs)
+                outs = self._refs[i](args, attrs)
             except Exception as e:
                 raise RunError(f"while running {describe(node, args)} at width {width}: "
                                f"{type(e).__name__}: {e}") from e

@@ -25,6 +25,7 @@ from draft_circuit.circuit.ir import ROW, Circuit
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.program import REFERENCE, Launch, Slot
 from draft_circuit.ops.registry import get_op, torch_dtype
+from draft_circuit.ops.collectives import CollectiveBinding, check_group_size
 from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
 from draft_circuit.runners.input_values import InputValueCheck
 from draft_circuit.runners.single_caller import single_caller
@@ -59,11 +60,16 @@ def reference_launch(op_name: str) -> LaunchFn:
     return launch
 
 
-def kernel_launch(op_name: str, kernel: str) -> LaunchFn:
+def kernel_launch(op_name: str, kernel: str, attrs: Any = None, group: Any = None) -> LaunchFn:
+    """A collective's launch is bound to `group` (None: its world-size-1 form), after checking
+    the group has the world size the node was emitted for (ops/collectives.py)."""
     if kernel == REFERENCE:
         return reference_launch(op_name)
     for k in get_op(op_name).kernels:
         if k.name == kernel:
+            if isinstance(k, CollectiveBinding):
+                check_group_size(op_name, attrs, group)
+                return k.on_group(group)
             return k.launch
     raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
 
@@ -97,9 +103,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 @single_caller("run", "execute")
 class ProgramRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor],
-                 device: str | torch.device | None = None, debug: int | None = None) -> None:
-        """`debug`: the CIRCUIT_DEBUG level this runner checks at (None: the environment's)."""
+                 device: str | torch.device | None = None, debug: int | None = None,
+                 group: Any = None) -> None:
+        """`debug`: the CIRCUIT_DEBUG level this runner checks at (None: the environment's).
+        `group`: the torch.distributed process group the circuit's collectives run on (None:
+        a single process; runners/distributed.py)."""
         circuit = compiled.circuit
+        self.group = group
         check_states(circuit, states)
         self.compiled, self.circuit = compiled, circuit
         self.device = torch.device(device or compiled.device)
@@ -202,11 +212,12 @@ class ProgramRunner:
     # ---- binding ----
     def _bind(self, launch: Launch, width: int) -> BoundLaunch:
         op = get_op(launch.op)
-        return BoundLaunch(fn=kernel_launch(launch.op, launch.kernel),
+        attrs = op.parse_attrs(launch.attrs)
+        return BoundLaunch(fn=kernel_launch(launch.op, launch.kernel, attrs, self.group),
                            inputs=[self._view(s, width) for s in launch.inputs],
                            outputs=[self._view(s, width) for s in launch.outputs],
                            workspace=[self._view(s, width) for s in launch.workspace],
-                           attrs=op.parse_attrs(launch.attrs), node=launch.node, op=launch.op,
+                           attrs=attrs, node=launch.node, op=launch.op,
                            kernel=launch.kernel, slots=tuple(s.where for s in launch.outputs),
                            origin=_built_at(self.circuit, launch.node))
 
