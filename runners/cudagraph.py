@@ -53,12 +53,13 @@ def _progress_bar(total: int) -> Any:
 class GraphRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, strict: bool = False, warmup: int = 2,
-                 fail_widths: frozenset[int] = frozenset()) -> None:
-        """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback)."""
+                 fail_widths: frozenset[int] = frozenset(), group: Any = None) -> None:
+        """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback).
+        `group`: the process group of the circuit's collectives (NCCL; they are captured too)."""
         if not cuda_available():
             raise CaptureError("GraphRunner needs a CUDA device; use ProgramRunner on CPU")
         # per-launch checks sync the host: never inside a capture
-        self.program = ProgramRunner(compiled, states, debug=0)
+        self.program = ProgramRunner(compiled, states, debug=0, group=group)
         self.compiled, self.strict, self.scratch_block = compiled, strict, scratch_block
         self.stats = CaptureStats()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
