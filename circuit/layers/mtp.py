@@ -82,6 +82,17 @@ class MtpHead:
         """What this head states in the plan report (an MoE head: its refusals). Dense: nothing."""
         return {}
 
+    def row_parallel_sum(self, b: CircuitBuilder, x: str) -> str:
+        """The output of a row-parallel projection (o_proj, the MLP's down projection): x itself
+        on one device; a tensor-parallel shard all-reduces its partial sum (circuit/layers/tp.py)."""
+        return x
+
+    def emit_argmax(self, b: CircuitBuilder, logits: str, bitmask: str | None) -> tuple[str, str]:
+        """The draft and its log-probability from the lm-head's logits (a tensor-parallel shard:
+        its vocabulary rows, reduced across ranks)."""
+        tok, lp = b.op("argmax_logprob", [logits, bitmask])
+        return tok, lp
+
     def emit_step(self, b: CircuitBuilder, step: int, token: str, hidden: str, positions: str,
                   tables: str, live: str, k_cache: str, v_cache: str, active: str,
                   bitmask: str | None = None) -> StepIO:
@@ -103,16 +114,16 @@ class MtpHead:
                                 {"row_offset": step})
         o = b.op1("decode_attention", [q, k_cache, v_cache, tables, live], {"row_offset": step},
                   name="attention")
-        x = b.op1("add", [x, b.op1("linear", [o, "self_attn.o_proj.weight"], name="o_proj")],
-                  name="attn_residual")
+        o = self.row_parallel_sum(b, b.op1("linear", [o, "self_attn.o_proj.weight"], name="o_proj"))
+        x = b.op1("add", [x, o], name="attn_residual")
         m = b.op1("rmsnorm", [x, "post_attention_layernorm.weight"], eps,
                   name="post_attention_layernorm")
-        x = b.op1("add", [x, self.emit_mlp(b, m)], name="mlp_residual")
+        x = b.op1("add", [x, self.row_parallel_sum(b, self.emit_mlp(b, m))], name="mlp_residual")
         y = b.op1("rmsnorm", [x, "shared_head.norm.weight"], eps, name="shared_head_norm")
         # fp32 logits: bf16 logits would tie neighbouring tokens (their ulp near 8 is 0.06)
         logits = b.op1("linear", [y, "shared_head.head.weight"], {"out_dtype": "float32"},
                        name="lm_head")
-        tok, lp = b.op("argmax_logprob", [logits, bitmask])
+        tok, lp = self.emit_argmax(b, logits, bitmask)
         return StepIO(hidden=x, token=tok, logprob=lp, k_cache=k_cache, v_cache=v_cache)
 
     # ---- what a chain reads beyond emit_step (draft_vocab.py, emit_draft_chain) ----
