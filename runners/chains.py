@@ -111,6 +111,10 @@ class ChainRunners:
     def install(self, key: ChainKey, runner: DraftRunner) -> None:
         self._installed[key] = runner
 
+    def uninstall(self, key: ChainKey) -> DraftRunner | None:
+        """Remove the host's runner of one chain (the built one serves it again); returns it."""
+        return self._installed.pop(key, None)
+
     def reset(self, factory: RunnerFactory) -> None:
         """Drop every runner (installed or built); later chains come from `factory`."""
         self.factory = factory

@@ -13,9 +13,11 @@ propose or catch-up builds no tensor and allocates no memory of its own.
 - Drafts and confidences come back in ONE device-to-host copy (confidences packed beside the
   drafts as int32 bits) into pinned memory, with one sync per call.
 
-The host buffer is reused by the next run: before writing it, a run waits for the event recorded
-after the previous copy (already done in the steady state), so a copy never reads a half-written
-buffer. Slot tables and slots grow by doubling when more states appear: an allocation only then.
+There are two host buffers, used in turn: before writing one, a run waits for the event recorded
+after the copy that last read it, two runs back, so a copy never reads a half-written buffer and
+a run enqueued right behind another (a propose behind the catch-up just enqueued) never waits
+for the GPU. Slot tables and slots grow by doubling when more states appear: an allocation only
+then.
 """
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ _ROWS = 4  # int rows per run: tokens, positions, live rows, slots; then dirty s
 _TABLES = _ROWS + 2  # dirty slots are int64 (index_copy_'s index): two int32 words each
 
 
+class _HostViews:
+    """numpy views of one host staging buffer: the int rows, the dirty slots (int64) and the
+    dirty table rows."""
+
+    def __init__(self, ints: np.ndarray, w: int, m: int) -> None:
+        self.ints = ints
+        self.dirty = ints[_ROWS * w:_TABLES * w].view(np.int64)
+        self.rows = ints[_TABLES * w:].reshape(w, m)
+
+
 class ChainStaging:
     """The staging buffers of one proposer's chains (widths up to `max_width`)."""
 
@@ -43,15 +55,17 @@ class ChainStaging:
             max_width, max_blocks, scratch_block, max(max_drafts, 1)
         w, m = max_width, max_blocks
         size = _TABLES * w + w * m  # + dirty slots [w] as int64 + dirty table rows [w, m]
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
+        # two host buffers in turn on CUDA (a copy may still be reading the other); on CPU the
+        # one host buffer is the device buffer
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
+                       for _ in range(2 if self.cuda else 1)]
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device) if self.cuda \
-            else self._host
-        self._np = self._host.numpy()
+            else self._hosts[0]
+        self._views = [_HostViews(h.numpy(), w, m) for h in self._hosts]
+        self._turn = 0
         self._ints = [self._dev[i * w:(i + 1) * w] for i in range(_ROWS)]
         self._dirty_slots = self._dev[_ROWS * w:_TABLES * w].view(torch.int64)
-        self._np_dirty = self._np[_ROWS * w:_TABLES * w].view(np.int64)
         self._dirty_rows = self._dev[_TABLES * w:].view(w, m)
-        self._np_rows = self._np[_TABLES * w:].reshape(w, m)
         self._hidden = torch.zeros(w, hidden_size, dtype=dtype, device=self.device)
         self._active = torch.ones(w, dtype=torch.int32, device=self.device)
         self._log_tau = torch.full((w,), float("-inf"), dtype=torch.float32, device=self.device)
@@ -65,7 +79,8 @@ class ChainStaging:
         self._out_dev = torch.zeros(w * k2, dtype=torch.int32, device=self.device)
         self._out_host = torch.zeros(w * k2, dtype=torch.int32, pin_memory=self.cuda) \
             if self.cuda else self._out_dev
-        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        # per host buffer: the event recorded after the copy that read it last
+        self._copied = [torch.cuda.Event() for _ in self._hosts] if self.cuda else []  # type: ignore[no-untyped-call]
         self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
     # ---- slots: one device table row per state ----
@@ -97,9 +112,12 @@ class ChainStaging:
         order (their rows add up to n). Views of the persistent buffers: valid until the next
         call. log_tau None: a chain without the confidence stop."""
         n, w = len(tokens), self.width
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the host buffer
-        np_ = self._np
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._hosts)
+        if self.cuda:
+            self._copied[turn].synchronize()  # the copy two runs back has read this buffer
+        v = self._views[turn]
+        np_ = v.ints
         np_[0:n], np_[w:w + n], np_[2 * w:2 * w + n] = tokens, positions, live
         dirty = 0
         for i, s in enumerate(states):
@@ -108,23 +126,19 @@ class ChainStaging:
             blocks = s.blocks.blocks
             if self._cached[slot] != blocks:  # gained, lost or handed over a block
                 self._cached[slot] = blocks
-                self._np_dirty[dirty] = slot
-                row = self._np_rows[dirty]
+                v.dirty[dirty] = slot
+                row = v.rows[dirty]
                 row[:len(blocks)] = blocks
                 row[len(blocks):] = self.scratch
                 dirty += 1
         if self.cuda:
             end = _TABLES * w + dirty * self.max_blocks
-            self._dev[:end].copy_(self._host[:end], non_blocking=True)
-            assert self._copied is not None
-            self._copied.record()
+            self._dev[:end].copy_(self._hosts[turn][:end], non_blocking=True)
+            self._copied[turn].record()
         if dirty:
             self._slot_tables.index_copy_(0, self._dirty_slots[:dirty], self._dirty_rows[:dirty])
         torch.index_select(self._slot_tables, 0, self._ints[3][:n], out=self._tables[:n])
-        start = 0
-        for h in hiddens:
-            self._hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
-            start += h.shape[0]
+        self._stage_hiddens(hiddens, n)
         out = {"tokens": self._ints[0][:n], "hidden": self._hidden[:n],
                "positions": self._ints[1][:n], "block_tables": self._tables[:n],
                "live_rows": self._ints[2][:n], "active": self._active[:n]}
@@ -134,6 +148,25 @@ class ChainStaging:
                 self._tau = log_tau
             out["log_tau"] = self._log_tau[:n]
         return out
+
+    def _stage_hiddens(self, hiddens: Sequence[torch.Tensor], n: int) -> None:
+        """The rows' hiddens into the persistent buffer: one `cat` into it when every segment
+        already has its dtype and device (a catch-up of many sequences is one launch, not one a
+        sequence), else one copy a segment (which converts)."""
+        if len(hiddens) == 1:
+            self._hidden[:n].copy_(hiddens[0], non_blocking=True)
+        elif all(h.dtype == self._hidden.dtype and h.device == self.device for h in hiddens):
+            torch.cat(list(hiddens), out=self._hidden[:n])
+        else:
+            start = 0
+            for h in hiddens:
+                self._hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
+                start += h.shape[0]
+
+    def tokens(self, n: int) -> torch.Tensor:
+        """The device tokens of the latest run's n rows (valid until the next run): what a
+        device-resident propose puts before each row's drafts in a verify input."""
+        return self._ints[0][:n]
 
     # ---- outputs ----
     def read(self, drafts: torch.Tensor, confidences: torch.Tensor) -> tuple[list[list[int]],

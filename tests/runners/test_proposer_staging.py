@@ -18,7 +18,8 @@ CONSTRUCTORS = ("tensor", "as_tensor", "ones", "zeros", "full", "empty", "arange
                 "cat", "ones_like", "zeros_like", "full_like", "empty_like", "empty_strided")
 RUNNERS = Path(runners_pkg.__file__).parent
 OWN = {RUNNERS / f for f in ("proposer.py", "proposer_inputs.py", "proposer_rows.py",
-                             "proposer_state.py", "staging.py", "chains.py", "draft.py")}
+                             "proposer_state.py", "proposer_device.py", "staging.py", "chains.py",
+                             "draft.py")}
 
 
 class ConstructorTrace:
@@ -32,7 +33,8 @@ class ConstructorTrace:
 
             def traced(*args, _real=real, _name=name, **kwargs):
                 caller = sys._getframe(1)
-                if caller.f_code.co_filename in files:
+                # a call given out= writes into a tensor that exists: it builds none
+                if caller.f_code.co_filename in files and kwargs.get("out") is None:
                     self.calls.append(f"torch.{_name} at {Path(caller.f_code.co_filename).name}:"
                                       f"{caller.f_lineno} in {caller.f_code.co_name}")
                 return _real(*args, **kwargs)
