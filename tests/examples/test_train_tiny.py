@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
+from safetensors import safe_open
 
 from examples import train_tiny
 from examples.engine import load_checkpoint
@@ -17,13 +17,14 @@ from tests.examples.helpers import SMALL
 
 
 def _trained_like(seed: int = 0) -> train_tiny.TinyLlama:
-    """Random weights, norms moved off 1 so a misplaced norm shows."""
+    """Random weights, norms moved off 1 so a misplaced norm shows, rounded to bf16."""
     torch.manual_seed(seed)
     model = train_tiny.TinyLlama(SMALL)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+    train_tiny.round_to(model, torch.bfloat16)  # what export writes: the engine reads these values
     return model.eval()
 
 
@@ -65,24 +66,50 @@ def test_exported_model_is_the_engine_target_and_the_proposer_chain(tmp_path):
     assert [int(chain[s - 1][0, P + s - 2].argmax()) for s in range(1, k + 1)] == drafts
 
 
-def test_few_step_runs_write_the_same_loadable_checkpoint(tmp_path, monkeypatch):
+def test_few_step_runs_write_the_same_loadable_checkpoint(tmp_path):
+    """The default shape (train_tiny.CONFIG, the embedded default's) for a few CPU steps: same
+    seed, same bytes; a bf16 checkpoint the engine loads, with its log, result and prompts."""
     def train(name: str) -> bytes:
         out = tmp_path / name
-        monkeypatch.setattr(sys, "argv", ["train_tiny.py", "--out", str(out), "--prompts-out",
-                                          str(tmp_path / f"{name}.json"), "--steps", "2",
-                                          "--distil-steps", "1", "--batch", "2", "--seq-len", "32"])
-        train_tiny.main()
+        train_tiny.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--distil-steps", "1",
+                         "--batch", "2", "--seq-len", "32", "--eval-seqs", "2", "--eval-len", "48"])
         return (out / "model.safetensors").read_bytes()
 
     first = train("a")
     assert train("b") == first, "same seed, same bytes"
     ck = load_checkpoint(tmp_path / "a")
-    assert ck.byte_level and ck.config.vocab_size == 256 and ck.mtp is not None
-    assert len(first) < 5_000_000
-    assert json.loads((tmp_path / "a.json").read_text())  # held-out prompts
+    assert ck.byte_level and ck.mtp is not None and ck.config == train_tiny.CONFIG
+    with safe_open(tmp_path / "a" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert len(first) < 16_000_000
+    assert json.loads((tmp_path / "a" / "heldout_prompts.json").read_text())
+    result = json.loads((tmp_path / "a" / "train_result.json").read_text())
+    assert result["steps"] == 3 and len(result["held_out"]["step_agreement"]) == 4
+    log = (tmp_path / "a" / "train_log.txt").read_text()
+    assert "held out" in log and "joint step 0/2" in log and "distil step 0/1" in log
+
+
+def test_wall_time_cap_ends_each_phase(tmp_path):
+    """--max-minutes 0: both phases stop before their first step, and the run still evaluates
+    and writes a loadable checkpoint (the cap never loses the run)."""
+    out = tmp_path / "capped"
+    train_tiny.main(["--out", str(out), "--device", "cpu", "--steps", "5", "--distil-steps", "5",
+                     "--batch", "2", "--seq-len", "32", "--eval-seqs", "1", "--eval-len", "40",
+                     "--max-minutes", "0"])
+    assert json.loads((out / "train_result.json").read_text())["steps"] == 0
+    assert (out / "train_log.txt").read_text().count("wall-time cap reached after 0 of 5 steps") == 2
+    assert load_checkpoint(out).mtp is not None
+
+
+def test_corpus_is_the_stdlib_source_with_whole_files_held_out():
+    train, held = train_tiny.stdlib_files()
+    assert sorted(f.name for f in held) == sorted(train_tiny.HELD_OUT)
+    assert not set(held) & set(train)
+    assert not any("test" in f.parts for f in train)
+    assert any(f.parent.name == "json" for f in train)  # packages are in the corpus
 
 
 def test_embedded_checkpoint_is_small():
     path = EMBEDDED / "model.safetensors"
     if path.is_file():
-        assert path.stat().st_size < 5_000_000
+        assert path.stat().st_size < 16_000_000
