@@ -213,7 +213,8 @@ class MtpProposer:
         state = self._own(state)
         mask = check_propose([last_token], target_hidden.view(1, -1), [position], num_drafts,
                              [state], bitmask, num_drafts_max=self.num_drafts,
-                             config=self.head.config, device=self.device)
+                             config=self.head.config, device=self.device,
+                             hidden_size=self.head.hidden_in_size)
         if num_drafts == 0:
             self._deferred = None
             record_drafts(state, [], state.rows, position)
@@ -244,7 +245,7 @@ class MtpProposer:
         mine = [self._own(s) for s in states]
         mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                              num_drafts_max=self.num_drafts, config=self.head.config,
-                             device=self.device)
+                             device=self.device, hidden_size=self.head.hidden_in_size)
         kind: ServedKind
         drafts: list[list[int]] = [[] for _ in mine]  # zero drafts: nothing runs
         confs: list[list[float]] = [[] for _ in mine]
@@ -279,7 +280,7 @@ class MtpProposer:
         mine = [self._own(s) for s in states]
         mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                              num_drafts_max=self.num_drafts, config=self.head.config,
-                             device=self.device)
+                             device=self.device, hidden_size=self.head.hidden_in_size)
         drafts, confs = self._device_out[0][:n, :num_drafts], self._device_out[1][:n, :num_drafts]
         if num_drafts == 0:
             for state, p in zip(mine, positions):
@@ -345,7 +346,7 @@ class MtpProposer:
         if mine is None:
             return 0
         c = self.head.config
-        check_drafter_pairs(tokens, hiddens, pos_base, hidden_size=c.hidden_size,
+        check_drafter_pairs(tokens, hiddens, pos_base, hidden_size=self.head.hidden_in_size,
                             vocab=c.vocab_size, what="catchup_drafter")
         if row_base != mine.rows or len(tokens) < 2:
             return 0
@@ -358,7 +359,7 @@ class MtpProposer:
         count; every count is checked before anything runs (0 when a state is not this
         proposer's)."""
         c = self.head.config
-        check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=c.hidden_size,
+        check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=self.head.hidden_in_size,
                              vocab=c.vocab_size)
         mine = [self._mine(s) for s in states]
         if any(m is None for m in mine):

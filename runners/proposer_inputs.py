@@ -19,6 +19,11 @@ from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
 SCRATCH_BLOCK = 0
 
 
+class HiddenWidthError(ProposerError):
+    """Target hiddens of another width than the head reads (`head.hidden_in_size`: the target's
+    hidden for an MTP head, three tapped target hiddens concatenated for EAGLE-3)."""
+
+
 def confidence_log_tau(tau: float | None) -> float:
     """log(tau) for the chain's confidence stop (-inf: no stop); tau must lie in (0, 1)."""
     if tau is None:
@@ -67,14 +72,18 @@ def check_num_drafts(k: object, num_drafts: int) -> None:
 def check_propose(tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int], k: int,
                   states: Sequence[MtpProposerState], bitmask: torch.Tensor | None, *,
                   num_drafts_max: int, config: MtpConfig,
-                  device: str | torch.device) -> torch.Tensor | None:
+                  device: str | torch.device, hidden_size: int | None = None) -> torch.Tensor | None:
     """Every check a propose makes before anything changes; returns the checked bitmask on the
-    proposer's device."""
+    proposer's device. `hidden_size`: the head's `hidden_in_size` (None: config.hidden_size)."""
     n, c = len(tokens), config
+    width = c.hidden_size if hidden_size is None else hidden_size
     check_num_drafts(k, num_drafts_max)
-    if len({id(s) for s in states}) != n or len(positions) != n or hiddens.shape != (n, c.hidden_size):
+    if hiddens.dim() == 2 and hiddens.shape[1] != width:
+        raise HiddenWidthError(f"hiddens must be [{n}, {width}], got {list(hiddens.shape)}: target hiddens "
+                               f"{hiddens.shape[1]} wide, the head reads {width} (its hidden_in_size)")
+    if len({id(s) for s in states}) != n or len(positions) != n or hiddens.shape != (n, width):
         raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
-                            f"[{n}, {c.hidden_size}]; got {len(states)} states, "
+                            f"[{n}, {width}]; got {len(states)} states, "
                             f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
     for i, p in enumerate(positions):
         check_position(p, f"row {i}: position")
@@ -91,7 +100,11 @@ def check_position(position: object, what: str) -> None:
 
 
 def _num_hiddens(hiddens: object, hidden_size: int, what: str) -> int:
-    if not isinstance(hiddens, torch.Tensor) or hiddens.dim() != 2 or hiddens.shape[1] != hidden_size:
+    if isinstance(hiddens, torch.Tensor) and hiddens.dim() == 2 and hiddens.shape[1] != hidden_size:
+        raise HiddenWidthError(f"{what}: hiddens must be [rows, {hidden_size}], got {list(hiddens.shape)}: "
+                               f"target hiddens {hiddens.shape[1]} wide, the head reads {hidden_size} "
+                               "(its hidden_in_size)")
+    if not isinstance(hiddens, torch.Tensor) or hiddens.dim() != 2:
         shape = list(hiddens.shape) if isinstance(hiddens, torch.Tensor) else type(hiddens).__name__
         raise ProposerError(f"{what}: hiddens must be [rows, {hidden_size}], got {shape}")
     return int(hiddens.shape[0])

@@ -17,18 +17,19 @@ the subset: logit - logsumexp over the subset tokens the mask allows (never the 
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, TypeVar
 
 import torch
 
 __all__ = ["DRAFT_VOCAB_IDS", "DraftVocab", "DraftVocabError", "load_draft_vocab", "save_draft_vocab",
            "build_draft_vocab", "read_token_ids", "bind_draft_vocab", "chain_param_specs",
-           "chain_vocab_size"]
+           "chain_vocab_size", "over_subset"]
 
 DRAFT_VOCAB_IDS = "draft_vocab.ids"  # param: int32 [S], the target id of each lm-head row, ascending
 ParamSpecs = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
@@ -188,6 +189,20 @@ def bind_draft_vocab(params: Mapping[str, torch.Tensor], head: VocabHead,
                               f"draft vocabulary ({missing.numel()} such): a subset must lie inside it")
     out[head.lm_head] = lm[rows.to(lm.device)].contiguous()
     out[DRAFT_VOCAB_IDS] = ids.to(torch.int32).to(lm.device)
+    return out
+
+
+H = TypeVar("H", bound=VocabHead)
+
+
+def over_subset(head: H, vocab: DraftVocab) -> H:
+    """The head whose chains draft over `vocab` (for a host such as a proposer that emits
+    `emit_draft_chain(head, k, ...)` with no `draft_vocab`): a shallow copy with
+    `draft_vocab_size` = the subset's size, so every chain it emits declares the subset lm-head
+    and id table. Its params are `bind_draft_vocab(head.bind(weights), head, vocab)`: bind with
+    the original head first, which still knows its own vocabulary."""
+    out = copy.copy(head)
+    out.draft_vocab_size = vocab.size
     return out
 
 

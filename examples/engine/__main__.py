@@ -15,7 +15,7 @@ import torch
 
 from draft_circuit.circuit.cli_args import (DEFAULT_WIDTHS, MAX_NUM_DRAFTS, device, int_in,
                                              require_usable_device, widths, writable_file)
-from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts,
+from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts, draft_vocab_for,
                                          encode_prompts, load_checkpoint, read_prompts)
 from examples.engine.engine import Engine, EngineConfig
 from examples.engine.runner import NonFiniteLogitsError
@@ -57,7 +57,14 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m examples.engine", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", type=Path, help="HF-layout directory (default: the embedded tiny model)")
     ap.add_argument("--draft-checkpoint", type=Path,
-                    help="directory holding the MTP layer exported at model.layers.0")
+                    help="drafter directory: an MTP layer exported at model.layers.0, or an EAGLE-3 "
+                         "drafter (config.json: LlamaForCausalLMEagle3), told apart by its config")
+    ap.add_argument("--draft-vocab", metavar="FILE|N",
+                    help="draft over a subset of the vocabulary: a token list (.json, .pt, .npy; most "
+                         "frequent first), or N, the N most frequent ids of --draft-vocab-corpus "
+                         "(the byte-level default: its training text)")
+    ap.add_argument("--draft-vocab-corpus", type=Path, metavar="FILE",
+                    help="token ids (.json, .pt, .npy) that --draft-vocab N counts")
     ap.add_argument("--forward", choices=("eager", "circuit"), default="circuit",
                     help="drafter: compiled n-row programs, or the eager oracle")
     ap.add_argument("--num-drafts", type=_num_drafts, default=4, metavar="K",
@@ -101,6 +108,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.draft_confidence_stop is not None and not 0 < args.draft_confidence_stop < 1:  # NaN too
         raise EngineError(f"--draft-confidence-stop must be in (0, 1) exclusive, got "
                           f"{args.draft_confidence_stop}")
+    vocab = draft_vocab_for(args.draft_vocab, checkpoint, args.draft_vocab_corpus) \
+        if args.draft_vocab is not None and not args.no_speculation else None
     torch.set_num_threads(args.threads)
     target_forward: Literal["eager", "circuit"] = args.target_forward or (
         "circuit" if args.device.startswith("cuda") else "eager")
@@ -109,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                           num_drafts=args.num_drafts, draft_confidence_stop=args.draft_confidence_stop,
                           widths=args.widths, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
                           max_rows=args.max_rows,
-                          dtype=getattr(torch, args.dtype), device=args.device)
+                          dtype=getattr(torch, args.dtype), device=args.device, draft_vocab=vocab)
     engine = Engine(checkpoint, config)
     requests = [Request(p, args.max_new_tokens) for p in prompts]
     show_bar = not args.quiet and (args.progress or sys.stderr.isatty())

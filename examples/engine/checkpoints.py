@@ -1,5 +1,11 @@
-"""Checkpoints and prompts: the target and MTP weights of a Hugging Face-layout directory (the
+"""Checkpoints and prompts: the target and drafter weights of a Hugging Face-layout directory (the
 embedded default when none is given), and prompts turned into checked token ids.
+
+The target is a dense Llama-like decoder (Llama, Qwen2, Qwen3) or DeepSeek-V3's (MLA + MoE). The
+drafter is the target's MTP layer (model.layers.{num_hidden_layers}), or `--draft-checkpoint DIR`:
+an exported MTP layer (model.layers.0) or an EAGLE-3 drafter, told apart by its config.json's
+architectures (LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM). fp8 e4m3 weights stay fp8 beside
+their block scales where the head chosen for them runs fp8 (heads.head_for), else are dequantised.
 
 Every problem is an `EngineError` raised before anything is generated; its message says what
 to change.
@@ -16,14 +22,23 @@ import torch
 from draft_circuit.circuit.layers.checkpoint import (CheckpointError, MissingMtpLayerError, load_mtp_weights,
                                    load_target_weights, read_config)
 from draft_circuit.circuit.layers.config import ConfigError, MtpConfig
+from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_target_weights
+from draft_circuit.circuit.layers.draft_vocab import (DraftVocab, DraftVocabError, build_draft_vocab,
+                                                      load_draft_vocab, read_token_ids)
+from draft_circuit.circuit.layers.eagle3 import Eagle3Config
+from draft_circuit.circuit.layers.eagle3_checkpoint import is_eagle3_checkpoint, load_eagle3_weights
+from draft_circuit.circuit.layers.heads import head_for
+from draft_circuit.circuit.layers.mla import MlaConfig
+from draft_circuit.circuit.layers.moe import MoeMtpHead
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "tiny"
 HELD_OUT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "heldout_prompts.json"
 
 
 # dense decoders the target emits: Llama's block with the config's attention options (Qwen2's q/k/v
-# biases, Qwen3's q/k norms; the family table refuses what they do not cover)
-TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# biases, Qwen3's q/k norms; the family table refuses what they do not cover); and DeepSeek-V3's
+# MLA + MoE decoder (examples/engine/deepseek_target.py)
+TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class EngineError(ValueError):
@@ -35,8 +50,8 @@ class Checkpoint:
     path: Path
     config: MtpConfig
     target: dict[str, torch.Tensor]
-    mtp: dict[str, torch.Tensor] | None  # canonical MTP names; None when not loaded
-    mtp_config: MtpConfig | None          # the MTP layer's own config (a draft dir may differ)
+    mtp: dict[str, torch.Tensor] | None  # the drafter's weights, its head's bind input; None: not loaded
+    mtp_config: MtpConfig | None          # the drafter's own config (an Eagle3Config for EAGLE-3)
     byte_level: bool                      # prompts may be strings: one token per byte
     eos_token_id: int | None
 
@@ -51,8 +66,9 @@ def _raw_config(path: Path) -> dict:
 
 def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | os.PathLike | None = None,
                     with_mtp: bool = True) -> Checkpoint:
-    """The target from `path` (the embedded default if None) and, with_mtp, its MTP layer from
-    `path` (at model.layers.{num_hidden_layers}) or from `draft_path` (an exported layer 0)."""
+    """The target from `path` (the embedded default if None) and, with_mtp, its drafter: the MTP
+    layer of `path` (at model.layers.{num_hidden_layers}), or `draft_path`'s (an exported layer 0,
+    or an EAGLE-3 drafter, which borrows the target's embedding when it stores none)."""
     root = Path(path) if path is not None else EMBEDDED
     _require_dir(root, "--checkpoint")
     if draft_path is not None and with_mtp:
@@ -61,13 +77,15 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | 
     arch = raw.get("architectures") or ["LlamaForCausalLM"]
     if not set(arch) & set(TARGET_ARCHITECTURES):  # before its weights: a MoE target lacks dense MLPs
         raise EngineError(f"{root}/config.json: architectures {arch}; the engine's target is a "
-                          f"dense Llama-like decoder ({', '.join(TARGET_ARCHITECTURES)})")
+                          f"dense Llama-like decoder or DeepSeek-V3's ({', '.join(TARGET_ARCHITECTURES)})")
     try:
         config = read_config(root)
-        target = load_target_weights(root, config)
+        # DeepSeek-V3: fp8 projections and experts kept as stored (its target model runs them fp8)
+        target = (load_deepseek_target_weights(root, config, keep_fp8=True) if isinstance(config, MlaConfig)
+                  else load_target_weights(root, config))
     except (CheckpointError, ConfigError) as e:
         raise EngineError(f"target checkpoint {root}: {e}") from None
-    mtp_config, mtp = _load_mtp(root, config, draft_path) if with_mtp else (None, None)
+    mtp_config, mtp = _load_mtp(root, config, target, draft_path) if with_mtp else (None, None)
     eos = raw.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and len(eos) == 1 else eos
     return Checkpoint(root, config, target, mtp, mtp_config,
@@ -87,15 +105,22 @@ def _require_dir(path: Path, flag: str) -> None:
                           "Face-layout checkpoint directory (config.json and *.safetensors)")
 
 
-def _load_mtp(root: Path, config: MtpConfig, draft_path) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
+def _load_mtp(root: Path, config: MtpConfig, target: dict[str, torch.Tensor],
+              draft_path) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
     where = Path(draft_path) if draft_path is not None else root
     try:
+        if draft_path is not None and is_eagle3_checkpoint(where):
+            return _load_eagle3(where, config, target)
         draft_config = read_config(where) if draft_path is not None else config
         for field in ("vocab_size", "hidden_size"):
             if getattr(draft_config, field) != getattr(config, field):
                 raise EngineError(f"draft checkpoint {where}: {field} {getattr(draft_config, field)} "
                                   f"!= the target's {getattr(config, field)}")
-        _, weights = load_mtp_weights(where, draft_config)
+        _, weights = load_mtp_weights(where, draft_config, keep_fp8=True)
+        if not isinstance(head_for(draft_config, "float32", weights), MoeMtpHead) and \
+                any(w.dtype == torch.float8_e4m3fn for w in weights.values()):
+            # a dense head's bind only casts: it needs the fp8 weights dequantised at load
+            _, weights = load_mtp_weights(where, draft_config)
     except MissingMtpLayerError as e:
         hint = ("pass --draft-checkpoint DIR (an MTP layer exported at model.layers.0), or "
                 "--no-speculation to run the target alone") if draft_path is None else \
@@ -104,6 +129,49 @@ def _load_mtp(root: Path, config: MtpConfig, draft_path) -> tuple[MtpConfig, dic
     except (CheckpointError, ConfigError) as e:
         raise EngineError(f"MTP layer from {where}: {e}") from None
     return draft_config, weights
+
+
+def _load_eagle3(where: Path, config: MtpConfig,
+                 target: dict[str, torch.Tensor]) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """An EAGLE-3 drafter over this target: the same vocabulary, tapped hiddens as wide as the
+    target's, three tapped layers the target has (the engine taps them: Eagle3Config.tapped_layers)."""
+    draft_config, weights = load_eagle3_weights(where, target_embed=target["model.embed_tokens.weight"])
+    for mine, theirs in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
+        if getattr(draft_config, mine) != getattr(config, theirs):
+            raise EngineError(f"EAGLE-3 drafter {where}: {mine} {getattr(draft_config, mine)} != the "
+                              f"target's {theirs} {getattr(config, theirs)}")
+    if isinstance(config, MlaConfig):
+        raise EngineError(f"EAGLE-3 drafter {where} over a DeepSeek-V3 target: the engine taps layers of "
+                          "its Llama-like targets only; use the target's MTP layer")
+    try:
+        draft_config.tapped_layers(config.num_hidden_layers)
+    except ConfigError as e:
+        raise EngineError(f"EAGLE-3 drafter {where}: {e}") from None
+    return draft_config, weights
+
+
+def draft_vocab_for(spec: str, checkpoint: Checkpoint, corpus: str | os.PathLike | None = None) -> DraftVocab:
+    """`--draft-vocab FILE|N`: a token list file (.json/.pt/.npy, most frequent first, as
+    draft_vocab.py reads them), or N: the N most frequent ids of `corpus` (a file of token ids in
+    the same formats), which for the byte-level default may be left out: its corpus is then the
+    Python standard library's sources it was trained on (examples/train_tiny.py's training split,
+    never the held-out files the default prompts come from)."""
+    vocab = checkpoint.config.vocab_size
+    try:
+        if not spec.isdigit():
+            return load_draft_vocab(Path(spec), vocab)
+        size = int(spec)
+        if corpus is not None:
+            ids = read_token_ids(corpus)
+        elif checkpoint.byte_level:
+            from examples.train_tiny import read_bytes, stdlib_files  # the default's training text
+            ids = read_bytes(stdlib_files()[0]).tolist()
+        else:
+            raise EngineError(f"--draft-vocab {spec}: building {size} ids needs a corpus of token ids "
+                              f"for {checkpoint.path} (--draft-vocab-corpus FILE), or give a token list file")
+        return build_draft_vocab(ids, vocab, size)
+    except DraftVocabError as e:
+        raise EngineError(f"--draft-vocab {spec}: {e}") from None
 
 
 def read_prompts(path: str | os.PathLike) -> list:

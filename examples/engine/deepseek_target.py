@@ -2,8 +2,8 @@
 circuit/layers/deepseek_target.py) behind TargetModel's interface: `forward(rows)` gives each
 row's greedy token and final-norm hidden. Its KV is two latent pools per layer.
 
-Additive beside model.py (the Llama target): the engine picks it for an `MlaConfig` checkpoint
-once engine.py / checkpoints.py route one here (see `target_for`).
+Additive beside model.py (the Llama target): the engine builds its target with `target_for`,
+which picks this one for an `MlaConfig` checkpoint.
 """
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ class DeepseekTargetModel(TargetModel):
 
     def __init__(self, config: MlaConfig, weights: dict[str, torch.Tensor], kv: KvLayout, *,
                  max_rows: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 forward: str = "eager") -> None:
+                 forward: str = "eager", tap_layers: tuple[int, ...] | None = None) -> None:
         if not isinstance(config, MlaConfig):
             raise TypeError(f"DeepseekTargetModel needs an MlaConfig, got {type(config).__name__}")
+        if tap_layers is not None:  # an EAGLE-3 drafter's taps: emit_deepseek_target has none
+            raise ValueError(f"tap_layers {list(tap_layers)}: the DeepSeek-V3 target taps no layers "
+                             "(draft with its MTP layer)")
         self.config, self.kv, self.device, self.max_rows = config, kv, torch.device(device), max_rows
+        self.hidden_size = config.hidden_size  # the final-norm hidden its MTP layer reads
         name = str(dtype).removeprefix("torch.")
         fp8 = {"fp8_dense": _stored_fp8(weights, "self_attn.o_proj.weight"),
                "fp8_experts": config.moe_intermediate_size % 128 == 0 and _stored_fp8(weights, "down_proj.weight")

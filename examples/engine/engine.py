@@ -1,4 +1,6 @@
-"""`Engine`: batched greedy speculative decoding over a Llama target and its MTP head.
+"""`Engine`: batched greedy speculative decoding over a Llama-like or DeepSeek-V3 target and its
+drafter (the MTP head `heads.head_for` picks from the checkpoint, or an EAGLE-3 drafter, which reads
+the target layers it taps), optionally over a reduced draft vocabulary (`EngineConfig.draft_vocab`).
 
 The constructor reads as the lifecycle: size the KV pools, build the target circuit, build the
 proposer (for --forward circuit, compile its chains' bindings and install the runners), then the
@@ -16,13 +18,15 @@ from typing import Callable, Literal, Sequence as Seq
 import torch
 
 from examples.engine.checkpoints import Checkpoint, EngineError
-from examples.engine.model import TargetModel
+from examples.engine.deepseek_target import target_for
 from examples.engine.runner import TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft
-from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
-from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
+from draft_circuit.circuit.layers.draft_vocab import DraftVocab, DraftVocabError, bind_draft_vocab, over_subset
+from draft_circuit.circuit.layers.eagle3 import Eagle3Config
+from draft_circuit.circuit.layers.heads import head_for
+from draft_circuit.circuit.layers.mtp import KvLayout
 from draft_circuit.runners.chains import compile_chain
 from draft_circuit.runners.kv_cache import BlockPool
 from draft_circuit.runners.proposer import MtpProposer
@@ -45,6 +49,7 @@ class EngineConfig:
     max_rows: int = 1024              # rows per target pass (longer prefills run in chunks)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    draft_vocab: DraftVocab | None = None  # draft over these target ids only (subset lm-head)
 
 
 @dataclass
@@ -83,26 +88,45 @@ class Engine:
         max_blocks = -(-(self.max_seq_len + self.k) // config.block_size)
         kv = KvLayout(config.kv_blocks, config.block_size, max_blocks)
         self.pool = BlockPool(config.kv_blocks, reserved=1)
-        self.target = TargetRunner(TargetModel(c, checkpoint.target, kv, max_rows=config.max_rows,
-                                               dtype=config.dtype, device=config.device,
-                                               forward=config.target_forward))
+        # an EAGLE-3 drafter reads three target layers' outputs: the target taps them
+        draft = checkpoint.mtp_config if config.speculate else None
+        taps = draft.tapped_layers(c.num_hidden_layers) if isinstance(draft, Eagle3Config) else None
+        try:
+            model = target_for(c, checkpoint.target, kv, max_rows=config.max_rows, dtype=config.dtype,
+                               device=config.device, forward=config.target_forward,
+                               **({"tap_layers": taps} if taps is not None else {}))
+        except ValueError as e:  # a tap the target cannot give (named by the model)
+            raise EngineError(f"EAGLE-3 drafter over this target: {e}") from None
+        self.target = TargetRunner(model)
         self.proposer = self._proposer(checkpoint, kv) if config.speculate else None
         self.scheduler = Scheduler(self.pool, config.block_size, max_blocks,
                                    max_batch=config.max_batch, num_drafts=self.k)
         self.stats = Stats()
 
     def _proposer(self, checkpoint: Checkpoint, kv: KvLayout) -> MtpProposer:
+        """The drafter's head as the checkpoint describes it (`heads.head_for`: dense, MoE, MLA,
+        EAGLE-3; fp8 experts/projections kept where stored so), bound, over `draft_vocab` when set,
+        and its proposer. The target's drafter hidden must be as wide as the head reads."""
         cfg = self.config
         assert checkpoint.mtp is not None and checkpoint.mtp_config is not None
-        # an MoE draft layer (DeepSeek-V3 / GLM names) gets the MoE head; the target stays dense
-        head_type = MoeMtpHead if isinstance(checkpoint.mtp_config, MoeConfig) else MtpHead
-        head = head_type(checkpoint.mtp_config, str(cfg.dtype).removeprefix("torch."))
+        head = head_for(checkpoint.mtp_config, str(cfg.dtype).removeprefix("torch."), checkpoint.mtp)
+        params = head.bind(checkpoint.mtp)
+        if cfg.draft_vocab is not None:
+            try:  # the lm-head's rows of the subset, gathered now; drafts mapped back on the device
+                params = bind_draft_vocab(params, head, cfg.draft_vocab)
+            except DraftVocabError as e:
+                raise EngineError(f"--draft-vocab: {e}") from None
+            head = over_subset(head, cfg.draft_vocab)
+        width = self.target.model.hidden_size
+        if width != head.hidden_in_size:  # before any run: the proposer would refuse every call
+            raise EngineError(f"the target hands the drafter hiddens {width} wide, but "
+                              f"{type(head).__name__} reads {head.hidden_in_size}")
         widths = tuple(w for w in cfg.widths if w >= 1)
         if not widths:
             raise EngineError(f"--widths {cfg.widths}: give at least one width >= 1")
         # the proposer starts on the eager oracle; --forward circuit compiles the chains a step
         # uses (k-step propose, one-step catch-up) from its bindings and installs them
-        proposer = MtpProposer(head, head.bind(checkpoint.mtp), num_drafts=cfg.num_drafts,
+        proposer = MtpProposer(head, params, num_drafts=cfg.num_drafts,
                                num_blocks=kv.num_blocks, block_size=kv.block_size,
                                max_blocks_per_seq=kv.max_blocks_per_seq, max_width=max(widths),
                                widths=widths, forward="eager", device=cfg.device,

@@ -2,25 +2,22 @@
 tiny random checkpoint written in DeepSeek-V3's exact layout (save_pretrained plus the MTP layer
 under its real names), fp32, CPU: the target alone (eager and circuit) is token-exact with
 DeepseekV3ForCausalLM.generate greedy, at positions past original_max_position_embeddings, and
-speculative decoding through the proposer and DeepseekMtpHead (both drafter forwards) gives the
-same ids.
-
-engine.py and checkpoints.py do not route an MlaConfig yet (another session is refactoring the
-engine): the speculative test builds the Checkpoint itself and patches the engine's two choices
-(target class, MoE head class) the way that wiring will make them.
+speculative decoding through the engine's own path (load_checkpoint reads the DeepSeek-V3
+layout, Engine builds the target with target_for and the head with heads.head_for) and
+DeepseekMtpHead (both drafter forwards) gives the same ids.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-import examples.engine.engine as engine_module
-from draft_circuit.circuit.layers.checkpoint import load_mtp_weights, read_config
+from draft_circuit.circuit.layers.checkpoint import read_config
 from draft_circuit.circuit.layers.deepseek import DeepseekMtpHead
 from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_target_weights
 from draft_circuit.circuit.layers.mtp import KvLayout
-from examples.engine import Engine, EngineConfig
-from examples.engine.checkpoints import Checkpoint
+from examples.engine import Engine, EngineConfig, load_checkpoint
 from examples.engine.deepseek_target import DeepseekTargetModel, target_for
 from examples.engine.model import TargetRows
 from examples.engine.sequence import Request
@@ -74,15 +71,12 @@ def test_target_alone_equals_transformers_generate(checkpoint, forward):
 
 
 @pytest.mark.parametrize("drafter, target", [("eager", "eager"), ("circuit", "eager"), ("circuit", "circuit")])
-def test_speculative_decoding_equals_transformers_generate(checkpoint, drafter, target, monkeypatch):
-    config = read_config(checkpoint)
-    mtp_config, mtp = load_mtp_weights(checkpoint)
-    ckpt = Checkpoint(checkpoint, config, load_deepseek_target_weights(checkpoint), mtp, mtp_config,
-                      byte_level=False, eos_token_id=None)
-    monkeypatch.setattr(engine_module, "TargetModel", target_for)       # the wiring engine.py lacks
-    monkeypatch.setattr(engine_module, "MoeMtpHead", DeepseekMtpHead)   # an MlaConfig is a MoeConfig
+def test_speculative_decoding_equals_transformers_generate(checkpoint, drafter, target):
+    # transformers' config names an eos id; the reference generates past it (eos_token_id=None)
+    ckpt = dataclasses.replace(load_checkpoint(checkpoint), eos_token_id=None)
     engine = Engine(ckpt, EngineConfig(forward=drafter, target_forward=target, num_drafts=3, max_batch=3,
                                        kv_blocks=64, block_size=4, widths=(1, 2, 4), max_rows=64))
+    assert isinstance(engine.target.model, DeepseekTargetModel)
     assert isinstance(engine.proposer.head, DeepseekMtpHead)
     result = engine.generate([Request(p, NEW) for p in PROMPTS])
     assert result.stats.drafted > 0
