@@ -7,6 +7,9 @@ reason is logged and counted; `strict=True` raises instead) and the others keep 
 Every CUDA call is behind `cuda_available()`, so importing this on a CPU-only torch is safe.
 Single-caller: a second thread entering `run`/`execute` while one is inside raises
 `ConcurrentCallError` (runners/single_caller.py).
+A draft chain's graphs capture the input guard's launch first (runners/input_guard.py): a bad
+input row replays inert, and `check_faults()`, called where the host syncs anyway, raises
+`RunnerInputError` naming its row, input and value. `run` and `execute` never sync.
 """
 from __future__ import annotations
 
@@ -53,13 +56,16 @@ def _progress_bar(total: int) -> Any:
 class GraphRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, strict: bool = False, warmup: int = 2,
-                 fail_widths: frozenset[int] = frozenset(), group: Any = None) -> None:
+                 fail_widths: frozenset[int] = frozenset(), group: Any = None,
+                 guard: bool = True) -> None:
         """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback).
-        `group`: the process group of the circuit's collectives (NCCL; they are captured too)."""
+        `group`: the process group of the circuit's collectives (NCCL; they are captured too).
+        `guard=False` captures a chain without its input guard (benchmarks/guard_cost.py)."""
         if not cuda_available():
             raise CaptureError("GraphRunner needs a CUDA device; use ProgramRunner on CPU")
         # per-launch checks sync the host: never inside a capture
-        self.program = ProgramRunner(compiled, states, debug=0, group=group)
+        self.program = ProgramRunner(compiled, states, debug=0, group=group,
+                                     scratch_block=scratch_block, guard=guard)
         self.compiled, self.strict, self.scratch_block = compiled, strict, scratch_block
         self.stats = CaptureStats()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -128,6 +134,12 @@ class GraphRunner:
     @property
     def static_inputs(self) -> dict[str, torch.Tensor]:
         return self.program.static_inputs
+
+    def check_faults(self) -> None:
+        """`RunnerInputError` for the first bad input row a replay's guard found since the last
+        check, which it clears; one small device-to-host read (a sync): call it where the host
+        syncs anyway (after reading the drafts)."""
+        self.program.check_faults()
 
     def execute(self, n: int) -> None:
         """Replay width n over whatever the static inputs hold. Under CIRCUIT_DEBUG>=1 first check

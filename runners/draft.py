@@ -6,6 +6,8 @@ padding to a larger program (the extra rows inert), or a split into served width
 1). A width nothing serves (beyond max_width, or refused by the policy) gives serves(n) False,
 never a silent slow path. Outputs are the runner's buffers: the next run overwrites them.
 Single-caller: a second thread entering `run` while one is inside raises `ConcurrentCallError`.
+Input values: the backend's input guard makes a bad row inert; `check_faults()` raises its
+`RunnerInputError` (on CPU `run` calls it itself: reading the record costs no sync there).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from draft_circuit.circuit.ir import ROW
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs, root_states
+from draft_circuit.runners.input_guard import check_runner_faults
+from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.protocol import DraftRunner, WidthPlan
@@ -89,7 +93,7 @@ class CircuitDraftRunner:
                 from draft_circuit.runners.cudagraph import GraphRunner
                 backend = GraphRunner(compiled, states, scratch_block=scratch_block)
             else:
-                backend = ProgramRunner(compiled, states)
+                backend = ProgramRunner(compiled, states, scratch_block=scratch_block)
         self.backend = backend
         self.states = dict(states)
         report = compiled.report()
@@ -102,6 +106,8 @@ class CircuitDraftRunner:
         out = backend.output_buffers(compiled.max_width)
         # split results are gathered here: one buffer per output at the max width
         self._gathered = {k: torch.empty_like(v) for k, v in out.items()}
+        self._host_sync_free = torch.device(compiled.device).type == "cpu"
+        self._last: tuple[int, WidthPlan] | None = None  # the latest run: to place a fault's row
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -124,10 +130,34 @@ class CircuitDraftRunner:
         plan = self.plan(n)
         if check_inputs(self.compiled.circuit, inputs) != n:
             raise WidthError(f"run({n}) was given inputs of another width")
+        self._last = (n, plan)
         if plan.kind == "split":
-            return self._run_split(plan, inputs)
-        (w, rows), = plan.parts
-        return self._run_part(w, rows, 0, inputs)
+            out = self._run_split(plan, inputs)
+        else:
+            (w, rows), = plan.parts
+            out = self._run_part(w, rows, 0, inputs)
+        if self._host_sync_free:
+            self.check_faults()
+        return out
+
+    def check_faults(self) -> None:
+        """Raise the backend's `RunnerInputError` for the first bad row since the last check
+        (cleared). Own and padded plans run the caller's rows at their own indices; a split runs
+        each part at rows 0.., so the error then says which caller rows a part row may be."""
+        try:
+            check_runner_faults(self.backend)
+        except RunnerInputError as e:
+            if self._last is None or self._last[1].kind != "split":
+                raise
+            n, plan = self._last
+            starts, at = [], 0
+            for w, rows in plan.parts:
+                starts.append(f"{at} (width {w})")
+                at += rows
+            raise RunnerInputError(f"{e}; the latest run, width {n}, was split into parts "
+                                   f"starting at caller rows {', '.join(starts)}: the row is "
+                                   f"that part-relative row", row=e.row, input=e.input,
+                                   value=e.value) from e
 
     def _run_part(self, w: int, rows: int, start: int,
                   inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from draft_circuit.ops.registry import get_op
 from draft_circuit.ops.collectives import eager_collective
 from draft_circuit.circuit.binding import (WidthError, check_inputs, check_params, check_states,
                                            state_view)
+from draft_circuit.runners.input_guard import InputGuard
 from draft_circuit.runners.protocol import WidthPlan
 
 
@@ -48,10 +49,14 @@ class EagerRunner:
     States are mutated in place (a state with a row dim is bound at max width; a call at
     width n touches its first n rows). Returned tensors are fresh: later calls never overwrite them.
     With a torch.distributed `group`, collectives run on it (every other node by its reference).
+    A draft chain runs its input guard's reference first, as the compiled runners run its kernel
+    (runners/input_guard.py): a bad row runs inert, and `run` raises `RunnerInputError` naming
+    it after the run (`defer_faults=True`: at `check_faults()`, as on a GPU).
     """
 
     def __init__(self, circuit: Circuit, params: Mapping[str, torch.Tensor],
-                 states: Mapping[str, torch.Tensor], group: Any = None) -> None:
+                 states: Mapping[str, torch.Tensor], group: Any = None, *,
+                 scratch_block: int = 0) -> None:
         verify(circuit)  # the oracle refuses what the compiled runners refuse (a temp output)
         check_params(circuit, params)
         check_states(circuit, states)
@@ -63,11 +68,17 @@ class EagerRunner:
         self._refs = [(group is not None and eager_collective(get_op(n.op), a, group))
                       or get_op(n.op).reference for n, a in zip(self.order, self._attrs)]
         self.outputs = tuple(o for o in circuit.outputs if circuit.value(o).kind != "state")
+        pool = self.states.get("k_cache")
+        self.guard = InputGuard.for_circuit(
+            circuit, self.states, self.params, scratch_block=scratch_block, select_for="cpu",
+            device=pool.device if pool is not None else torch.device("cpu"))
 
-    def run(self, inputs: Mapping[str, torch.Tensor],
-            keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    def run(self, inputs: Mapping[str, torch.Tensor], keep: tuple[str, ...] = (), *,
+            defer_faults: bool = False) -> dict[str, torch.Tensor]:
         """`keep` names intermediates to return too (tests read logits to find near ties)."""
         width = check_inputs(self.circuit, inputs)
+        if self.guard is not None:  # the nodes read the guarded copies, as in a program
+            inputs = {**inputs, **self.guard.run(inputs)}
         env: dict[str, torch.Tensor] = {**self.params, **inputs}
         for name, t in self.states.items():
             env[name] = state_view(self.circuit, name, t, width)
@@ -84,7 +95,15 @@ class EagerRunner:
             for name in self._free.get(i, ()):
                 if name not in keep:
                     env.pop(name, None)
+        if not defer_faults:
+            self.check_faults()
         return {o: env[o] for o in (*self.outputs, *keep)}
+
+    def check_faults(self) -> None:
+        """Raise `RunnerInputError` for the first bad row the guard found since the last check
+        (and clear it); nothing for a circuit without a guard."""
+        if self.guard is not None:
+            self.guard.check()
 
     def _check_out(self, node: Node, name: str, t: torch.Tensor, width: int) -> None:
         want = self.circuit.value(name).spec.concrete({ROW: width})
@@ -125,3 +144,7 @@ class EagerDraftRunner:
         if check_inputs(self.circuit, inputs) != n:
             raise WidthError(f"run({n}) was given inputs of another width")
         return self.eager.run(inputs)
+
+    def check_faults(self) -> None:
+        """Nothing is ever pending: `run` raises a bad row's `RunnerInputError` itself."""
+        self.eager.check_faults()

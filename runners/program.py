@@ -12,6 +12,11 @@ Under CIRCUIT_DEBUG>=1 every `run`/`execute` checks that each entry is still the
 its address and raises `RebindError` naming the input otherwise; at level 0 nothing is checked.
 Single-caller: a second thread entering `run`/`execute` while one is inside raises
 `ConcurrentCallError` (runners/single_caller.py).
+
+Input values: a draft chain's program starts with the input guard's launch (one per run), and
+every other launch reads its guarded copies of tokens, block_tables, live_rows and active: a bad
+row runs inert and `check_faults()` raises `RunnerInputError` naming it (runners/input_guard.py).
+On CPU `run` also refuses bad values on the host before anything runs (runners/input_values.py).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from draft_circuit.circuit.program import REFERENCE, Launch, Slot
 from draft_circuit.ops.registry import get_op, torch_dtype
 from draft_circuit.ops.collectives import CollectiveBinding, check_group_size
 from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
+from draft_circuit.runners.input_guard import GUARDED, InputGuard
 from draft_circuit.runners.input_values import InputValueCheck
 from draft_circuit.runners.single_caller import single_caller
 
@@ -104,10 +110,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 class ProgramRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor],
                  device: str | torch.device | None = None, debug: int | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, scratch_block: int = 0, guard: bool = True) -> None:
         """`debug`: the CIRCUIT_DEBUG level this runner checks at (None: the environment's).
         `group`: the torch.distributed process group the circuit's collectives run on (None:
-        a single process; runners/distributed.py)."""
+        a single process; runners/distributed.py). `scratch_block`: where the input guard points
+        a bad row's table; `guard=False` runs a chain without its input guard (benchmarks)."""
         circuit = compiled.circuit
         self.group = group
         check_states(circuit, states)
@@ -118,11 +125,17 @@ class ProgramRunner:
         self.arena = torch.empty(compiled.arena_bytes, dtype=torch.uint8, device=self.device)
         self.static_inputs = _static(circuit, "input", self.device)
         self.static_outputs = _static(circuit, "output", self.device)
-        self._bound = {w: [self._bind(x, w) for x in p.launches]
-                       for w, p in compiled.programs.items()}
         self._inputs = {w: {n: _leading(self.static_inputs[n], t.shape_at(w))
                             for n, t in _specs(circuit, "input").items()}
                         for w in compiled.programs}
+        # a chain's launches read the guard's copies of its index inputs (runners/input_guard.py)
+        self.guard = InputGuard.for_circuit(
+            circuit, self.states, compiled.params, scratch_block=scratch_block, device=self.device,
+            select_for=_select_for(compiled)) if guard else None
+        self._guarded = {k: torch.empty_like(self.static_inputs[k]) for k in GUARDED} \
+            if self.guard is not None else {}
+        self._bound = {w: [*self._bind_guard(w), *(self._bind(x, w) for x in p.launches)]
+                       for w, p in compiled.programs.items()}
         self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
                              if s.where == "output"}
                          for w, p in compiled.programs.items()}
@@ -132,7 +145,7 @@ class ProgramRunner:
                             for w, views in self._inputs.items()}
         self._debug = debug_level() if debug is None else debug
         # values (block ids, live_rows, tokens) are read on the host: free on CPU, a sync on a
-        # GPU, where run() leaves them to the proposer (runners/input_values.py)
+        # GPU, where only the guard checks them (runners/input_values.py, input_guard.py)
         self._values = InputValueCheck.for_circuit(circuit, self.states, compiled.params) \
             if self.device.type == "cpu" else None
 
@@ -166,6 +179,13 @@ class ProgramRunner:
 
     def output_buffers(self, n: int) -> dict[str, torch.Tensor]:
         return self._outputs[n]
+
+    def check_faults(self) -> None:
+        """Raise `RunnerInputError` for the first bad row the input guard found since the last
+        check (and clear it): a device-to-host read, so call it where the host syncs anyway.
+        On CPU `run` refuses bad values before anything runs; `execute` leaves them to this."""
+        if self.guard is not None:
+            self.guard.check()
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate, copy in, execute; returns the static outputs (overwritten by the next call)."""
@@ -210,6 +230,20 @@ class ProgramRunner:
                                                  f"{x.origin}")
 
     # ---- binding ----
+    def _bind_guard(self, width: int) -> list[BoundLaunch]:
+        """The guard's launch, first in width `width`'s list: the static inputs in, the copies the
+        other launches read out, the fault record updated in place."""
+        if self.guard is None:
+            return []
+        ins = [self._inputs[width][k] for k in GUARDED]
+        outs = [_leading(self._guarded[k], tuple(t.shape)) for k, t in zip(GUARDED, ins)]
+        faults = self.guard.faults
+        return [BoundLaunch(fn=self.guard.launch, inputs=[*ins, faults], outputs=[*outs, faults],
+                            workspace=[], attrs=self.guard.attrs, node="input_guard",
+                            op="input_guard", kernel=self.guard.kernel,
+                            slots=("input",) * len(GUARDED) + ("state",),
+                            origin=" (the runner's input guard)")]
+
     def _bind(self, launch: Launch, width: int) -> BoundLaunch:
         op = get_op(launch.op)
         attrs = op.parse_attrs(launch.attrs)
@@ -230,8 +264,16 @@ class ProgramRunner:
             return self.compiled.params[s.name]
         if s.where == "state":
             return state_view(self.circuit, s.name, self.states[s.name], width)
+        if s.where == "input" and s.name in self._guarded:
+            return _leading(self._guarded[s.name], s.shape)
         return _leading((self.static_inputs if s.where == "input" else self.static_outputs)[s.name],
                         s.shape)
+
+
+def _select_for(compiled: CompiledDraft) -> str:
+    """The kernel target the planner chose kernels for (planner.compile_draft's rule)."""
+    kind = torch.device(compiled.device).type
+    return "interpret" if kind == "cpu" and compiled.options.interpret_kernels else kind
 
 
 def _built_at(c: Circuit, node: str) -> str:

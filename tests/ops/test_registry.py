@@ -69,6 +69,8 @@ EXAMPLES = {
     "mla_decode_attention": ([S("float32", ROW, 3 * 6), S("float32", ROW, 3 * 4), S("float32", NB, BS, 1, 4),
                               S("float32", NB, BS, 1, 6), S("int32", ROW, 3), S("int32", ROW)],
                              {"scale": 0.3, "row_offset": 1}),
+    "input_guard": ([S("int32", ROW), S("int32", ROW, 3), S("int32", ROW), S("int32", ROW), S("int32", 8)],
+                    {"vocab": 11, "num_blocks": NB, "block_size": BS, "steps": 2, "scratch_block": 0}),
     "moe_route": ([S("float32", ROW, 6), S("float32", 8, 6), S("float32", 8)],
                   {"top_k": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}),
     "moe_experts": ([S("float32", ROW, 6), S("int32", ROW, 2), S("float32", ROW, 2),
@@ -122,7 +124,7 @@ def test_shape_rule_matches_reference(name, width):
 # ---- tags: declared on each op, writes_state derived ----
 def test_writes_state_is_derived_from_mutates():
     writers = {name for name, op in REGISTRY.items() if op.mutates}
-    assert writers == {"embed_write", "kv_write", "rope_kv_write", "mla_kv_write"}
+    assert writers == {"embed_write", "kv_write", "rope_kv_write", "mla_kv_write", "input_guard"}
     for name, op in REGISTRY.items():
         assert op.writes_state == op.has(WRITES_STATE) == (name in writers), name
 
@@ -202,4 +204,4 @@ def test_interpretable_bindings_match_their_references():
             "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped",
             "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode",
             "triton_linear_fp8", "triton_linear_qkv", "triton_linear_concat",
-            "triton_linear_argmax_keep"} <= ran
+            "triton_linear_argmax_keep", "triton_input_guard"} <= ran
