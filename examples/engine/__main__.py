@@ -1,8 +1,11 @@
 """`python -m examples.engine`: greedy speculative decoding on a Llama + MTP checkpoint (the
 embedded byte-level default without --checkpoint), printing each request's continuation and a
-summary. Every bad input is one `error:` line before anything is loaded or generated (exit
-status 2): flags by their argparse types (circuit/cli_args.py) and the checks in `check_args`,
-checkpoints and prompts by `EngineError`."""
+summary. A speculative run is followed by the baseline (target-only greedy on the same prompts,
+in this process; `--no-compare` skips it): the summary gives both tokens/s and the speedup, and
+outputs that differ are one `error:` line, exit status 1 (`OutputsDifferError`). Every bad input
+is one `error:` line before anything is loaded or generated (exit status 2): flags by their
+argparse types (circuit/cli_args.py) and the checks in `check_args`, checkpoints and prompts by
+`EngineError`."""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +20,10 @@ from draft_circuit.circuit.cli_args import (DEFAULT_WIDTHS, MAX_NUM_DRAFTS, devi
                                              require_usable_device, widths, writable_file)
 from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts, draft_vocab_for,
                                          encode_prompts, load_checkpoint, read_prompts)
+from examples.engine.compare import OutputsDifferError, check_identical, release_device_memory, run_baseline
 from examples.engine.engine import Engine, EngineConfig
 from examples.engine.runner import NonFiniteLogitsError
-from examples.engine.report import ProgressBar, format_summary, summary
+from examples.engine.report import ProgressBar, baseline_fields, format_summary, summary
 from examples.engine.sequence import Request
 
 
@@ -91,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
                     help="torch CPU threads (default 1: the ops are small, threads only add waits)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--no-speculation", action="store_true", help="target-only greedy (the baseline)")
+    ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="after a speculative run, run target-only greedy on the same prompts in "
+                         "this process, check the outputs are identical (exit 1 if not) and report "
+                         "both tokens/s and the speedup (default: on; --no-compare skips it)")
     ap.add_argument("--summary-json", type=writable_file, help="write the summary and every request's ids here")
     ap.add_argument("--quiet", action="store_true", help="no progress bar and no per-request text")
     ap.add_argument("--progress", action="store_true",
@@ -127,6 +135,15 @@ def run(args: argparse.Namespace) -> dict:
     if bar:
         bar.close(engine)
     info = summary(engine, result)
+    if config.speculate and args.compare:
+        del engine  # its pools and graphs go before the baseline's are allocated
+        release_device_memory()
+        bar = ProgressBar(sum(r.max_new_tokens for r in requests), desc="baseline") if show_bar else None
+        base = run_baseline(checkpoint, config, requests, on_step=bar.update if bar else None)
+        if bar:
+            bar.close_at(base.generated_tokens)
+        check_identical(result.outputs, base.outputs)
+        info.update(baseline_fields(info, base))
     if not args.quiet:
         for i, (req, out) in enumerate(zip(requests, result.outputs)):
             text = (repr(decode_bytes(req.prompt)[-40:]) + " -> " + repr(decode_bytes(out))
@@ -149,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLogitsError as e:  # found while generating: nothing is printed or saved
-        print(f"error: {e}", file=sys.stderr)
+    except (NonFiniteLogitsError, OutputsDifferError) as e:  # found while generating: nothing
+        print(f"error: {e}", file=sys.stderr)                 # is printed or saved
         return 1
     return 0
 

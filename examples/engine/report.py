@@ -5,17 +5,18 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from examples.engine.compare import Baseline
 from examples.engine.engine import Engine, Result
 
 
 class ProgressBar:
     """tqdm over generated tokens, with the scheduler's running / waiting counts and tok/s."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, total: int, stream: TextIO = sys.stderr, desc: str = "generating") -> None:
         from tqdm import tqdm
 
         self._bar = tqdm(total=max(total, 1), unit="tok", file=stream, mininterval=0.1,
-                         dynamic_ncols=True, desc="generating")
+                         dynamic_ncols=True, desc=desc)
         self._done = 0
 
     def update(self, engine: Engine, force: bool = False) -> None:
@@ -28,6 +29,11 @@ class ProgressBar:
 
     def close(self, engine: Engine) -> None:
         self.update(engine, force=True)
+        self._bar.close()
+
+    def close_at(self, done: int) -> None:
+        """Close at `done` tokens (the engine that generated them is gone)."""
+        self._bar.update(min(done, self._bar.total) - self._done)
         self._bar.close()
 
 
@@ -53,6 +59,17 @@ def summary(engine: Engine, result: Result) -> dict:
     }
 
 
+def baseline_fields(info: dict, base: Baseline) -> dict:
+    """The summary's baseline: target-only greedy on the same requests in the same process
+    (outputs checked identical before this is called), and speculation's speedup over it."""
+    tps = round(base.tokens_per_s, 1) if base.tokens_per_s is not None else None
+    spec = info.get("tokens_per_s")
+    return {"baseline": {"mode": "target only", "generated_tokens": base.generated_tokens,
+                         "wall_s": round(base.wall_s, 3), "tokens_per_s": tps},
+            "speedup": round(spec / tps, 3) if spec and tps else None,
+            "outputs_identical": True}
+
+
 def _fmt(value: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
     """A rate or share as text; None (nothing drafted, no time measured) is "n/a", never a crash."""
     return "n/a" if value is None else format(scale * value, spec)
@@ -76,4 +93,9 @@ def format_summary(d: dict) -> str:
             lines.append(f"  n={n:>3}: {cells}")
     else:
         lines.append(f"decode steps: {d['decode_steps']}")
+    if "baseline" in d:
+        b = d["baseline"]
+        lines.append(f"target only (same prompts, same process): {b['generated_tokens']} tokens in "
+                     f"{b['wall_s']:.2f} s = {_fmt(b['tokens_per_s'], '.1f')} tokens/s; outputs "
+                     f"identical; speedup {_fmt(d['speedup'])}x")
     return "\n".join(lines)
