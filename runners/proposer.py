@@ -18,8 +18,8 @@ import torch
 
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import KV_ONLY, kv_only_circuit
-from draft_circuit.runners.chains import (ChainRunners, DraftBinding, RunnerFactory,
-                                          compiled_runners, eager_runner)
+from draft_circuit.runners.chains import (KV_ONLY_KEY, ChainRunners, DraftBinding,
+                                          RunnerFactory, compiled_runners, eager_runner)
 from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.protocol import DraftRunner
@@ -28,10 +28,11 @@ from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
                                                    check_num_drafts, check_propose,
                                                    confidence_log_tau, drafter_pools)
 from draft_circuit.runners.proposer_args import check_proposer_args
+from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_device
 from draft_circuit.runners.proposer_rows import run_chain, write_rows
 from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
-from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
+from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError,
                                                   free_all,
                                                   install_kv, kept_drafts, record_drafts, settle,
                                                   take_kv, trim_after_verify)
@@ -49,8 +50,9 @@ def warn_once(key: str, message: str) -> None:
 
 
 # single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
-@single_caller("propose", "propose_batch", "propose_batch_on_device", "prefill_drafter", "catchup_drafter", "catchup_batch",
-               "after_verify", "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
+@single_caller("propose", "propose_batch", "propose_batch_on_device", "verify_tokens",
+               "last_drafts", "prefill_drafter", "catchup_drafter", "catchup_batch", "after_verify",
+               "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
                "free_drafter_kv", "read_deferred_draft_token", "set_circuit_draft")
 class MtpProposer:
     def __init__(self, head: MtpHead, params: Mapping[str, torch.Tensor], *, num_drafts: int,
@@ -90,10 +92,8 @@ class MtpProposer:
                 else eager_runner
         self.chains = ChainRunners(self.circuit_draft, factory, self.circuit_draft_kv_only)
         self._deferred: torch.Tensor | None = None
-        # propose_batch_on_device's outputs (drafts, confidences) and its latest batch
-        self._device_out = (torch.full((max_width, num_drafts), -1, dtype=torch.int32, device=device),
-                            torch.zeros(max_width, num_drafts, dtype=torch.float32, device=device))
-        self._device_batch: PendingBatch | None = None
+        # propose_batch_on_device's buffers and its latest batch (runners/proposer_device.py)
+        self.device_drafts = DeviceDrafts(max_width=max_width, num_drafts=num_drafts, device=device)
         self.stats: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.last_served: Served | None = None
         self.warm_up()
@@ -124,10 +124,11 @@ class MtpProposer:
                             row_order=True, notes=self.head.plan_notes(), family=KV_ONLY)
 
     def set_circuit_draft(self, runner: DraftRunner | None, *, num_drafts: int | None = None,
-                          bitmask: bool = False) -> None:
+                          bitmask: bool = False, kv_only: bool = False) -> None:
         """Install a host-built runner for one chain (default: the k-step chain; build it from
-        `circuit_draft` with the same arguments, bound to its states), or, with None, remove every
-        installed runner: all chains then draft on the eager oracle."""
+        `circuit_draft` with the same arguments, bound to its states; `kv_only`: the catch-up
+        chain, built from `circuit_draft_kv_only`), or, with None, remove every installed
+        runner: all chains then draft on the eager oracle."""
         if runner is None:
             self.chains.reset(eager_runner)
             self.forward = "eager"
@@ -135,7 +136,8 @@ class MtpProposer:
         if not isinstance(runner, DraftRunner) or not runner.serves(1):
             raise ProposerError(f"set_circuit_draft: {runner!r} is not a DraftRunner serving width 1 "
                                 "(propose drafts one sequence on the one-row program)")
-        self.chains.install((num_drafts or self.num_drafts, bitmask), runner)
+        self.chains.install(KV_ONLY_KEY if kv_only else (num_drafts or self.num_drafts, bitmask),
+                            runner)
         self.forward = "circuit"
 
     def chain_runner(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftRunner:
@@ -268,37 +270,24 @@ class MtpProposer:
                                 states: Sequence[object], *, bitmask: torch.Tensor | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`propose_batch` whose drafts stay on the device: (drafts i32[n, k], -1 after a row's
-        stop; confidences f32[n, k]), or None before anything runs. Nothing is copied to the host
-        here: each state settles (its rows, key and drafts recorded, one read for the whole
-        batch) on the next call that touches any of them, as a deferred propose does. The
-        tensors are the proposer's buffers, valid until its next device-resident batch."""
-        n = len(last_tokens)
-        reason = self._batch_refusal(n, num_drafts, states, bitmask is not None)
-        if reason is not None:
-            self.last_served = Served("refused", n, reason)
-            return None
-        mine = [self._own(s) for s in states]
-        mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
-                             num_drafts_max=self.num_drafts, config=self.head.config,
-                             device=self.device, hidden_size=self.head.hidden_in_size)
-        drafts, confs = self._device_out[0][:n, :num_drafts], self._device_out[1][:n, :num_drafts]
-        if num_drafts == 0:
-            for state, p in zip(mine, positions):
-                record_drafts(state, [], state.rows, p)
-            self.last_served = Served("empty", n)
-            return drafts, confs
-        if self._device_batch is not None:
-            self._device_batch.settle()  # its drafts live in the buffers this batch overwrites
-        out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
-        drafts.copy_(out["drafts"])
-        confs.copy_(out["confidences"])
-        batch = PendingBatch(drafts, rows, list(positions), mine,
-                             read=lambda d: self.staging.read(d, confs)[0])
-        for state in mine:
-            state.pending = batch
-        self._device_batch = batch
-        self.last_served = Served(self.chains.get(num_drafts, mask is not None).plan(n).kind, n)
-        return drafts, confs
+        stop; confidences f32[n, k]), or None before anything runs. Nothing is read back here:
+        each state settles (its rows, key and drafts recorded, one read for the whole batch,
+        from a copy already enqueued behind the chain) on the next call that touches any of
+        them, as a deferred propose does. `verify_tokens()` is the batch's verify input. The
+        tensors are the proposer's buffers, valid until its next device-resident batch
+        (runners/proposer_device.py)."""
+        return propose_on_device(self, last_tokens, target_hiddens, positions, num_drafts,
+                                 states, bitmask)
+
+    def verify_tokens(self) -> torch.Tensor:
+        """The latest device-resident batch's verify input on the device: i32[n * (k + 1)], row
+        i's last token then its k drafts, a -1 (after a stop) as token 0 (never accepted)."""
+        return self.device_drafts.verify_tokens()
+
+    def last_drafts(self, states: Sequence[object]) -> list[list[int]]:
+        """Each state's kept drafts of its latest propose (settling a device-resident batch:
+        its one read); [] for a state of another proposer."""
+        return [m.last_drafts if (m := self._mine(s)) is not None else [] for s in states]
 
     def _batch_refusal(self, n: int, k: int, states: Sequence[object], masked: bool) -> str | None:
         if n == 0:

@@ -89,8 +89,9 @@ def test_a_batch_settles_with_one_read(monkeypatch):
     states, pos, toks, h = batch(p)
     p.propose_batch_on_device(toks, h, pos, K, states)
     reads = []
-    real = p.staging.read
-    monkeypatch.setattr(p.staging, "read", lambda d, c: reads.append(1) or real(d, c))
+    pending = states[0].pending
+    real = pending.read
+    monkeypatch.setattr(pending, "read", lambda d: reads.append(1) or real(d))
     for s in states:
         p.after_verify(0, s)
     assert len(reads) == 1
@@ -128,3 +129,46 @@ def test_device_batch_refusals_match_propose_batch():
     drafts, conf = p.propose_batch_on_device(toks, h, pos, 0, s)
     assert drafts.shape == (3, 0) and p.last_served.kind == "empty"
     assert all(st.last_num_drafted == 0 for st in s)
+
+
+@pytest.mark.parametrize("tau", [None, 0.2])
+def test_verify_tokens_are_each_rows_last_token_then_its_drafts(tau):
+    p = make("circuit", draft_confidence_stop=tau)
+    states, pos, toks, h = batch(p, n=4)
+    drafts, _ = p.propose_batch_on_device(toks, h, pos, K, states)
+    rows = drafts.tolist()
+    verify = p.verify_tokens()
+    assert verify.shape == (4 * (K + 1),) and verify.dtype == torch.int32
+    want = [[t, *(max(d, 0) for d in r)] for t, r in zip(toks, rows)]  # a stop's -1 as 0
+    assert verify.view(4, K + 1).tolist() == want
+    if tau is not None:
+        assert any(-1 in r for r in rows), "tau 0.2 should stop some row early here"
+    assert p.last_drafts(states) == [kept(r) for r in rows]
+    assert all(s.pending is None for s in states)  # last_drafts settled the batch
+
+
+def test_last_drafts_of_a_foreign_state_is_empty():
+    p, other = make("eager"), make("eager")
+    states, pos, toks, h = batch(p, n=2)
+    p.propose_batch(toks, h, pos, K, states)
+    assert p.last_drafts([states[0], other.alloc_state()]) == [states[0].last_drafts, []]
+
+
+def test_an_installed_kv_only_runner_serves_catch_up():
+    """set_circuit_draft(kv_only=True): the host's KV-only runner writes catch-up rows (the
+    host's one-step runner is not used for them), bitwise as the built one."""
+    from draft_circuit.runners.chains import KV_ONLY_KEY, compile_chain
+    mine, ref = make("circuit"), make("circuit")
+    runner = compile_chain(mine.circuit_draft_kv_only(), mine.widths, device="cpu")
+    mine.set_circuit_draft(runner, kv_only=True)
+    assert mine.chains.kv_only() == (runner, True) and KV_ONLY_KEY in mine.chains.installed
+    calls, real = [], runner.run
+    runner.run = lambda n, inputs: calls.append(n) or real(n, inputs)
+    a = [prefilled(mine, 50 + i, length=7)[0] for i in range(2)]
+    b = [prefilled(ref, 50 + i, length=7)[0] for i in range(2)]
+    assert calls == [6, 6]  # each prefill's 6 rows, on the installed runner
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(mine.states[name], ref.states[name])
+    assert [s.rows for s in a] == [s.rows for s in b]
+    assert mine.chains.uninstall(KV_ONLY_KEY) is runner
+    assert mine.chains.kv_only()[0] is not runner

@@ -1,0 +1,117 @@
+"""The proposer's device-resident batch path (issue 14 steps 3-4): drafts that stay on the device.
+
+`DeviceDrafts` holds the persistent buffers of `MtpProposer.propose_batch_on_device` and its
+latest batch, so a host can launch its verify pass from device tensors with no host sync:
+
+- `packed` [max_width, 2K] int32: a row's drafts (-1 after its stop) in columns 0..k-1 and its
+  confidences' float32 bits in K..K+k-1 (K: the proposer's num_drafts). The drafts and
+  confidences handed back are views of it.
+- `verify` [max_width * (K + 1)] int32: row i's last token, then its drafts with each -1 as 0:
+  a verify input of k + 1 rows a sequence, flattened row-major (`verify_tokens`). A host that
+  verifies a stopped row's padding rows gets tokens it never accepts (acceptance ends at the
+  first -1), and their KV rows lie past the accepted ones, dead like any rejected row's.
+- On CUDA the packed rows are copied to pinned host memory right behind the chain, in stream
+  order (`non_blocking`), with an event recorded after. The states settle on the next call that
+  touches one of them; that read waits on the event, which has long passed once the host has
+  synced on its verify, so the drafts' read costs no sync of its own. On CPU it is `tolist`.
+
+The buffers are reused by the next device-resident batch, which settles the previous one first.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from draft_circuit.runners.contract import Served
+from draft_circuit.runners.proposer_inputs import check_propose
+from draft_circuit.runners.proposer_state import PendingBatch, record_drafts
+
+if TYPE_CHECKING:  # the proposer imports this module
+    from draft_circuit.runners.proposer import MtpProposer
+
+
+class DeviceDrafts:
+    """The device-resident path's buffers (see the module docstring) for widths up to
+    `max_width` and up to `num_drafts` drafts a row."""
+
+    def __init__(self, *, max_width: int, num_drafts: int, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.k = num_drafts
+        w, k2 = max_width, 2 * max(num_drafts, 1)
+        self.packed = torch.full((w, k2), -1, dtype=torch.int32, device=self.device)
+        self.verify = torch.zeros(w * (num_drafts + 1), dtype=torch.int32, device=self.device)
+        self._host = torch.zeros((w, k2), dtype=torch.int32, pin_memory=True) if self.cuda \
+            else self.packed
+        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self.batch: PendingBatch | None = None
+        self._rows = (0, 0)  # (n, k) of the latest batch
+
+    def drafts(self, n: int, k: int) -> torch.Tensor:
+        return self.packed[:n, :k]
+
+    def confidences(self, n: int, k: int) -> torch.Tensor:
+        return self.packed[:n, self.k:self.k + k].view(torch.float32)
+
+    def verify_tokens(self) -> torch.Tensor:
+        """The latest batch's verify input: i32[n * (k + 1)], row i's last token then its k
+        drafts (-1 as 0). Valid until the next device-resident batch."""
+        n, k = self._rows
+        return self.verify[:n * (k + 1)]
+
+    def fill(self, out: dict[str, torch.Tensor], tokens: torch.Tensor, n: int, k: int) -> None:
+        """Copy a chain's outputs into the buffers and, on CUDA, enqueue their copy to the host."""
+        self.drafts(n, k).copy_(out["drafts"])
+        self.confidences(n, k).copy_(out["confidences"])
+        rows = self.verify[:n * (k + 1)].view(n, k + 1)
+        rows[:, 0].copy_(tokens)
+        torch.clamp(out["drafts"], min=0, out=rows[:, 1:])
+        self._rows = (n, k)
+        if self.cuda:
+            self._host[:n].copy_(self.packed[:n], non_blocking=True)
+            assert self._copied is not None
+            self._copied.record()
+
+    def read(self, drafts: torch.Tensor) -> list[list[int]]:
+        """The latest batch's drafts as host rows (`drafts` is its view of `packed`): on CUDA
+        from the pinned copy, waiting on its event (already passed once the host has synced)."""
+        if not self.cuda:
+            return drafts.tolist()
+        assert self._copied is not None
+        # after the host's verify sync it has passed: no wait
+        if not self._copied.query():  # type: ignore[no-untyped-call]
+            self._copied.synchronize()
+        n, k = drafts.shape
+        return self._host[:n, :k].tolist()
+
+
+def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+                      positions: Sequence[int], num_drafts: int, states: Sequence[object],
+                      bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`MtpProposer.propose_batch_on_device` (its docstring states the contract)."""
+    n, dev = len(last_tokens), p.device_drafts
+    reason = p._batch_refusal(n, num_drafts, states, bitmask is not None)
+    if reason is not None:
+        p.last_served = Served("refused", n, reason)
+        return None
+    mine = [p._own(s) for s in states]
+    mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
+                         num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
+                         hidden_size=p.head.hidden_in_size)
+    drafts, confs = dev.drafts(n, num_drafts), dev.confidences(n, num_drafts)
+    if num_drafts == 0:
+        for state, pos in zip(mine, positions):
+            record_drafts(state, [], state.rows, pos)
+        p.last_served = Served("empty", n)
+        return drafts, confs
+    if dev.batch is not None:
+        dev.batch.settle()  # its drafts live in the buffers this batch overwrites
+    out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
+    dev.fill(out, p.staging.tokens(n), n, num_drafts)
+    batch = PendingBatch(drafts, rows, list(positions), mine, read=dev.read)
+    for state in mine:
+        state.pending = batch
+    dev.batch = batch
+    p.last_served = Served(p.chains.get(num_drafts, mask is not None).plan(n).kind, n)
+    return drafts, confs
