@@ -19,10 +19,12 @@ import torch
 
 from examples.engine.checkpoints import Checkpoint, EngineError
 from examples.engine.deepseek_target import target_for
-from examples.engine.runner import TargetRunner
+from examples.engine.model import TargetRows
+from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
+from examples.engine.runner import _check_finite as check_finite
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
-from examples.engine.speculate import DraftStats, accept, draft
+from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
 from draft_circuit.circuit.layers.draft_vocab import DraftVocab, DraftVocabError, bind_draft_vocab, over_subset
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config
 from draft_circuit.circuit.layers.heads import head_for
@@ -56,10 +58,11 @@ class EngineConfig:
 class Stats:
     generated: int = 0
     verifies: int = 0                 # sequence-verifies (one per sequence per decode step)
-    drafted: int = 0
-    accepted: int = 0
+    drafted: int = 0                  # usable drafts only: none past max_new_tokens or an EOS
+    accepted: int = 0                 # (speculate.usable; issue 20 item 3)
     steps: int = 0
-    draft_s: float = 0.0              # propose + catch-up (prefill's included)
+    draft_s: float = 0.0              # propose + catch-up (prefill's included); on the device
+    #                                   path host time only: the chain's GPU time ends in target_s
     target_s: float = 0.0
     wall_s: float = 0.0
     widths: dict[int, int] = field(default_factory=dict)  # decode-step width -> steps
@@ -213,16 +216,45 @@ class Engine:
                                             [1] * len(live), [s.draft_state for s, _ in live])
             self.stats.draft_s += time.perf_counter() - t0
 
+    #: drafts stay on the device through verify (propose_batch_on_device); None: on CUDA only
+    #: (CPU keeps the host-returning path; a test sets True to run the device path on CPU)
+    device_drafts: bool | None = None
+
+    def _on_device(self, n: int) -> bool:
+        on = self.device_drafts if self.device_drafts is not None \
+            else torch.device(self.config.device).type == "cuda"
+        return on and n * (self.k + 1) <= self.target.model.max_rows  # one target pass
+
     def _decode(self, seqs: list[Sequence]) -> None:
         """Draft, verify [last token, drafts...] of every sequence in one target pass, accept,
-        trim (target rows and drafter rows), then catch the drafter up on the rows it lacks."""
+        trim (target rows and drafter rows), then catch the drafter up on the rows it lacks.
+
+        On the device path (CUDA) the drafts never come back before verify: the verify input is
+        the proposer's device tensor (`draft_on_device`), launched straight behind the chain.
+        The step's one read is the verify's greedy tokens (`TargetModel.forward`'s `tolist`, a
+        sync on the target's pass); the drafts were copied to pinned memory behind the chain,
+        so `last_drafts` reads them then without a sync of its own. The catch-up is enqueued
+        after the accept with no sync before the next step's propose (the proposer stages its
+        inputs in two pinned buffers in turn). TargetModel.forward's host inputs (positions,
+        tables, its `active`) are blocking copies: they wait for the chain before the verify
+        is enqueued (examples/engine/model.py's, not this module's)."""
         assert self.proposer is not None
         t0 = time.perf_counter()
-        drafts = draft(self.proposer, seqs, self.k, self.stats.draft_batches)
-        t1 = time.perf_counter()
-        outs = self.target.run(seqs, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
+        on_device = self._on_device(len(seqs))
+        tokens = draft_on_device(self.proposer, seqs, self.k, self.stats.draft_batches) \
+            if on_device else None
+        if tokens is None:  # the host-returning path, or a batch the proposer declined
+            drafts = (draft_each if on_device else draft)(self.proposer, seqs, self.k,
+                                                          self.stats.draft_batches)
+            t1 = time.perf_counter()
+            outs = self.target.run(seqs, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
+        else:
+            t1 = time.perf_counter()
+            outs = self._verify_on_device(seqs, tokens)
+            drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()
         catchup = []  # (sequence, tokens, their target hiddens, first position)
+        eos = self.checkpoint.eos_token_id
         for s, d, out in zip(seqs, drafts, outs):
             a = accept(d, out.tokens)
             # the target hiddens this step knows, from position - 1 (the one drafted from) on
@@ -232,18 +264,45 @@ class Engine:
             s.blocks.set_rows(s.num_cached + a + 1)
             self.proposer.after_verify(a, s.draft_state)
             s.hidden = out.hiddens[a]
-            self.stats.generated += len(s.append([*d[:a], out.tokens[a]], self.checkpoint.eos_token_id))
+            room = s.request.max_new_tokens - len(s.generated)
+            kept = s.append([*d[:a], out.tokens[a]], eos)
+            self.stats.generated += len(kept)
             self.stats.verifies += 1
-            self.stats.drafted += len(d)
-            self.stats.accepted += a
+            drafted, accepted = usable(len(d), a, room, kept, eos)  # issue 20 item 3
+            self.stats.drafted += drafted
+            self.stats.accepted += accepted
             if not s.finished:
                 catchup.append(self._missing_rows(s, known, known_from))
         catchup = [c for c in catchup if c[1]]
-        if catchup:
+        if catchup:  # enqueued, not waited for: the next propose runs behind it
             self.proposer.catchup_batch([c[1] for c in catchup], [c[2] for c in catchup],
                                         [c[3] for c in catchup], [c[0].draft_state for c in catchup])
         self.stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
         self.stats.target_s += t2 - t1
+
+    def _verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor) -> list[RowsOut]:
+        """The target pass over every sequence's k + 1 rows [last token, k drafts], its tokens
+        the proposer's device tensor (row i's at i*(k+1)..): the rows runner.run would build
+        for the same tokens (row j of a sequence at position and live rows num_cached + j),
+        with only positions and tables from the host. A row whose logits are all non-finite
+        raises as there (FAULTS 27)."""
+        k1, n = self.k + 1, len(seqs)
+        for s in seqs:
+            if s.num_cached + k1 > s.blocks.capacity_rows:
+                raise RuntimeError(f"sequence {s.id}: {s.num_cached + k1} rows exceed the "
+                                   f"{s.blocks.capacity_rows} reserved for it")
+        base = torch.tensor([s.num_cached for s in seqs], dtype=torch.int32)
+        positions = (base.view(n, 1) + torch.arange(k1, dtype=torch.int32)).view(-1)
+        tables = torch.tensor([s.blocks.table_row(SCRATCH_BLOCK) for s in seqs],
+                              dtype=torch.int32).repeat_interleave(k1, dim=0)
+        greedy, hidden = self.target.model.forward(
+            TargetRows(tokens=tokens, positions=positions, block_tables=tables, live_rows=positions))
+        outs = []
+        for i, s in enumerate(seqs):
+            toks = greedy[i * k1:(i + 1) * k1]
+            check_finite(s, toks)
+            outs.append(RowsOut(toks, hidden[i * k1:(i + 1) * k1]))
+        return outs
 
     def _missing_rows(self, s: Sequence, known: torch.Tensor, known_from: int):
         """The drafter rows the next propose needs and the drafter lacks, found from its pair

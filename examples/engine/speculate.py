@@ -39,14 +39,49 @@ def draft(proposer, seqs: list[Sequence], num_drafts: int, stats: DraftStats) ->
     """Drafts for every running sequence: one n-row run when the proposer serves the width,
     else each sequence alone on the one-row program. How the batch was served is the
     proposer's own record of that call (`last_served`)."""
-    n = len(seqs)
-    hiddens = torch.stack([s.hidden for s in seqs if s.hidden is not None])  # [n, H]: behind each last token
-    drafts = proposer.propose_batch([s.last_token for s in seqs], hiddens,
+    drafts = proposer.propose_batch([s.last_token for s in seqs], _hiddens(seqs),
                                     [s.position for s in seqs], num_drafts,
                                     [s.draft_state for s in seqs])
     if drafts is None:
-        stats.batches["per_sequence"][n] += 1
-        return [proposer.propose(s.last_token, s.hidden, s.position, num_drafts, s.draft_state)
-                for s in seqs]
-    stats.batches[proposer.last_served.kind][n] += 1
+        return draft_each(proposer, seqs, num_drafts, stats)
+    stats.batches[proposer.last_served.kind][len(seqs)] += 1
     return drafts
+
+
+def draft_on_device(proposer, seqs: list[Sequence], num_drafts: int,
+                    stats: DraftStats) -> torch.Tensor | None:
+    """Drafts that stay on the device (`propose_batch_on_device`): the verify input of every
+    sequence, i32[n * (k + 1)] (its last token, then its k drafts, a draft after a stop as 0),
+    with nothing read back; the drafts reach the host when the proposer is next asked about a
+    state (`last_drafts`). None when the proposer declined the batch (nothing ran): draft each
+    sequence alone (`draft_each`)."""
+    got = proposer.propose_batch_on_device([s.last_token for s in seqs], _hiddens(seqs),
+                                           [s.position for s in seqs], num_drafts,
+                                           [s.draft_state for s in seqs])
+    if got is None:
+        return None
+    stats.batches[proposer.last_served.kind][len(seqs)] += 1
+    return proposer.verify_tokens()
+
+
+def draft_each(proposer, seqs: list[Sequence], num_drafts: int,
+               stats: DraftStats) -> list[list[int]]:
+    """Each sequence alone on the one-row program (a batch the proposer declined)."""
+    stats.batches["per_sequence"][len(seqs)] += 1
+    return [proposer.propose(s.last_token, s.hidden, s.position, num_drafts, s.draft_state)
+            for s in seqs]
+
+
+def _hiddens(seqs: list[Sequence]) -> torch.Tensor:
+    return torch.stack([s.hidden for s in seqs if s.hidden is not None])  # [n, H]: behind each last token
+
+
+def usable(num_drafted: int, num_accepted: int, room: int, kept: list[int],
+           eos: int | None) -> tuple[int, int]:
+    """(drafted, accepted) as a step's statistics count them: only drafts at positions the
+    request could still use. Draft i stands at the step's i-th new position; the request takes
+    at most `room` more tokens and none after an EOS (`kept`: the tokens it took, ending with
+    the EOS if one ended it), so a draft counts when i < len(kept) after an EOS, else i < room.
+    A draft past max_new_tokens or past an EOS is neither drafted nor accepted."""
+    horizon = len(kept) if eos is not None and kept and kept[-1] == eos else room
+    return min(num_drafted, horizon), min(num_accepted, horizon)

@@ -1,0 +1,47 @@
+"""On the GPU (`pytest -m cuda`): the engine's default CUDA decode step is the device path
+(issue 14 items 3-4: verify launched from the proposer's device tensor, drafts read once after
+it, catch-up on the KV-only chain when installed) and stays token-exact with target-only
+greedy, on both drafter forwards and both target forwards; the host path (device_drafts False)
+is exact there too."""
+from __future__ import annotations
+
+import pytest
+
+from examples.engine import Engine, EngineConfig, load_checkpoint
+from draft_circuit.runners.testing import cuda
+from tests.examples.helpers import SMALL, generate, random_requests
+
+REQUESTS = random_requests(SMALL.vocab_size, 6, seed=13)
+
+
+@cuda
+@pytest.mark.parametrize("target_forward", ["eager", "circuit"])
+@pytest.mark.parametrize("forward,tau", [("circuit", None), ("circuit", 0.3), ("eager", None)])
+def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forward, tau):
+    common = dict(device="cuda", target_forward=target_forward, max_rows=64)
+    greedy, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3, **common)
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward=forward, num_drafts=3, widths=(1, 2, 4), max_batch=3,
+                                 draft_confidence_stop=tau, **common))
+    assert engine.device_drafts is None and engine._on_device(3)  # CUDA's default
+    p, model = engine.proposer, engine.target.model
+    verifies, real = [], model.forward
+
+    def forward_spy(rows):
+        if rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
+            verifies.append(rows.tokens.shape[0])
+        return real(rows)
+    model.forward = forward_spy
+    assert engine.generate(REQUESTS).outputs == greedy
+    assert len(verifies) == engine.stats.steps  # every decode step verified from the device
+    assert engine.pool.num_used == 0 and p.pool.num_used == 0
+
+
+@cuda
+def test_host_path_equals_greedy_on_gpu(small_checkpoint):
+    common = dict(device="cuda", target_forward="circuit", max_rows=64)
+    greedy, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3, **common)
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(num_drafts=3, widths=(1, 2, 4), max_batch=3, **common))
+    engine.device_drafts = False
+    assert engine.generate(REQUESTS).outputs == greedy

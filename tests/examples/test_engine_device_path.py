@@ -1,0 +1,135 @@
+"""The engine's device-resident decode step (issue 14 items 3-4) and its acceptance accounting
+(issue 20 item 3), on CPU.
+
+The device path (verify launched from the proposer's device tensors, drafts read once after
+the verify) is CUDA's default; `Engine.device_drafts = True` runs the same code on CPU, where
+it must be token-exact with target-only greedy like the host path. Acceptance statistics count
+only drafts the request could use: an oracle drafter that drafts the target's own continuation
+(right past the token limit too) shows the over-count the old accounting gave."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from examples.engine import Engine, EngineConfig, Request, load_checkpoint
+from examples.engine.speculate import usable
+from tests.examples.helpers import SMALL, generate, random_requests
+
+REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
+
+
+@pytest.fixture(scope="module")
+def greedy(small_checkpoint):
+    return generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3)[0]
+
+
+def run(path, requests, *, device_drafts, **config):
+    engine = Engine(load_checkpoint(path), EngineConfig(**config))
+    engine.device_drafts = device_drafts
+    return engine.generate(requests).outputs, engine
+
+
+@pytest.mark.parametrize("forward,k,tau,widths,max_batch,max_rows,kinds", [
+    ("circuit", 4, None, (1, 2, 4), 3, 1024, {"own", "pad"}),
+    ("circuit", 3, 0.2, (1, 2), 4, 1024, {"own", "per_sequence"}),  # stops: -1 drafts padded
+    ("eager", 4, 0.5, (1, 2, 4), 4, 12, {"eager"}),  # 3 x 5 rows > 12: host path for wide steps
+])
+def test_device_path_equals_greedy(small_checkpoint, greedy, forward, k, tau, widths, max_batch,
+                                   max_rows, kinds):
+    outputs, engine = run(small_checkpoint, REQUESTS, device_drafts=True, forward=forward,
+                          num_drafts=k, draft_confidence_stop=tau, widths=widths,
+                          max_batch=max_batch, max_rows=max_rows)
+    assert outputs == greedy
+    seen = {kind for per in engine.stats.draft_batches.table().values() for kind in per}
+    assert kinds <= seen, seen
+    assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+
+
+def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy, monkeypatch):
+    """The verify input is the proposer's device buffer itself (no host list of drafts), and
+    the drafts are read after the verify, once per step."""
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
+    engine.device_drafts = True
+    p, model = engine.proposer, engine.target.model
+    order: list[str] = []
+    real_forward, real_last = model.forward, p.last_drafts
+
+    def forward(rows):
+        if rows.tokens.shape[0] % 4 == 0 and rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
+            order.append("verify")
+        return real_forward(rows)
+
+    def last_drafts(states):
+        order.append("read")
+        return real_last(states)
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(p, "last_drafts", last_drafts)
+    assert engine.generate(REQUESTS).outputs == greedy
+    assert order and order[::2] == ["verify"] * (len(order) // 2)
+    assert order[1::2] == ["read"] * (len(order) // 2)
+    assert len(order) // 2 == engine.stats.steps  # every decode step took the device path
+
+
+# ---- issue 20 item 3: acceptance counts only usable drafts ----
+@pytest.mark.parametrize("drafted,accepted,room,kept,eos,want", [
+    (4, 4, 10, [1, 2, 3, 4, 5], None, (4, 4)),     # all usable
+    (100, 100, 7, [1] * 7, None, (7, 7)),          # cut at max_new_tokens
+    (4, 2, 3, [1, 2, 9], None, (3, 2)),            # the 4th draft lies past the limit
+    (4, 3, 10, [1, 8], 8, (2, 2)),                 # an accepted EOS ends the request
+    (4, 1, 10, [1, 8], 8, (2, 1)),                 # the bonus is the EOS: drafts past it
+    (4, 0, 10, [5], None, (4, 0)),
+])
+def test_usable_counts(drafted, accepted, room, kept, eos, want):
+    assert usable(drafted, accepted, room, kept, eos) == want
+
+
+def oracle_drafts(engine, continuations, monkeypatch):
+    """Make the engine's drafter draft the target's own greedy continuation (as long as asked,
+    past the request's limit too): the proposer runs as usual (its rows and keys stay right:
+    exact-KV trims every draft row and catch-up rebuilds the accepted ones from the target),
+    only the drafts handed to the engine are replaced."""
+    p = engine.proposer
+    real = p.propose_batch
+
+    def propose_batch(last_tokens, hiddens, positions, num_drafts, states, **kw):
+        got = real(last_tokens, hiddens, positions, num_drafts, states, **kw)
+        if got is None:
+            return None
+        seqs = {id(s.draft_state): s for s in engine.scheduler.running}
+        out = []
+        for state, pos, d in zip(states, positions, got):
+            full = continuations[tuple(seqs[id(state)].request.prompt)]
+            out.append(full[pos + 1:pos + 1 + len(d)])
+        return out
+    monkeypatch.setattr(p, "propose_batch", propose_batch)
+
+
+@pytest.mark.parametrize("eos_at", [None, 3])
+def test_acceptance_never_counts_drafts_past_the_limit_or_an_eos(small_checkpoint, monkeypatch,
+                                                                 eos_at):
+    """--num-drafts 100 --max-new-tokens 8 with a perfect drafter: at most 7 drafts a request
+    can be accepted (the prefill made the first token); with an EOS at generated token
+    eos_at + 1, at most eos_at."""
+    k, limit = 100, 8
+    prompts = [r.prompt for r in random_requests(SMALL.vocab_size, 3, seed=4, max_prompt=12)]
+    long, _ = generate(small_checkpoint, [Request(q, limit + k + 1) for q in prompts],
+                       speculate=False, max_batch=3)
+    continuations = {tuple(q): q + out for q, out in zip(prompts, long)}
+    checkpoint = load_checkpoint(small_checkpoint)
+    if eos_at is not None:
+        checkpoint = dataclasses.replace(checkpoint, eos_token_id=long[0][eos_at])
+    engine = Engine(checkpoint, EngineConfig(forward="eager", num_drafts=k, max_batch=3))
+    oracle_drafts(engine, continuations, monkeypatch)
+    result = engine.generate([Request(q, limit) for q in prompts])
+    want = [out[:limit] for out in long]
+    if eos_at is not None:
+        eos = long[0][eos_at]
+        want = [o[:o.index(eos) + 1] if eos in o else o for o in want]
+    assert result.outputs == want
+    stats = result.stats
+    usable_tokens = sum(len(o) - 1 for o in want)  # the prefill's token is no draft
+    assert stats.accepted == usable_tokens  # the oracle is always right: every usable one
+    assert stats.drafted == stats.accepted
+    assert stats.accepted / stats.verifies <= limit
