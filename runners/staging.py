@@ -156,7 +156,8 @@ class ChainStaging:
         sequence), else one copy a segment (which converts)."""
         if len(hiddens) == 1:
             self._hidden[:n].copy_(hiddens[0], non_blocking=True)
-        elif all(h.dtype == self._hidden.dtype and h.device == self.device for h in hiddens):
+        elif all(h.dtype == self._hidden.dtype and h.device == self._hidden.device
+                 for h in hiddens):  # the buffer's device is resolved ("cuda" is "cuda:0")
             torch.cat(list(hiddens), out=self._hidden[:n])
         else:
             start = 0

@@ -118,3 +118,18 @@ def test_the_cuda_loops_are_the_cpu_loops():
     assert a.drafts == b.drafts
     for name in ("k_cache", "v_cache"):
         assert torch.equal(dev.states[name], host.states[name])
+
+
+@cuda
+def test_a_cuda_catch_up_stages_its_hiddens_in_one_cat(monkeypatch):
+    """Device hiddens on "cuda:0" match the staging buffer made for "cuda": one cat, not a
+    copy per sequence."""
+    from tests.runners.test_proposer import hidden, prefilled
+    from tests.runners.test_proposer_staging import cat_calls
+    p = make("circuit", device="cuda", num_blocks=80, max_blocks_per_seq=12)
+    states = [prefilled(p, 60 + i, length=5)[0] for i in range(3)]
+    calls = cat_calls(monkeypatch)
+    p.catchup_batch([[1, 2], [3], [4, 5, 6]],
+                    [hidden(1, 2).cuda(), hidden(2, 1).cuda(), hidden(3, 3).cuda()],
+                    [5, 5, 5], states)
+    assert calls == [3]

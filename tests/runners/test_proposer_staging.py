@@ -144,3 +144,24 @@ def test_steady_state_allocates_no_device_memory_on_cuda():
     for _ in range(2):
         loop.step()
     assert_no_allocation(loop.step, repeats=4)
+
+
+def cat_calls(monkeypatch):
+    """Record every torch.cat the staging makes into its buffer (out=)."""
+    calls, real = [], torch.cat
+
+    def cat(tensors, *args, **kwargs):
+        if kwargs.get("out") is not None:
+            calls.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+    monkeypatch.setattr(torch, "cat", cat)
+    return calls
+
+
+def test_a_catch_up_of_several_sequences_stages_its_hiddens_in_one_cat(monkeypatch):
+    p = make("eager", num_blocks=80, max_blocks_per_seq=12)
+    states = [prefilled(p, 60 + i, length=5)[0] for i in range(3)]
+    calls = cat_calls(monkeypatch)
+    p.catchup_batch([[1, 2], [3], [4, 5, 6]], [hidden(1, 2), hidden(2, 1), hidden(3, 3)],
+                    [5, 5, 5], states)
+    assert calls == [3]  # three segments, one launch
