@@ -18,8 +18,10 @@ Contract (ops/input_guard.py holds the torch reference; both must agree bit for 
   counts the faulted runs. The first fault of a run is the lowest row with a bad token, else the
   lowest active row with a bad live_rows or block id (the CPU entry check's order).
 
-One program over every row (n is at most the runner's max width), the table in column chunks:
-no atomics, and "first" is deterministic.
+One program over every row (n is at most the runner's max width): no atomics, and "first" is
+deterministic. A table that fits one tile (n x M <= 8192, padded) is loaded once, with every
+load issued up front, so the launch costs about one memory round trip; a wider one is read in
+column chunks, twice.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import triton.language as tl
 from draft_circuit.kernels._common import check, check_operand, describe
 
 FAULT_WORDS = 8
-COL_CHUNK = 64  # table columns per step of the two passes over the table
+COL_CHUNK = 64  # table columns per step of the two passes over a table too big for one tile
+ONE_TILE = 8192  # rows x columns (padded to powers of two) held in registers at once
 
 
 @triton.jit
@@ -41,9 +44,12 @@ def input_guard_kernel(
     vocab, num_blocks, block_size, steps, scratch,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # the whole table in one tile: loaded once, every load issued at once
 ):
     rows = tl.arange(0, BLOCK_N)
     rmask = rows < n
+    flag_before = tl.load(faults_ptr)
+    runs_before = tl.load(faults_ptr + 6)
     tok = tl.load(tokens_ptr + rows, mask=rmask, other=0)
     live = tl.load(live_ptr + rows, mask=rmask, other=0)
     act_in = tl.load(active_ptr + rows, mask=rmask, other=0)
@@ -55,13 +61,21 @@ def input_guard_kernel(
     used = tl.where(live_oob, 0, (live + steps - 1) // block_size + 1)
 
     # pass 1: the first out-of-pool entry each row uses (big: none)
-    first_col = tl.full((BLOCK_N,), big, tl.int32)
-    for c0 in range(0, max_blocks, BLOCK_M):
-        cols = c0 + tl.arange(0, BLOCK_M)
-        m2 = rmask[:, None] & (cols[None, :] < max_blocks)
-        tab = tl.load(tables_ptr + rows[:, None] * stride_tables + cols[None, :], mask=m2, other=0)
-        oob = m2 & (cols[None, :] < used[:, None]) & ((tab < 0) | (tab >= num_blocks))
-        first_col = tl.minimum(first_col, tl.min(tl.where(oob, cols[None, :], big), axis=1))
+    if ONE_CHUNK:
+        cols1 = tl.arange(0, BLOCK_M)
+        m1 = rmask[:, None] & (cols1[None, :] < max_blocks)
+        tab1 = tl.load(tables_ptr + rows[:, None] * stride_tables + cols1[None, :], mask=m1, other=0)
+        oob1 = m1 & (cols1[None, :] < used[:, None]) & ((tab1 < 0) | (tab1 >= num_blocks))
+        first_col = tl.min(tl.where(oob1, cols1[None, :], big), axis=1)
+    else:
+        first_col = tl.full((BLOCK_N,), big, tl.int32)
+        for c0 in range(0, max_blocks, BLOCK_M):
+            cols = c0 + tl.arange(0, BLOCK_M)
+            m2 = rmask[:, None] & (cols[None, :] < max_blocks)
+            tab = tl.load(tables_ptr + rows[:, None] * stride_tables + cols[None, :], mask=m2,
+                          other=0)
+            oob = m2 & (cols[None, :] < used[:, None]) & ((tab < 0) | (tab >= num_blocks))
+            first_col = tl.minimum(first_col, tl.min(tl.where(oob, cols[None, :], big), axis=1))
     blk_oob = first_col < big
     flagged = act & (live_oob | blk_oob)
     bad = tok_bad | flagged
@@ -71,12 +85,17 @@ def input_guard_kernel(
     tl.store(g_tokens_ptr + rows, tl.where(fix, 0, tok), mask=rmask)
     tl.store(g_live_ptr + rows, tl.where(fix, 0, live), mask=rmask)
     tl.store(g_active_ptr + rows, tl.where(fix, 0, act_in), mask=rmask)
-    for c0 in range(0, max_blocks, BLOCK_M):
-        cols = c0 + tl.arange(0, BLOCK_M)
-        m2 = rmask[:, None] & (cols[None, :] < max_blocks)
-        tab = tl.load(tables_ptr + rows[:, None] * stride_tables + cols[None, :], mask=m2, other=0)
-        tl.store(g_tables_ptr + rows[:, None] * stride_g_tables + cols[None, :],
-                 tl.where(fix[:, None], scratch, tab), mask=m2)
+    if ONE_CHUNK:
+        tl.store(g_tables_ptr + rows[:, None] * stride_g_tables + cols1[None, :],
+                 tl.where(fix[:, None], scratch, tab1), mask=m1)
+    else:
+        for c0 in range(0, max_blocks, BLOCK_M):
+            cols = c0 + tl.arange(0, BLOCK_M)
+            m2 = rmask[:, None] & (cols[None, :] < max_blocks)
+            tab = tl.load(tables_ptr + rows[:, None] * stride_tables + cols[None, :], mask=m2,
+                          other=0)
+            tl.store(g_tables_ptr + rows[:, None] * stride_g_tables + cols[None, :],
+                     tl.where(fix[:, None], scratch, tab), mask=m2)
 
     # the record: the lowest bad-token row, else the lowest flagged row
     tok_row = tl.min(tl.where(tok_bad, rows, big), axis=0)
@@ -91,20 +110,24 @@ def input_guard_kernel(
     is_tok = tok_row < big
     code = tl.where(is_tok, 1, tl.where(r_live_oob, 2, 3))
     safe_col = tl.where(is_tok | r_live_oob, 0, r_col)
-    safe_row = tl.where(any_bad, row, 0)
-    r_blk = tl.load(tables_ptr + safe_row * stride_tables + safe_col,
-                    mask=any_bad & (code == 3), other=0)
+    if ONE_CHUNK:  # from the tile in registers: no dependent load
+        r_blk = tl.sum(tl.sum(tl.where(at[:, None] & (cols1[None, :] == safe_col), tab1, 0),
+                              axis=1), axis=0)
+    else:
+        safe_row = tl.where(any_bad, row, 0)
+        r_blk = tl.load(tables_ptr + safe_row * stride_tables + safe_col,
+                        mask=any_bad & (code == 3), other=0)
     value = tl.where(code == 1, r_tok, tl.where(code == 2, r_live, r_blk))
     entry = tl.where(code == 3, r_col, -1)
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
-    first = any_bad & (tl.load(faults_ptr) == 0)
+    first = any_bad & (flag_before == 0)
     tl.store(faults_ptr + 0, code, mask=first)
     tl.store(faults_ptr + 1, row, mask=first)
     tl.store(faults_ptr + 2, value, mask=first)
     tl.store(faults_ptr + 3, entry, mask=first)
     tl.store(faults_ptr + 4, n, mask=first)
     tl.store(faults_ptr + 5, n_bad, mask=first)
-    tl.store(faults_ptr + 6, tl.load(faults_ptr + 6) + 1, mask=any_bad)
+    tl.store(faults_ptr + 6, runs_before + 1, mask=any_bad)
 
 
 def input_guard(tokens: torch.Tensor, block_tables: torch.Tensor, live_rows: torch.Tensor,
@@ -127,10 +150,12 @@ def input_guard(tokens: torch.Tensor, block_tables: torch.Tensor, live_rows: tor
                   f"block_size {block_size} and steps {steps} must be >= 1")
     if n == 0:
         return
+    block_n, block_m = triton.next_power_of_2(n), triton.next_power_of_2(max(m, 1))
+    one = block_n * block_m <= ONE_TILE
     input_guard_kernel[(1,)](
         tokens, block_tables, live_rows, active, faults, g_tokens, g_tables, g_live, g_active,
         n, m, block_tables.stride(0), g_tables.stride(0),
         vocab, num_blocks, block_size, steps, scratch,
-        BLOCK_N=triton.next_power_of_2(n), BLOCK_M=min(triton.next_power_of_2(max(m, 1)), COL_CHUNK),
-        num_warps=4,
+        BLOCK_N=block_n, BLOCK_M=block_m if one else COL_CHUNK, ONE_CHUNK=one,
+        num_warps=4 if block_n * min(block_m, COL_CHUNK) <= 4096 else 8,
     )

@@ -54,11 +54,11 @@ def _run_both(ins, faults, attrs):
     return outs, want
 
 
-@pytest.mark.parametrize("m", [3, 70])  # 70: more table columns than one chunk
-def test_kernel_equals_reference_bitwise(m):
+@pytest.mark.parametrize("m,n0", [(3, 1), (70, 1), (70, 130)])  # n0 130: the column-chunked path
+def test_kernel_equals_reference_bitwise(m, n0):
     g = torch.Generator().manual_seed(m)
-    for trial in range(8):
-        n = 1 + trial
+    for trial in range(8 if n0 == 1 else 2):
+        n = n0 + trial
         attrs = GUARD.parse_attrs(dict(vocab=20, num_blocks=12, block_size=4, steps=1 + trial % 3,
                                        scratch_block=2))
         faults = torch.zeros(8, dtype=torch.int32) if trial % 2 else \
