@@ -12,8 +12,10 @@ acceptances:
           the proposer then prefers for catch-up rows)
   after   `propose_batch_on_device` (drafts stay on the device; their read is the pinned copy
           behind the chain) and the catch-up on the KV-only chain
+  pipelined  after's steps back to back with no sync but each step's one read (as an engine
+          runs them: a catch-up overlaps the next step's host work); per-step means of the block
 
-Per step: wall (from an idle device until the catch-up's last kernel: synchronised), GPU busy
+Per step (before, after): wall (from an idle device until the catch-up's last kernel), GPU busy
 time (CUDA events around every graph replay, summed; on CPU the host clock around each program
 run), host overhead (wall - GPU), the chain's and the catch-up's GPU time, the catch-up's
 launches (the replayed programs' launch lists) against the KV-only family's plan (launches and
@@ -54,7 +56,7 @@ from draft_circuit.runners.proposer import MtpProposer  # noqa: E402
 DEFAULT_CONFIGS = "small,8b,moe"
 QUICK_CONFIGS = {"small": ("tiny", dc.DRY_CONFIG), "8b": ("tiny", dc.DRY_CONFIG),
                  "moe": ("tiny_moe", dc.DRY_MOE_CONFIG)}
-MODES = ("before", "after")
+MODES = ("before", "after", "pipelined")  # pipelined: after's steps without a sync between
 TARGETS = {"host_us_max": 50.0, "catchup_over_chain_gpu_max_8b": 0.10,
            "wall_over_chain_gpu_max": 1.1}
 
@@ -105,6 +107,11 @@ class ReplayTimer:
         self.events: list[tuple[Any, Any]] = []
         self.records: list[tuple[str, int, int, float]] = []  # (tag, launches, bytes, us or index)
         self._grow(64)
+
+    def reserve(self, count: int) -> None:
+        """Events for `count` replays made now, not inside a timed block."""
+        if len(self.events) < count:
+            self._grow(count - len(self.events))
 
     def _grow(self, count: int) -> None:
         if self.s.cuda:
@@ -210,65 +217,111 @@ class Loop:
         return states
 
     def run(self, n: int, mode: str) -> dict[str, Any]:
-        p, s, c = self.p, self.s, self.config
+        """One mode's steps at width n on fresh states (the same seeds for every mode)."""
+        p, s = self.p, self.s
         if mode == "before":  # the full one-step chain serves catch-up rows (the host's runner)
             p.set_circuit_draft(self.one_step, num_drafts=1)
         else:
             p.chains.uninstall((1, False))
         g = torch.Generator().manual_seed(s.seed + n)
-        rng = random.Random(s.seed + n)
+        self.rng = random.Random(s.seed + n)
         states = self.states(n, g)
-        hid = torch.randn(n, self.head.hidden_in_size, generator=g).to(s.dtype).to(s.device)
+        self.hid = torch.randn(n, self.head.hidden_in_size, generator=g).to(s.dtype).to(s.device)
         catch = torch.randn(n, s.num_drafts, self.head.hidden_in_size,
                             generator=g).to(s.dtype).to(s.device)
-        catch_h = [catch[i] for i in range(n)]
-        k = s.num_drafts
-        samples: list[dict[str, float]] = []
-        lives: list[float] = []
-        for step in range(s.warmup + s.steps):
-            tokens = [rng.randrange(c.vocab_size) for _ in range(n)]
-            pos = [p.last_pair_key(st) + 2 for st in states]
-            lives.append(statistics.mean(p.drafter_rows(st) for st in states))
-            sync(s)
-            self.timer.records.clear()
-            t0 = time.perf_counter()
-            if mode == "before":
-                drafts = p.propose_batch(tokens, hid, pos, k, states)
-                assert drafts is not None, p.last_served
+        self.catch_h = [catch[i] for i in range(n)]
+        self.lives: list[float] = []
+        try:
+            if mode == "pipelined":
+                samples = self._pipelined(states)
             else:
-                assert p.propose_batch_on_device(tokens, hid, pos, k, states) is not None, \
-                    p.last_served
-                drafts = p.last_drafts(states)  # the step's one read
-            accepted = [rng.randint(0, len(d)) for d in drafts]
-            for st, a in zip(states, accepted):
-                p.after_verify(a, st)
-            p.catchup_batch([d[:a] for d, a in zip(drafts, accepted)],
-                            [h[:a] for h, a in zip(catch_h, accepted)],
-                            [q + 1 for q in pos], states)
-            sync(s)
-            wall = (time.perf_counter() - t0) * 1e6
-            got = self.timer.collect()
-            if step < s.warmup:
-                continue
-            chain, cu = got.get("chain", {}), got.get("catchup", {})
-            rows = sum(accepted)
-            kv_launches, kv_floor = self.kv_only_plan(rows)
-            gpu = chain.get("us", 0.0) + cu.get("us", 0.0)
-            samples.append({"wall_us": wall, "gpu_us": gpu, "host_us": wall - gpu,
-                            "chain_gpu_us": chain.get("us", 0.0),
-                            "catchup_gpu_us": cu.get("us", 0.0),
-                            "catchup_replays": cu.get("replays", 0),
-                            "catchup_launches": cu.get("launches", 0),
-                            "catchup_rows": rows, "kv_only_launches": kv_launches,
-                            "kv_only_floor_us": kv_floor})
-        for st in states:
-            p.free_state(st)
+                samples = self._synced(states, mode)
+        finally:
+            for st in states:
+                p.free_state(st)
         entry: dict[str, Any] = {key: statistics.median(x[key] for x in samples)
                                  for key in samples[0]}
         entry["samples"] = {key: [round(x[key], 3) for x in samples] for key in samples[0]}
         entry["served"] = p.last_served.kind if p.last_served else None
-        entry["mean_live_rows"] = statistics.mean(lives)
+        entry["mean_live_rows"] = statistics.mean(self.lives)
         return entry
+
+    def _live(self, states: list[Any]) -> None:
+        """Record the mean drafter rows a step starts from (outside any timed block)."""
+        self.lives.append(statistics.mean(self.p.drafter_rows(st) for st in states))
+
+    def _step(self, states: list[Any], mode: str) -> int:
+        """One decode step's draft side; returns the catch-up rows."""
+        p, k = self.p, self.s.num_drafts
+        tokens = [self.rng.randrange(self.config.vocab_size) for _ in states]
+        pos = [p.last_pair_key(st) + 2 for st in states]
+        if mode == "before":
+            drafts = p.propose_batch(tokens, self.hid, pos, k, states)
+            assert drafts is not None, p.last_served
+        else:
+            assert p.propose_batch_on_device(tokens, self.hid, pos, k, states) is not None, \
+                p.last_served
+            drafts = p.last_drafts(states)  # the step's one read (an engine's verify read)
+        accepted = [self.rng.randint(0, len(d)) for d in drafts]
+        for st, a in zip(states, accepted):
+            p.after_verify(a, st)
+        p.catchup_batch([d[:a] for d, a in zip(drafts, accepted)],
+                        [h[:a] for h, a in zip(self.catch_h, accepted)],
+                        [q + 1 for q in pos], states)
+        return sum(accepted)
+
+    def _sample(self, wall: float, rows: int, got: dict[str, dict[str, float]],
+                steps: int = 1) -> dict[str, float]:
+        chain, cu = got.get("chain", {}), got.get("catchup", {})
+        kv_launches, kv_floor = self.kv_only_plan(rows)
+        gpu = chain.get("us", 0.0) + cu.get("us", 0.0)
+        return {"wall_us": wall / steps, "gpu_us": gpu / steps, "host_us": (wall - gpu) / steps,
+                "chain_gpu_us": chain.get("us", 0.0) / steps,
+                "catchup_gpu_us": cu.get("us", 0.0) / steps,
+                "catchup_replays": cu.get("replays", 0) / steps,
+                "catchup_launches": cu.get("launches", 0) / steps,
+                "catchup_rows": rows / steps, "kv_only_launches": kv_launches / steps,
+                "kv_only_floor_us": kv_floor / steps}
+
+    def _synced(self, states: list[Any], mode: str) -> list[dict[str, float]]:
+        """Each step alone: from an idle device to its catch-up's last kernel."""
+        samples = []
+        for step in range(self.s.warmup + self.s.steps):
+            if step >= self.s.warmup:
+                self._live(states)
+            sync(self.s)
+            self.timer.records.clear()
+            t0 = time.perf_counter()
+            rows = self._step(states, mode)
+            sync(self.s)
+            wall = (time.perf_counter() - t0) * 1e6
+            got = self.timer.collect()
+            if step >= self.s.warmup:
+                samples.append(self._sample(wall, rows, got))
+        return samples
+
+    def _pipelined(self, states: list[Any]) -> list[dict[str, float]]:
+        """The after path's steps back to back, as an engine runs them: no sync but each step's
+        one read, so a catch-up overlaps the next step's host work. One sample: the block's
+        totals per step (the KV-only plan of each step's rows summed)."""
+        s = self.s
+        for _ in range(s.warmup):
+            self._step(states, "after")
+        self.timer.reserve(s.steps * (2 + -(-len(states) * s.num_drafts // self.kv_only.max_width)))
+        self._live(states)
+        sync(s)
+        self.timer.records.clear()
+        t0 = time.perf_counter()
+        rows = [self._step(states, "after") for _ in range(s.steps)]
+        sync(s)
+        wall = (time.perf_counter() - t0) * 1e6
+        self._live(states)  # the block's mean: about halfway between its first and last
+        sample = self._sample(wall, 0, self.timer.collect(), s.steps)
+        plans = [self.kv_only_plan(r) for r in rows]
+        sample.update(catchup_rows=sum(rows) / s.steps,
+                      kv_only_launches=sum(x[0] for x in plans) / s.steps,
+                      kv_only_floor_us=sum(x[1] for x in plans) / s.steps)
+        return [sample]
 
 
 def _settings(s: Setup) -> dc.Settings:
@@ -306,26 +359,29 @@ def ratios(name: str, entry: dict[str, Any], chain_floor: dict[str, float]) -> d
                 and r["catchup_over_chain_gpu"] <= TARGETS["catchup_over_chain_gpu_max_8b"]}
                if name == "8b" else {}),
         }
-    b, a = entry["before"], entry["after"]
-    out["after_over_before"] = {key: _ratio(a[key], b[key]) for key in
-                                ("wall_us", "gpu_us", "host_us", "catchup_gpu_us",
-                                 "catchup_launches")}
+    b = entry["before"]
+    for mode in ("after", "pipelined"):
+        out[f"{mode}_over_before"] = {key: _ratio(entry[mode][key], b[key]) for key in
+                                      ("wall_us", "gpu_us", "host_us", "catchup_gpu_us",
+                                       "catchup_launches")}
     return out
 
 
 def markdown(data: dict[str, Any]) -> str:
     lines = [f"Decode step, draft side ({data['device']}, k = {data['num_drafts']}, "
              f"~{data['live_rows']} drafter rows, {data['steps']} steps, copy bandwidth "
-             f"{data['bandwidth_gbps']:.0f} GB/s; µs, medians; before -> after)", "",
+             f"{data['bandwidth_gbps']:.0f} GB/s; µs, medians of synced steps, before -> after; "
+             "pipelined: after's steps back to back, per step)", "",
              "| config | n | wall | GPU | host | chain GPU (floor) | catch-up GPU | catch-up "
-             "launches (KV-only plan) | KV-only floor | wall / chain GPU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "launches (KV-only plan) | KV-only floor | pipelined wall (host) | "
+             "wall / chain GPU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, cfg in data["configs"].items():
         for n, e in cfg["widths"].items():
             if "error" in e:
-                lines.append(f"| {name} | {n} | failed: {e['error'][:80]} |" + " |" * 8)
+                lines.append(f"| {name} | {n} | failed: {e['error'][:80]} |" + " |" * 9)
                 continue
-            b, a, r = e["before"], e["after"], e["ratios"]
+            b, a, q, r = e["before"], e["after"], e["pipelined"], e["ratios"]
 
             def pair(key: str, fmt: str = "{:.1f}") -> str:
                 return f"{fmt.format(b[key])} -> {fmt.format(a[key])}"
@@ -338,7 +394,8 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{pair('chain_gpu_us')} ({e['chain_floor']['floor_us']:.1f}) | "
                 f"{pair('catchup_gpu_us')} | {pair('catchup_launches', '{:.0f}')} "
                 f"({a['kv_only_launches']:.0f}) | {a['kv_only_floor_us']:.1f} | "
-                f"{rr('before')} -> {rr('after')} |")
+                f"{q['wall_us']:.1f} ({q['host_us']:.1f}) | "
+                f"{rr('before')} -> {rr('after')}, {rr('pipelined')} |")
     return "\n".join(lines) + "\n"
 
 

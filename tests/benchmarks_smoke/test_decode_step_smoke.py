@@ -47,7 +47,8 @@ def test_quick_cpu_run_writes_every_field(tmp_path, capsys, one_thread):
             for mode in ds.MODES:
                 m = e[mode]
                 assert STEP_FIELDS <= set(m), (name, n, mode)
-                assert all(len(m["samples"][f]) == data["steps"] for f in STEP_FIELDS)
+                want = 1 if mode == "pipelined" else data["steps"]  # one block, per-step means
+                assert all(len(m["samples"][f]) == want for f in STEP_FIELDS)
                 assert m["wall_us"] >= m["gpu_us"] > 0 and m["chain_gpu_us"] > 0
                 r = e["ratios"][mode]
                 for key in ("wall_over_chain_gpu", "wall_over_chain_floor",
@@ -62,7 +63,11 @@ def test_quick_cpu_run_writes_every_field(tmp_path, capsys, one_thread):
             before = e["before"]["samples"]
             assert all(b >= a for b, a in zip(before["catchup_launches"], after["catchup_launches"]))
             assert e["chain_floor"]["floor_us"] > 0 and e["chain_floor"]["plan_launches"] > 0
-            assert set(e["ratios"]["after_over_before"]) >= {"wall_us", "host_us", "catchup_gpu_us"}
+            for mode in ("after", "pipelined"):
+                assert set(e["ratios"][f"{mode}_over_before"]) >= {"wall_us", "host_us",
+                                                                  "catchup_gpu_us"}
+            # the pipelined block replays exactly the KV-only programs its rows need
+            assert e["pipelined"]["catchup_launches"] == e["pipelined"]["kv_only_launches"]
     table = capsys.readouterr().out
     assert "| config | n | wall |" in table and "| tiny_moe | 3 |" in table
     assert "<!-- run: decode_step -->" in md.read_text()
