@@ -124,3 +124,11 @@ class ChainRunners:
     @property
     def installed(self) -> dict[ChainKey, DraftRunner]:
         return dict(self._installed)
+
+    def runners(self) -> list[DraftRunner]:
+        """Every runner held: installed ones, then those built (each once)."""
+        seen: list[DraftRunner] = []
+        for r in (*self._installed.values(), *self._built.values()):
+            if not any(r is s for s in seen):
+                seen.append(r)
+        return seen

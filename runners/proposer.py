@@ -21,6 +21,7 @@ from draft_circuit.circuit.planner import KV_ONLY, kv_only_circuit
 from draft_circuit.runners.chains import (KV_ONLY_KEY, ChainRunners, DraftBinding,
                                           RunnerFactory, compiled_runners, eager_runner)
 from draft_circuit.runners.contract import Served, ServedKind
+from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.protocol import DraftRunner
 from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
@@ -230,7 +231,15 @@ class MtpProposer:
             self._deferred = drafts
             return drafts
         record_drafts(state, kept_drafts(out["drafts"][0].tolist()), rows[0], position)
+        check_runner_faults(self.chains.get(num_drafts, mask is not None))  # synced just above
         return state.last_drafts
+
+    def check_faults(self) -> None:
+        """`RunnerInputError` for a bad input row any chain runner's input guard found since its
+        last check (cleared). `propose` and `propose_batch` check their chain after their sync;
+        a host that runs catch-up or device-resident batches calls this where it syncs."""
+        for runner in self.chains.runners():
+            check_runner_faults(runner)
 
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
                       positions: Sequence[int], num_drafts: int, states: Sequence[object], *,
@@ -255,6 +264,9 @@ class MtpProposer:
         if num_drafts:
             out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
             drafts, confs = self.staging.read(out["drafts"], out["confidences"])
+            # the host has just synced: the chain's input guard record is read for free-ish
+            # (RunnerInputError for a bad row; our own inputs never make one)
+            check_runner_faults(self.chains.get(num_drafts, mask is not None))
             kind = self.chains.get(num_drafts, mask is not None).plan(n).kind
         self.last_served = Served(kind, n)
         result = []

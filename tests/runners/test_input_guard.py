@@ -227,3 +227,45 @@ def test_circuit_draft_runner_on_cpu_raises_at_the_end_of_run(chain):
     assert err.value.input == "live_rows"
     check_runner_faults(runner)  # cleared
     runner.run(N, batch.inputs)
+
+
+# ---- the proposer reads its chain's record where it syncs ----
+class _PendingFault:
+    """A DraftRunner that runs the real one and then holds a fault, as a GPU runner whose guard
+    fired would until the host reads its record."""
+
+    def __init__(self, runner):
+        self.runner, self.pending, self.checks = runner, False, 0
+        self.widths, self.max_width = runner.widths, runner.max_width
+        self.serves, self.plan = runner.serves, runner.plan
+
+    def run(self, n, inputs):
+        self.pending = True
+        return self.runner.run(n, inputs)
+
+    def check_faults(self):
+        self.checks += 1
+        if self.pending:
+            self.pending = False
+            raise RunnerInputError("row 0: block id -1 at table entry 0", row=0,
+                                   input="block_tables", value=-1)
+
+
+def test_the_proposer_checks_its_chain_after_it_syncs():
+    from draft_circuit.runners.proposer import MtpProposer
+    head = MtpHead(CFG)
+    p = MtpProposer(head, head.bind(random_mtp_weights(CFG, seed=11)), num_drafts=K, num_blocks=40,
+                    block_size=8, max_blocks_per_seq=6, max_width=4, widths=(1, 2, 4),
+                    forward="eager")
+    states = [p.alloc_state() for _ in range(2)]
+    for i, s in enumerate(states):
+        p.prefill_drafter([3, 4, 5, 6], torch.randn(4, CFG.hidden_size), s)
+    fake = _PendingFault(p.chain_runner())
+    p.set_circuit_draft(fake)
+    with pytest.raises(RunnerInputError, match="row 0: block id -1"):
+        p.propose_batch([7, 8], torch.randn(2, CFG.hidden_size), [4, 4], K, states)
+    assert fake.checks == 1
+    p.check_faults()  # cleared; every held runner is checked
+    assert fake.checks == 2
+    with pytest.raises(RunnerInputError):
+        p.propose(9, torch.randn(CFG.hidden_size), 4, K, states[0])
