@@ -133,3 +133,25 @@ def test_acceptance_never_counts_drafts_past_the_limit_or_an_eos(small_checkpoin
     assert stats.accepted == usable_tokens  # the oracle is always right: every usable one
     assert stats.drafted == stats.accepted
     assert stats.accepted / stats.verifies <= limit
+
+
+@pytest.mark.parametrize("device_drafts", [False, True])
+def test_kv_only_catch_up_installed_beside_the_engines_chains_stays_exact(small_checkpoint, greedy,
+                                                                          device_drafts):
+    """What `Engine._proposer` installs for --forward circuit plus the KV-only catch-up runner
+    (`set_circuit_draft(..., kv_only=True)`): catch-up and prefill rows then run on it, and the
+    output is still target-only greedy's."""
+    from draft_circuit.runners.chains import compile_chain
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward="circuit", num_drafts=4, widths=(1, 2, 4), max_batch=3))
+    engine.device_drafts = device_drafts
+    p = engine.proposer
+    kv = compile_chain(p.circuit_draft_kv_only(), p.widths, device="cpu")
+    p.set_circuit_draft(kv, kv_only=True)
+    assert p.chains.kv_only() == (kv, True)
+    rows, full, real, one_step = [], [], kv.run, p.chain_runner(1)
+    real_full = one_step.run
+    kv.run = lambda n, inputs: rows.append(n) or real(n, inputs)
+    one_step.run = lambda n, inputs: full.append(n) or real_full(n, inputs)
+    assert engine.generate(REQUESTS).outputs == greedy
+    assert rows and not full  # every catch-up and prefill row ran on the KV-only runner
