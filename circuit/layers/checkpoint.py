@@ -256,6 +256,15 @@ def load_mtp_weights(
     """
     root = Path(path)
     config = config if config is not None else read_config(root)
+    inv, shapes, plan, fp32, scales = mtp_read_plan(root, config, strict)
+    return config, read_planned(inv, plan, fp32, scales, shapes, dtype, device, keep_fp8)
+
+
+def mtp_read_plan(root: Path, config: MtpConfig, strict: bool
+                  ) -> tuple[_Inventory, dict[str, tuple[int, ...]], dict[str, str], dict[str, str], dict[str, str]]:
+    """What `load_mtp_weights` reads, every refusal applied, before any data is read: (inventory,
+    canonical shapes, canonical -> stored name in the load dtype, the same in fp32, scale name ->
+    stored scale). The tensor-parallel loader reads slices of the same plan (tp_checkpoint.py)."""
     inv = _inventory(root)
     prefix = _mtp_prefix(inv, config)
     shapes = _layer_shapes(config)
@@ -276,7 +285,7 @@ def load_mtp_weights(
     fp32_gate = isinstance(config, MoeConfig) and config.fp32_gate
     fp32 = {n: plan.pop(n) for n in list(plan)
             if n.endswith("e_score_correction_bias") or (fp32_gate and n == "mlp.gate.weight")}
-    return config, read_planned(inv, plan, fp32, scales, shapes, dtype, device, keep_fp8)
+    return inv, shapes, plan, fp32, scales
 
 
 def load_target_weights(

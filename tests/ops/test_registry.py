@@ -79,6 +79,10 @@ EXAMPLES = {
     "moe_experts_fp8": ([S("float32", ROW, 6), S("int32", ROW, 2), S("float32", ROW, 2),
                          S("float8_e4m3fn", 4, 10, 6), S("float32", 4, 1, 1),
                          S("float8_e4m3fn", 4, 6, 5), S("float32", 4, 1, 1)], {}),
+    # collectives at world size 1, the only one a single process runs (tests/distributed: more)
+    "all_reduce": ([S("float32", ROW, 6)], {}),
+    "all_gather": ([S("float32", ROW, 6)], {}),
+    "vocab_parallel_argmax": ([S("float32", ROW, 70), S("int32", ROW, 3)], {"vocab_size": 70}),
 }
 # inputs that must hold valid values, by (op, input name)
 INDEX_INPUTS = {"ids": 11, "positions": 50, "live_rows": 5, "active": 2}

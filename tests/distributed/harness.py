@@ -1,0 +1,48 @@
+"""Spawning a gloo group from pytest: `spawn(fn, world_size, *args)` runs fn(rank, world_size,
+group, *args) in world_size fresh processes joined over a file rendezvous, and fails the test
+(after killing its own children) if they do not finish within the timeout: nothing hangs.
+
+fn must be a module-level function (the spawn start method pickles it by name); an exception in
+any rank fails the test with that rank's traceback."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable[..., None], world_size: int, rendezvous: str, timeout_s: float,
+           args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from draft_circuit.runners.distributed import init_group
+
+    torch.set_num_threads(1)  # the test machine's cores are shared
+    group = init_group("cpu", rank=rank, world_size=world_size, init_method=f"file://{rendezvous}",
+                       timeout_s=timeout_s)
+    try:
+        fn(rank, world_size, group, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., None], world_size: int, tmp: Path, *args: Any, timeout_s: float = 90.0,
+          collective_timeout_s: float = 30.0) -> None:
+    rendezvous = os.fspath(tmp / f"rendezvous_{fn.__name__}_{world_size}")
+    ctx = mp.start_processes(_entry, args=(fn, world_size, rendezvous, collective_timeout_s, args),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{fn.__name__} over {world_size} ranks did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:  # only the children this call started
+            if p.is_alive():
+                p.kill()
+                p.join(5)

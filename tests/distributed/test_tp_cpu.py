@@ -1,0 +1,211 @@
+"""Tensor-parallel drafting on CPU (issue 21): gloo groups of 2 and 4 spawned from pytest (each spawn
+with a deadline: a hang fails the test, never the suite), and the single-process facts (world
+size 1, shard plans, refusals, reading only a rank's slices)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draft_circuit.circuit.layers import tp_checkpoint
+from draft_circuit.circuit.layers.checkpoint import load_mtp_weights, write_random_checkpoint
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.layers.tp import TpConfigError, shard_head, shard_kv, shard_weights, tp_plan, vocab_shard
+from draft_circuit.circuit.layers.tp_checkpoint import TpShardError, load_mtp_shard
+from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.ops.collectives import CollectiveError
+from draft_circuit.runners.eager import EagerRunner, RunError
+from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+from tests.distributed import tp_workers
+from tests.distributed.harness import spawn
+
+# 4 query heads, 2 KV heads: split over 2 ranks, replicated over 4; a vocabulary no world divides
+CFG = MtpConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
+KV = KvLayout(num_blocks=40, block_size=4, max_blocks_per_seq=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("tp_ckpt") / "ckpt", CFG, seed=4, shards=2)
+
+
+# ---- gloo groups: one spawn per world size runs every check (tp_workers.suite_worker) ----
+SUITES = {2: ("dense_chain", "moe_chain", "argmax_ties"), 4: ("dense_chain", "argmax_ties")}
+
+
+@pytest.fixture(scope="module")
+def suite(checkpoint, tmp_path_factory):
+    ran: dict[int, object] = {}
+
+    def results(world: int):
+        if world not in ran:
+            out = tmp_path_factory.mktemp(f"tp_suite_{world}")
+            spawn(tp_workers.suite_worker, world, out, str(out), str(checkpoint), SUITES[world])
+            ran[world] = out
+        return ran[world]
+    return results
+
+
+def _passed(out, name: str, world: int) -> None:
+    for rank in range(world):
+        text = (out / f"{name}_{rank}.txt").read_text()
+        assert text == "ok", f"rank {rank} of {world}:\n{text}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_chains_equal_the_whole_chain(world, suite):
+    """Per rank: its slices loaded by get_slice, sharded eager and program chains (with and without
+    a bitmask) == the unsharded chain (near-tie rule, confidences within 1e-4), program == sharded
+    eager bitwise, a row alone == in the batch, every rank the same drafts (tp_workers)."""
+    _passed(suite(world), "dense_chain", world)
+
+
+def test_moe_head_sharded_within_each_expert(suite):
+    _passed(suite(2), "moe_chain", 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_argmax_tie_rule_across_ranks(world, suite):
+    _passed(suite(world), "argmax_ties", world)
+
+
+def test_a_rank_that_fails_to_load_refuses_on_every_rank(checkpoint, tmp_path):
+    bad = write_random_checkpoint(tmp_path / "bad", CFG, seed=4)
+    tensors = load_file(bad / "model.safetensors")
+    del tensors[f"model.layers.{CFG.num_hidden_layers}.mlp.gate_proj.weight"]  # rank 1's copy lacks it
+    save_file(tensors, bad / "model.safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(tp_workers.refusal_worker, 2, tmp_path, str(checkpoint), str(bad), str(out),
+          collective_timeout_s=10.0)
+    for rank in (0, 1):
+        text = (out / f"load_{rank}.txt").read_text()
+        assert text.startswith("ShardLoadError: loading the MTP head's shards") and "1 of 2 ranks" in text, text
+        assert "rank 1: MissingTensorError" in text and "mlp.gate_proj.weight" in text and "rank 0:" not in text
+    gone = (out / "gone_0.txt").read_text()
+    assert gone.startswith("GroupTimeoutError: after rank 1 left: rank 0 got no answer"), gone
+
+
+# ---- one process ----
+def test_world_size_one_shard_is_the_head_bitwise():
+    """A shard of one rank emits the collectives (world size 1) and drafts exactly as the head."""
+    head, weights = MtpHead(CFG), random_mtp_weights(CFG, seed=2)
+    tp = shard_head(head, 0, 1)
+    whole = emit_draft_chain(head, 3, max_width=4, kv=KV, bitmask=True)
+    sharded = emit_draft_chain(tp, 3, max_width=4, kv=KV, bitmask=True)
+    assert {n.op for n in sharded.nodes} >= {"all_reduce", "vocab_parallel_argmax"}
+    batch = random_draft_batch(CFG, KV, 4, num_drafts=3, bitmask=True)
+    want = EagerRunner(whole, head.bind(weights), batch.clone_states()).run(batch.inputs)
+    params = tp.bind(shard_weights(weights, tp.tp))
+    got = EagerRunner(sharded, params, batch.clone_states()).run(batch.inputs)
+    prog = ProgramRunner(compile_draft(sharded, params, [4]), batch.clone_states()).run(batch.inputs)
+    for k in want:
+        assert torch.equal(got[k], want[k]) and torch.equal(prog[k], want[k]), k
+
+
+def test_collectives_refuse_a_world_without_its_group():
+    tp = shard_head(MtpHead(CFG), 0, 2)
+    chain = emit_draft_chain(tp, 1, max_width=2, kv=KV)
+    weights = shard_weights(random_mtp_weights(CFG, seed=2), tp.tp)
+    batch = random_draft_batch(CFG, KV, 2, num_drafts=1)
+    states = {k: shard_kv(v, tp.tp) for k, v in batch.states().items()}
+    with pytest.raises(RunError, match="all_reduce over 2 ranks needs a process group"):
+        EagerRunner(chain, tp.bind(weights), states).run(batch.inputs)
+    with pytest.raises(CollectiveError, match="emitted for 2 ranks; the process group has 1"):
+        ProgramRunner(compile_draft(chain, tp.bind(weights), [2]), states)
+
+
+def test_shard_plans_and_refusals():
+    assert [vocab_shard(250, r, 4) for r in range(4)] == [(0, 63), (63, 63), (126, 62), (188, 62)]
+    p = tp_plan(CFG, 3, 4)
+    assert p.q_heads == (3, 4) and p.kv_heads == (1, 2) and p.kv_replicated  # q head 3 reads kv head 1
+    assert tp_plan(CFG, 1, 2).kv_heads == (1, 2) and not tp_plan(CFG, 1, 2).kv_replicated
+    with pytest.raises(TpConfigError, match="'num_attention_heads' = 4 is not divisible by 3"):
+        tp_plan(CFG, 0, 3)
+    with pytest.raises(TpConfigError, match="'num_key_value_heads' = 3"):
+        tp_plan(dataclasses.replace(CFG, num_attention_heads=6, num_key_value_heads=3,
+                                    intermediate_size=96), 0, 2)
+    with pytest.raises(TpConfigError, match="rank 2 of world size 2"):
+        tp_plan(CFG, 2, 2)
+    moe = MoeConfig(**{**dataclasses.asdict(CFG), "n_routed_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 16, "expert_parallel_size": 2})
+    with pytest.raises(TpConfigError, match=r"expert parallelism \(config field 'expert_parallel_size' = 2\)"):
+        shard_head(MoeMtpHead(moe), 0, 2)
+    with pytest.raises(TpConfigError, match="fp8 experts do not shard"):
+        shard_head(MoeMtpHead(dataclasses.replace(moe, expert_parallel_size=1), fp8_experts=True), 0, 2)
+
+
+class _Spy:
+    """Wraps safetensors handles: counts the bytes each get_slice read returns; get_tensor (a whole
+    read) is absent, so using it fails."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def __call__(self, path):
+        counts, handle = self.counts, tp_checkpoint._ckpt._open(path)
+
+        class Slice:
+            def __init__(self, key):
+                self.sl, self.key = handle.get_slice(key), key
+
+            def get_shape(self):
+                return self.sl.get_shape()
+
+            def get_dtype(self):
+                return self.sl.get_dtype()
+
+            def __getitem__(self, index):
+                t = self.sl[index]
+                counts[self.key] = counts.get(self.key, 0) + t.numel() * t.element_size()
+                return t
+
+        class Handle:
+            def __enter__(self):
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def get_slice(self, key):
+                return Slice(key)
+        return Handle()
+
+
+def test_a_rank_reads_only_its_slices(checkpoint, monkeypatch):
+    """Bytes read per rank == its slices' bytes (the sharded tensors' 1/world, replicated ones
+    whole); the slices equal the whole load's, narrowed; never a get_tensor."""
+    _, whole = load_mtp_weights(checkpoint)
+    world = 4
+    for rank in range(world):
+        counts: dict[str, int] = {}
+        monkeypatch.setattr(tp_checkpoint, "_open_file", _Spy(counts))
+        config, shard = load_mtp_shard(checkpoint, rank, world)
+        plan = tp_plan(config, rank, world)
+        want = shard_weights(whole, plan)
+        assert shard.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(shard[name], t), name
+        read = sum(counts.values())
+        assert read == sum(t.numel() * 4 for t in want.values())  # exactly the slices, once each
+        layer = f"model.layers.{CFG.num_hidden_layers}."
+        assert counts[layer + "shared_head.head.weight"] == plan.vocab[1] * CFG.hidden_size * 4
+        for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            assert counts[layer + name] == whole[name].numel() * 4 // world, name
+        assert counts[layer + "embed_tokens.weight"] == whole["embed_tokens.weight"].numel() * 4  # replicated
+
+
+def test_fp8_block_scaled_checkpoints_are_refused_for_sharded_loading(tmp_path):
+    moe = MoeConfig(**{**dataclasses.asdict(CFG), "n_routed_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 16})
+    path = write_random_checkpoint(tmp_path / "fp8", moe, seed=1, fp8_experts=True)
+    with pytest.raises(TpShardError, match="block-scales an fp8 tensor"):
+        load_mtp_shard(path, 0, 2)
