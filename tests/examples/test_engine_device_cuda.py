@@ -12,6 +12,15 @@ from draft_circuit.runners.testing import cuda
 from tests.examples.helpers import SMALL, generate, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 6, seed=13)
+_GREEDY: dict[str, list[list[int]]] = {}  # target forward -> target-only greedy outputs
+
+
+def greedy_for(path, target_forward: str) -> list[list[int]]:
+    if target_forward not in _GREEDY:
+        _GREEDY[target_forward] = generate(path, REQUESTS, speculate=False, max_batch=3,
+                                           device="cuda", target_forward=target_forward,
+                                           max_rows=64)[0]
+    return _GREEDY[target_forward]
 
 
 @cuda
@@ -19,7 +28,7 @@ REQUESTS = random_requests(SMALL.vocab_size, 6, seed=13)
 @pytest.mark.parametrize("forward,tau", [("circuit", None), ("circuit", 0.3), ("eager", None)])
 def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forward, tau):
     common = dict(device="cuda", target_forward=target_forward, max_rows=64)
-    greedy, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3, **common)
+    greedy = greedy_for(small_checkpoint, target_forward)
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward=forward, num_drafts=3, widths=(1, 2, 4), max_batch=3,
                                  draft_confidence_stop=tau, **common))
@@ -40,7 +49,7 @@ def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forw
 @cuda
 def test_host_path_equals_greedy_on_gpu(small_checkpoint):
     common = dict(device="cuda", target_forward="circuit", max_rows=64)
-    greedy, _ = generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3, **common)
+    greedy = greedy_for(small_checkpoint, "circuit")
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(num_drafts=3, widths=(1, 2, 4), max_batch=3, **common))
     engine.device_drafts = False
