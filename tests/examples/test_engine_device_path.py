@@ -46,6 +46,14 @@ def test_device_path_equals_greedy(small_checkpoint, greedy, forward, k, tau, wi
     assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
 
 
+def test_device_path_with_the_compiled_target_equals_greedy(small_checkpoint, greedy):
+    """The verify pass on the compiled target (padded to a power-of-two row count) from the
+    proposer's tensor; prefills longer than 16 rows run in chunks on the host path."""
+    outputs, engine = run(small_checkpoint, REQUESTS, device_drafts=True, target_forward="circuit",
+                          max_rows=16, num_drafts=3, widths=(1, 2, 4), max_batch=3)
+    assert outputs == greedy
+
+
 def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy, monkeypatch):
     """The verify input is the proposer's device buffer itself (no host list of drafts), and
     the drafts are read after the verify, once per step."""
