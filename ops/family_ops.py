@@ -1,7 +1,8 @@
 """Ops the checkpoint families need beyond the Llama vocabulary: `head_rmsnorm`, the per-head RMSNorm
-of Qwen3's and GLM-4.5's `q_norm` / `k_norm` (before RoPE). The families' other needs are attrs or
-inputs of existing ops: a bias on `linear` (ops/basic.py), `rotary_dim` on `rope` and
-`rope_kv_write` (ops/attention.py).
+of Qwen3's and GLM-4.5's `q_norm` / `k_norm` (before RoPE), and `sigmoid_mul`, Qwen3-Next's two
+sigmoid gates (the attention output's, from q_proj's gate half, and the shared expert's). The
+families' other needs are attrs or inputs of existing ops: a bias on `linear` (ops/basic.py),
+`rotary_dim` on `rope` and `rope_kv_write` (ops/attention.py).
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import EpsAttrs, rmsnorm_ref
 from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Tensors, kernel
-from draft_circuit.ops.registry import NORM, REDUCTION, OpDef, check, rank, register, same_dtype
+from draft_circuit.ops.registry import ELEMENTWISE, NORM, REDUCTION, OpDef, check, dim_eq, rank, register, same_dtype
 
 _k_rmsnorm = kernel("rmsnorm", "rmsnorm")
+_k_sigmoid_mul = kernel("sigmoid_mul", "sigmoid_mul")
 
 
 def _infer_head_rmsnorm(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
@@ -48,4 +50,30 @@ register(OpDef(
     # kernels.rmsnorm normalises a row (here: a head) in one program
     kernels=(KernelBinding("triton_head_rmsnorm", _launch, Applies(TRITON, conditions=(
         Condition("head_dim <= 65536", lambda ins, a: int(ins[1].shape[0]) <= 65536),))),),
+))
+
+
+def _infer_sigmoid_mul(ins: list[TensorSpec], a: Any) -> list[TensorSpec]:
+    x, gate = ins
+    same_dtype(x, gate)
+    rank(x, 2, "sigmoid_mul input [n, C]")
+    rank(gate, 2, "sigmoid_mul gate [n, C] or [n, 1]")
+    dim_eq(gate.shape[0], x.shape[0], "sigmoid_mul rows")
+    check(gate.shape[1] in (1, x.shape[1]),
+          lambda: f"sigmoid_mul gate {gate} must be as wide as the input {x} or one column")
+    return [x]
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) as transformers' Qwen3NextAttention / Qwen3NextSparseMoeBlock compute it
+    in x's dtype: sigmoid rounded to that dtype, then the product (each in fp32, rounded once)."""
+    s = torch.sigmoid(gate.float()).to(x.dtype)
+    return (x.float() * s.float()).to(x.dtype)
+
+
+register(OpDef(
+    name="sigmoid_mul", inputs=("x", "gate"), outputs=("out",), infer=_infer_sigmoid_mul,
+    reference=lambda t, a: (sigmoid_mul_ref(t[0], t[1]),), tags=frozenset({ELEMENTWISE}),
+    kernels=(KernelBinding("triton_sigmoid_mul", lambda i, o, w, a: _k_sigmoid_mul()(i[0], i[1], o[0]),
+                           Applies(TRITON)),),
 ))

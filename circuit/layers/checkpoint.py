@@ -26,6 +26,7 @@ from draft_circuit.circuit.layers.tensor_checks import check_finite, check_store
 from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, is_moe_hf_config, moe_checkpoint_shapes, quantize_blocks
 from draft_circuit.circuit.layers.deepseek import mtp_checkpoint_shapes
 from draft_circuit.circuit.layers.mla import MlaConfig, is_mla_hf_config
+from draft_circuit.circuit.layers.qwen3_next import Qwen3NextMtpConfig
 from draft_circuit.ops.moe import SCALE_BLOCK, dequantize_blocks
 
 __all__ = [
@@ -123,7 +124,9 @@ def read_config(path: str | os.PathLike[str]) -> MtpConfig:
         check_family(d, source=os.fspath(file))
         return MlaConfig.from_hf(d, source=os.fspath(file))
     family = check_family(d, source=os.fspath(file))
-    config = (MoeConfig if is_moe_hf_config(d) else MtpConfig).from_hf(d, source=os.fspath(file))
+    # Qwen3-Next: its own `mtp.*` layer (circuit/layers/qwen3_next.py), not a DeepSeek-named MoE one
+    kind = Qwen3NextMtpConfig if family.model_type == "qwen3_next" else MoeConfig if is_moe_hf_config(d) else MtpConfig
+    config = kind.from_hf(d, source=os.fspath(file))
     options = family.config_options(d, os.fspath(file))
     try:
         return dataclasses.replace(config, **options) if options else config
@@ -256,6 +259,9 @@ def load_mtp_weights(
     """
     root = Path(path)
     config = config if config is not None else read_config(root)
+    if isinstance(config, Qwen3NextMtpConfig):  # `mtp.*` names (qwen3_next_checkpoint.py)
+        from draft_circuit.circuit.layers.qwen3_next_checkpoint import load_qwen3_next_mtp_weights
+        return load_qwen3_next_mtp_weights(root, config, dtype=dtype, device=device, strict=strict)
     inv, shapes, plan, fp32, scales = mtp_read_plan(root, config, strict)
     return config, read_planned(inv, plan, fp32, scales, shapes, dtype, device, keep_fp8)
 
@@ -301,6 +307,10 @@ def load_target_weights(
     """
     root = Path(path)
     config = config if config is not None else read_config(root)
+    if isinstance(config, Qwen3NextMtpConfig):
+        raise UnsupportedArchitectureError(f"{root}: {_label(root)} cannot be the target: its linear-attention "
+                                           "(Gated DeltaNet) layers are not in the layer library; only its "
+                                           "`mtp.*` drafter loads (load_mtp_weights)")
     if isinstance(config, MlaConfig):  # DeepSeek-V3's layers (deepseek_checkpoint.py)
         from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_target_weights
         return load_deepseek_target_weights(root, config, dtype, device, strict=strict)

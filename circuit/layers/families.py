@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from draft_circuit.circuit.layers.config import ConfigError
 from draft_circuit.circuit.layers.family_options import (OptionReader, glm4_moe_options, no_options,
-                                                         qwen2_options, qwen3_options)
+                                                         qwen2_options, qwen3_next_options, qwen3_options)
 
 __all__ = ["UnsupportedConfigError", "UnsupportedArchitectureError", "FieldRule", "Family",
            "FAMILIES", "check_family", "family_label", "markdown_table"]
@@ -109,6 +109,8 @@ _TENSORS = ("any tensor inside a module the head runs that it has no use for (a 
 _MTP_NAMES = "DeepSeek-V3 MTP names (as for `llama`)"
 _EAGLE3_NO_BIAS = "the EAGLE-3 head's projections (`fc`, q/k/v, o, the MLP) have no bias"
 _DS_ROPE = "the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies, mscale in the softmax)"
+_QWEN3_NEXT_MOE = ("vLLM and SGLang build `mtp.layers.0` at layer index 0, a MoE layer only when "
+                   "(0 + 1) % decoder_sparse_step == 0: the head's MLP is the MoE")
 _DS_ROUTING = "routing is DeepSeek-V3's: sigmoid scores plus `e_score_correction_bias`, group-limited top-k"
 
 FAMILIES: tuple[Family, ...] = (
@@ -198,13 +200,28 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen3_next", ("Qwen3NextForCausalLM",),
-        drafter="`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, "
-                "`mtp.layers.0.*`, `mtp.norm` (embedding and head shared with the target)",
-        loads="nothing", target="no: linear-attention (Gated DeltaNet) layers", runs="no",
-        blocked=("its own MTP layout (`mtp.*`; the hidden handed on is after `mtp.norm`), a gated "
-                 "attention (`q_proj` emits query and gate per head), zero-centred RMSNorms "
-                 "(1 + weight), per-head q/k norms, partial rotary (0.25), a MoE whose shared expert "
-                 "is scaled by sigmoid(`shared_expert_gate`): none in the layer library yet",),
+        drafter="its own MTP names (vLLM's / SGLang's qwen3_next_mtp): `mtp.pre_fc_norm_embedding`, "
+                "`mtp.pre_fc_norm_hidden`, `mtp.fc` over [embedding, hidden], `mtp.layers.0.*` (a "
+                "full-attention Qwen3NextDecoderLayer: `q_proj` emitting query and gate per head, "
+                "`q_norm` / `k_norm`, MoE `mlp.gate`, `mlp.experts.{e}.*`, `mlp.shared_expert.*`, "
+                "`mlp.shared_expert_gate`), `mtp.norm`; embedding and head are the target's "
+                "`model.embed_tokens`, `lm_head`",
+        loads="the `mtp.*` layer, the target's embedding and lm-head (circuit/layers/qwen3_next_checkpoint.py); "
+              "every other `mtp.*` tensor is refused by name",
+        target="no: its linear-attention (Gated DeltaNet) layers are out of scope",
+        runs="yes: `Qwen3NextMtpHead` (zero-centred norms as the gain 1 + weight, sigmoid attention "
+             "gate, partial rotary from `partial_rotary_factor`, 0.25 absent, softmax top-k routing, "
+             "sigmoid-gated shared expert; the hidden handed on is after `mtp.norm`)",
+        rules=_COMMON + (
+            FieldRule("attention_bias", (False,), False, "Qwen3-Next's flag biases q/k/v and o_proj; "
+                      "the head's projections have none"),
+            FieldRule("decoder_sparse_step", (1,), 1, _QWEN3_NEXT_MOE),
+            FieldRule("mlp_only_layers", ((),), (), "a listed layer index (vLLM and SGLang read "
+                      "`mtp.layers.0` as index 0) would make the MTP layer's MLP dense: the head's is the MoE"),
+            FieldRule("mtp_use_dedicated_embeddings", (False,), False,
+                      "the MTP layer embeds with the target's `model.embed_tokens`"),
+        ),
+        options=qwen3_next_options,
     ),
     Family(
         # a drafter of its own: model_type llama, told from Llama by its architecture alone

@@ -10,7 +10,8 @@ from typing import Any, Callable, Mapping
 
 from draft_circuit.circuit.layers.config import ConfigError
 
-__all__ = ["OptionReader", "no_options", "qwen2_options", "qwen3_options", "glm4_moe_options"]
+__all__ = ["OptionReader", "no_options", "qwen2_options", "qwen3_options", "glm4_moe_options",
+           "qwen3_next_options"]
 
 OptionReader = Callable[[Mapping[str, Any]], dict[str, Any]]
 _ABSENT = object()
@@ -45,6 +46,13 @@ def glm4_moe_options(d: Mapping[str, Any]) -> dict[str, Any]:
                           f"{layers}: the MTP layer would be dense; the GLM-4.5 MTP head is a MoE layer")
     return {"qkv_bias": _flag(d, "attention_bias"), "qk_norm": _flag(d, "use_qk_norm"),
             "partial_rotary_factor": _rotary_factor(d, default=0.5)}
+
+
+def qwen3_next_options(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3NextAttention always norms q and k per head (`q_norm`, `k_norm`); RoPE over
+    int(head_dim * partial_rotary_factor) dims, the factor in `rope_parameters` (transformers 5)
+    or top-level (the released config.json), absent: 0.25 (Qwen3NextConfig's)."""
+    return {"qk_norm": True, "partial_rotary_factor": _rotary_factor(d, default=0.25)}
 
 
 def _flag(d: Mapping[str, Any], field: str) -> bool:

@@ -1,6 +1,7 @@
 """The draft head a checkpoint describes, one rule for every caller (`circuit plan`, the engine):
 `MoeMtpHead` when the MTP layer's MLP is a MoE (its config names an expert count), with fp8
-experts when every routed expert is stored fp8 e4m3 beside its block scales; `Eagle3Head` for an
+experts when every routed expert is stored fp8 e4m3 beside its block scales; `Qwen3NextMtpHead`
+for a Qwen3-Next checkpoint's `mtp.*` layer; `Eagle3Head` for an
 EAGLE-3 drafter (config.json names `LlamaForCausalLMEagle3`); else `MtpHead`.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from draft_circuit.circuit.layers.deepseek import DeepseekMtpHead
 from draft_circuit.circuit.layers.mla import MlaConfig
 from draft_circuit.circuit.layers.moe import SCALE, MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import MtpHead
+from draft_circuit.circuit.layers.qwen3_next import Qwen3NextMtpConfig, Qwen3NextMtpHead
 from draft_circuit.ops.moe import SCALE_BLOCK
 
 __all__ = ["head_for", "load_head", "describe_head"]
@@ -49,6 +51,8 @@ def head_for(config: MtpConfig, dtype: str = "float32",
         return DeepseekMtpHead(config, dtype,
                                fp8_experts=weights is not None and stack and _fp8_experts(config, weights),
                                fp8_dense=weights is not None and _fp8_projections(config, weights))
+    if isinstance(config, Qwen3NextMtpConfig):
+        return Qwen3NextMtpHead(config, dtype)
     if isinstance(config, MoeConfig):
         return MoeMtpHead(config, dtype, fp8_experts=weights is not None and _fp8_experts(config, weights))
     return MtpHead(config, dtype)
@@ -85,6 +89,10 @@ def describe_head(head: MtpHead) -> str:
         return (f"DeepseekMtpHead: MLA (kv_lora_rank {d.kv_lora_rank}, rope {d.qk_rope_head_dim}, "
                 f"{d.rope.rope_type}), {d.n_routed_experts} experts, top-{d.num_experts_per_tok}, "
                 f"{'fp8 e4m3' if head.fp8_experts else head.dtype} experts{stored}, {head.dtype}")
+    if isinstance(head, Qwen3NextMtpHead):
+        q = head.config
+        return (f"Qwen3NextMtpHead: gated attention, {q.num_experts} experts, top-{q.num_experts_per_tok}, "
+                f"softmax routing, 1 gated shared expert, {head.dtype}{_attention(q)}")
     if isinstance(head, MoeMtpHead):
         c = head.config
         experts = "fp8 e4m3 experts" if head.fp8_experts else f"{head.dtype} experts"

@@ -106,9 +106,11 @@ def test_transformers_glm4_moe_config_passes_and_sets_its_attention() -> None:
         check_family(d).config_options(d, "x/config.json")
 
 
-@pytest.mark.parametrize("name, pattern", [
-    ("Qwen3NextConfig", r"Qwen3NextForCausalLM.*mtp\."),
-])
-def test_transformers_configs_of_blocked_families_are_refused(name: str, pattern: str) -> None:
-    with pytest.raises(UnsupportedArchitectureError, match=pattern):
-        check_family(hf_config(name), "ckpt/config.json")
+def test_transformers_qwen3_next_config_passes_and_sets_its_attention() -> None:
+    d = hf_config("Qwen3NextConfig", head_dim=8)
+    family = check_family(d)
+    assert family.model_type == "qwen3_next" and not family.blocked and family.target.startswith("no: its linear")
+    assert family.config_options(d) == {"qk_norm": True, "partial_rotary_factor": 0.25}
+    for field, value in (("attention_bias", True), ("decoder_sparse_step", 2), ("mlp_only_layers", [0])):
+        with pytest.raises(UnsupportedConfigError, match=rf"'{field}' = {re.escape(repr(value))} \(Qwen3NextForCausalLM"):
+            check_family(hf_config("Qwen3NextConfig", **{field: value}), "ckpt/config.json")

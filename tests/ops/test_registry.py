@@ -34,6 +34,7 @@ EXAMPLES = {
     "stack": ([S("int32", ROW), S("int32", ROW), S("int32", ROW)], {}),
     "rmsnorm": ([S("float32", ROW, 6), S("float32", 6)], {"eps": 1e-5}),
     "head_rmsnorm": ([S("float32", ROW, 3 * D), S("float32", D)], {"eps": 1e-5}),
+    "sigmoid_mul": ([S("float32", ROW, 6), S("float32", ROW, 1)], {}),
     "add_rmsnorm": ([S("float32", ROW, 6), S("float32", ROW, 6), S("float32", 6)], {}),
     "linear": ([S("float32", ROW, 6), S("float32", 5, 6)], {}),
     "linear_silu_mul": ([S("float32", ROW, 6), S("float32", 10, 6)], {}),
