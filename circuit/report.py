@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from draft_circuit.circuit.ir import Circuit, Origin
 from draft_circuit.circuit.program import Launch, Program
+from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.ops.registry import get_op
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -36,8 +38,13 @@ class NodeInfo(BaseModel):
 class WidthReport(BaseModel):
     model_config = ConfigDict(frozen=True)
     width: int
-    launches: int
+    launches: int  # schedule entries (nodes), each one call of a kernel binding or a reference
     launches_per_step: float
+    # the GPU kernels those calls issue (a split kernel and its merge are two; see
+    # KernelBinding.launches); reference launches run torch ops counted only in reference_launches
+    gpu_launches: int = 0
+    gpu_launches_per_step: float = 0.0
+    reference_launches: int = 0
     fused_groups: list[dict[str, Any]]  # node, op, kernel, fused (the original nodes)
     arena_bytes: int  # this width's own plan; the shared arena is the plan's max
     lower_bound_bytes: int
@@ -47,7 +54,7 @@ class WidthReport(BaseModel):
     flops: int
     floor_us: float
     capture_ms: float | None = None  # filled by a graph runner when it captures
-    graph_pool_bytes: int | None = None
+    graph_pool_bytes: int | None = None  # the graph pool's reserved growth while capturing it
     schedule: list[Launch]
     buffers: list[dict[str, Any]]
 
@@ -139,12 +146,29 @@ def family_width(p: Program, bandwidth_gbps: float) -> FamilyWidth:
                        floor_us=round(p.bytes_moved / (bandwidth_gbps * 1e3), 4))
 
 
+def gpu_launches(x: Launch) -> int | None:
+    """The GPU kernels launch `x` issues (its binding's declared count for these operands); None
+    for a reference (torch ops whose kernels the plan does not know)."""
+    op = get_op(x.op)
+    binding = next((k for k in op.kernels if k.name == x.kernel), None)
+    if binding is None:
+        return None
+    specs = [TensorSpec(dtype=s.dtype, shape=s.shape) for s in x.inputs]
+    return binding.launch_count(specs, op.parse_attrs(dict(x.attrs)))
+
+
 def width_report(p: Program, bandwidth_gbps: float) -> WidthReport:
     steps = {x.step for x in p.launches if x.step is not None}
     in_steps = sum(1 for x in p.launches if x.step is not None)
+    counts = [gpu_launches(x) for x in p.launches]
+    gpu_in_steps = sum(c or 0 for c, x in zip(counts, p.launches) if x.step is not None)
     return WidthReport(
         width=p.width, launches=len(p.launches),
         launches_per_step=round(in_steps / len(steps), 3) if steps else float(len(p.launches)),
+        gpu_launches=sum(c or 0 for c in counts),
+        gpu_launches_per_step=(round(gpu_in_steps / len(steps), 3) if steps
+                               else float(sum(c or 0 for c in counts))),
+        reference_launches=sum(1 for c in counts if c is None),
         fused_groups=[{"node": x.node, "op": x.op, "kernel": x.kernel, "fused": list(x.fused)}
                       for x in p.launches if x.fused],
         arena_bytes=p.arena_bytes, lower_bound_bytes=p.lower_bound_bytes,

@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import (KernelInputError, check, describe, fp32_workspace,
-                                           launch_kwargs)
+from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
+                                           fp32_workspace, launch_kwargs)
+from draft_circuit.kernels.linear_fused import _inv_rms, _load_x
 
 # Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
 CHUNK = 2048  # vocab entries per step of the per-row loop in argmax_logprob
@@ -22,6 +23,7 @@ LINEAR_NUM_WARPS = 8  # 4 spills the [64, 128] fp32 tile on sm90
 LINEAR_NUM_STAGES = 4
 MERGE_BLOCK = 1024  # chunk partials merged per step of the merge kernel's serial loop
 MERGE_NUM_WARPS = 4
+LAUNCHES = 2  # linear_argmax_logprob: the partials kernel, then the merge
 _MAX_VOCAB = 1 << 24  # token ids travel through the fp32 workspace; exact below 2**24
 _NO_TOKEN = tl.constexpr(2147483647)  # above every real id, so min() over candidates ignores it
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -96,10 +98,10 @@ def _argmax_logprob_kernel(
 
 @triton.jit(do_not_specialize=["n"])
 def _linear_partials_kernel(
-    x_ptr, w_ptr, mask_ptr, ws_ptr,
+    x_ptr, w_ptr, mask_ptr, ws_ptr, nw_ptr, eps,
     n, V, K, stride_x, stride_w, stride_mask,
-    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_MASK: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # axis 0 (fastest scheduled) walks row tiles, so the tiles of one weight chunk run together
     # and share it through L2; with n <= BLOCK_M the weight is read from memory once.
@@ -116,9 +118,16 @@ def _linear_partials_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)  # logits tile [rows, vocab], fp32
+    row_off = rows.to(tl.int64)[:, None] * stride_x
+    inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:  # the final norm in the prologue (kernels.linear_fused): a pass over the row first
+        inv = _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        xt = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+        if NORM:
+            xt = _load_x(x_ptr, row_off, row_ok, kk, K, inv, nw_ptr, True)
+        else:
+            xt = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
         wt = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk < K)[:, None], other=0.0)
         # ieee: fp32 inputs must not be rounded to tf32; no effect on fp16 / bf16 inputs
         acc = tl.dot(xt, wt, acc, input_precision="ieee")
@@ -209,10 +218,13 @@ def linear_argmax_workspace_shape(n: int, V: int) -> tuple[int, int, int]:
 def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torch.Tensor,
                           logprob_out: torch.Tensor, bitmask: torch.Tensor | None = None,
                           workspace: torch.Tensor | None = None, active: torch.Tensor | None = None,
-                          kept_out: torch.Tensor | None = None) -> None:
+                          kept_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                          eps: float = 1e-6) -> None:
     """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype.
     With `active` int32 [n] and `kept_out` int32 [n]: also kept_out = token where active != 0, else -1
-    (keep_if_active in the merge's epilogue, no launch of its own)."""
+    (keep_if_active in the merge's epilogue, no launch of its own). With `norm_weight` [K]: x is
+    rmsnorm(x, norm_weight, eps) first, normalised in the partials kernel's prologue
+    (kernels.linear_fused), never stored. Two launches: the partials, then their merge."""
     check(x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1,
           lambda: f"x must be [n, K] fp32/fp16/bf16 with contiguous rows; got {describe('x', x)}")
     n, K = x.shape
@@ -230,6 +242,8 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
         for name, t in (("active", active), ("kept_out", kept_out)):
             check(t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous() and t.device == x.device,
                   lambda: f"{name} must be int32 [{n}] contiguous on {x.device}; got {describe(name, t)}")
+    if norm_weight is not None:
+        check_operand("norm_weight", norm_weight, (K,), (x.dtype,), x.device)
     shape = linear_argmax_workspace_shape(n, V)
     workspace = fp32_workspace(workspace, shape, x.device)
     if n == 0:
@@ -238,8 +252,9 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
     if shape[1] > 0:  # V == 0 has no chunks: the merge alone reports every row empty
         _linear_partials_kernel[(triton.cdiv(n, LINEAR_BLOCK_M), shape[1])](
             x, weight, bitmask if bitmask is not None else token_out, workspace,
+            norm_weight if norm_weight is not None else x, float(eps),
             n, V, K, x.stride(0), weight.stride(0), bitmask.stride(0) if bitmask is not None else 0,
-            HAS_MASK=bitmask is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_V=LINEAR_BLOCK_V,
+            HAS_MASK=bitmask is not None, NORM=norm_weight is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_V=LINEAR_BLOCK_V,
             BLOCK_K=LINEAR_BLOCK_K, USE_PDL=bool(kw),
             num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
         )

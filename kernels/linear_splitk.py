@@ -22,6 +22,7 @@ TARGET_PROGRAMS = 512  # the first rule's aim; kept for the tuning script's vari
 SPLIT_FROM_K = 2048  # measured: narrower K gains nothing from splitting
 MIN_SPLIT_K = 128  # one BLOCK_K step: smaller splits only add partials to write and sum
 REDUCE_BLOCK, REDUCE_WARPS = 512, 4
+LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,10 @@ def _partial_kernel(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _reduce_kernel(
-    ws_ptr, out_ptr,
-    n_rows, N_out, ws_cols, stride_out,
-    NUM_SPLITS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    ws_ptr, out_ptr, res_ptr,
+    n_rows, N_out, ws_cols, stride_out, stride_res,
+    NUM_SPLITS: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # program = (row, column block); the splits are summed in split order, unrolled so that
     # every split's load is in flight before the first add waits.
@@ -118,12 +120,19 @@ def _reduce_kernel(
         for s in tl.static_range(1, NUM_SPLITS):
             up += tl.load(gate_ptrs + N_out + s * split_stride, mask=mask, other=0.0)
         acc = acc * tl.sigmoid(acc) * up
+    if RESIDUAL:  # linear then add: the product rounds first, then the sum rounds once
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + r
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
-            config: SplitKConfig | None, silu_mul: bool) -> None:
+            config: SplitKConfig | None, silu_mul: bool, residual: torch.Tensor | None = None) -> None:
     n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
+    if residual is not None:
+        check(tuple(residual.shape) == (n, n_out) and residual.dtype == out.dtype
+              and residual.stride(1) == 1 and residual.device == x.device,
+              lambda: f"{describe('residual', residual)}: expected {out.dtype} [{n}, {n_out}] rows")
     cfg = config or default_config(rows, k)
     pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_n, cfg.block_k))
     check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,
@@ -135,8 +144,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
           and workspace.is_contiguous() and workspace.device == x.device,
           lambda: f"{describe('workspace', workspace)}: expected float32 {list(shape)} contiguous")
     if n == 0 or n_out == 0 or k == 0:
-        if n * n_out:  # K = 0: the empty sum
-            out.zero_()
+        if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
+            out.copy_(residual) if residual is not None else out.zero_()
         return
     pdl = launch_kwargs(x)
     grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, cfg.block_n), shape[0])
@@ -146,19 +155,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
         USE_PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     _reduce_kernel[(n, triton.cdiv(n_out, REDUCE_BLOCK))](
-        workspace, out, n, n_out, rows, out.stride(0),
-        NUM_SPLITS=shape[0], SILU_MUL=silu_mul, BLOCK=REDUCE_BLOCK, USE_PDL=bool(pdl),
+        workspace, out, residual if residual is not None else out, n, n_out, rows, out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        NUM_SPLITS=shape[0], SILU_MUL=silu_mul, RESIDUAL=residual is not None, BLOCK=REDUCE_BLOCK,
+        USE_PDL=bool(pdl),
         num_warps=REDUCE_WARPS, **pdl,
     )
 
 
 def linear_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                  workspace: torch.Tensor | None = None, config: SplitKConfig | None = None) -> None:
-    """out[n, N] = x[n, K] @ weight[N, K]^T. x and weight share a float dtype; out any float dtype.
+                  workspace: torch.Tensor | None = None, config: SplitKConfig | None = None,
+                  residual: torch.Tensor | None = None) -> None:
+    """out[n, N] = x[n, K] @ weight[N, K]^T (+ residual [n, N], added in the reduce kernel's
+    epilogue after the product rounds: linear then add). x and weight share a float dtype; out
+    any float dtype (the residual out's; out may alias it). Two launches: partials, then reduce.
 
     workspace: float32 `splitk_workspace_shape(n, N, K, config)`, allocated here if None.
     """
-    _launch(x, weight, out, workspace, config, silu_mul=False)
+    _launch(x, weight, out, workspace, config, silu_mul=False, residual=residual)
 
 
 def linear_silu_mul_splitk(x: torch.Tensor, gate_up_weight: torch.Tensor, out: torch.Tensor,

@@ -14,7 +14,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import ROW, Dim, TensorSpec
-from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.bindings import (CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel,
+                                        traced_launches)
 from draft_circuit.ops.registry import (ATTENTION, FUSED, Cost, CostContext, Env, OpDef, Specs, check, dim_eq,
                                         elt, index_dtype, rank, register, same_dtype)
 from draft_circuit.ops.tokens import TokenError, embedding_ref  # noqa: F401  (their old home)
@@ -164,7 +165,8 @@ register(OpDef(
     name="kv_write", inputs=("k_cache", "v_cache", "k", "v", "block_tables", "live_rows", "active"),
     outputs=("k_cache", "v_cache"), num_required=6, attrs=KvWriteAttrs, infer=_infer_kv_write,
     reference=_kv_write, cost=_kv_write_cost, mutates={0: 0, 1: 1}, tags=frozenset({ATTENTION}),
-    kernels=(KernelBinding("torch_kv_write", _kv_write_capturable, Applies(CUDA)),),
+    kernels=(KernelBinding("torch_kv_write", _kv_write_capturable, Applies(CUDA),
+                           launches=traced_launches(_kv_write_capturable, _infer_kv_write)),),
 ))
 
 
@@ -288,5 +290,5 @@ register(OpDef(
         Condition("block_size a power of two >= 8", _pow2_block),
         Condition("row_offset >= 0", lambda ins, a: a.row_offset >= 0),
         Condition("block tables of >= 1 column", lambda ins, a: ins[3].shape[1] != 0))),
-        workspace=_attention_ws),),
+        workspace=_attention_ws, launches=2),),  # the KV splits, then their merge
 ))

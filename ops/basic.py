@@ -250,7 +250,7 @@ register(OpDef(
                                     lambda ins, a: a.out_dtype in (None, "float32")),
                           Condition("no bias (its reduction has no epilogue)", lambda ins, a: len(ins) == 2),
                           Condition("K in >= 2 splits", _many_splits))),
-                      workspace=_splitk_workspace),
+                      workspace=_splitk_workspace, launches=2),  # partials, then their reduce
         KernelBinding("triton_linear", lambda i, o, w, a: _k_linear()(i[0], i[1], o[0], *i[2:]),
                       Applies(TRITON)),
         KernelBinding("cublas_linear", _cublas_linear, Applies(CUDA, conditions=(

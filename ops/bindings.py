@@ -89,3 +89,57 @@ class KernelBinding:
     applies: Applies
     workspace: WorkspaceRule | None = None
     width_independent: bool = True  # a row's bits never depend on the other rows in the launch
+    # GPU kernels one call issues (a split kernel and its merge: 2; a torch binding: the aten
+    # kernels it runs, which may depend on its optional inputs), so plan reports count what the
+    # GPU runs, not nodes; tests/ops/test_launch_counts.py checks every declaration
+    launches: "int | LaunchCount" = 1
+
+    def launch_count(self, ins: Sequence[TensorSpec], attrs: Any) -> int:
+        """The kernels one call of this binding issues for a node with these input specs."""
+        count = self.launches(ins, attrs) if callable(self.launches) else self.launches
+        if count < 1:
+            raise ValueError(f"kernel {self.name!r}: launches must be >= 1, got {count}")
+        return count
+
+
+# (input specs, parsed attrs) -> kernels one call issues
+LaunchCount = Callable[[Sequence[TensorSpec], Any], int]
+
+# aten ops that only re-describe memory: they launch no kernel
+_NO_KERNEL = frozenset({"view", "_unsafe_view", "alias", "unsqueeze", "squeeze", "expand", "t",
+                        "transpose", "select", "slice", "permute", "as_strided", "detach"})
+
+
+def aten_kernels(fn: Callable[[], Any]) -> int:
+    """The aten ops `fn` runs that launch a kernel (views excluded): what a torch binding costs
+    in launches on CUDA, one kernel an op (run it on meta tensors: nothing is computed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = [0]
+
+    class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.__name__.split(".")[0] not in _NO_KERNEL and not func.is_view:
+                ops[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():  # type: ignore[no-untyped-call]
+        fn()
+    return ops[0]
+
+
+def traced_launches(launch: "Launch", outputs: Callable[[list[TensorSpec], Any], list[TensorSpec]]
+                    ) -> LaunchCount:
+    """A torch binding's `launches`: `launch` run on meta tensors shaped like the node's inputs
+    (rows = 2) and the outputs `outputs(ins, attrs)` infers, its kernels counted by aten_kernels.
+    Counted once per (input specs, attrs)."""
+    @cache
+    def counted(ins: tuple[TensorSpec, ...], attrs: Any) -> int:
+        env = {name: 2 for s in ins for name in s.shape if isinstance(name, str)}
+
+        def meta(s: TensorSpec) -> torch.Tensor:
+            return torch.empty(s.concrete(env), dtype=getattr(torch, s.dtype), device="meta")
+        tin, tout = [meta(s) for s in ins], [meta(s) for s in outputs(list(ins), attrs)]
+        return aten_kernels(lambda: launch(tin, tout, [], attrs))
+
+    return lambda ins, attrs: counted(tuple(ins), attrs)

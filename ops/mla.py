@@ -246,5 +246,5 @@ register(OpDef(
     kernels=(KernelBinding("triton_mla_decode", _launch_attention, Applies(TRITON, conditions=(
         Condition("row_offset >= 0", lambda ins, a: a.row_offset >= 0),
         Condition("block tables of >= 1 column", lambda ins, a: ins[4].shape[1] != 0))),
-        workspace=_attention_ws),),
+        workspace=_attention_ws, launches=2),),  # the KV splits, then their merge
 ))

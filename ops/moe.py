@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import linear_ref
-from draft_circuit.ops.bindings import (CUDA, KERNEL_FLOATS, TRITON, Applies, Condition, KernelBinding, Scratch,
+from draft_circuit.ops.bindings import (aten_kernels, CUDA, KERNEL_FLOATS, TRITON, Applies, Condition, KernelBinding, Scratch,
                                         Tensors, kernel)
 from draft_circuit.ops.registry import (GATHER, MATMUL, REDUCTION, Cost, CostContext, Env, OpDef, Specs, check,
                                         default_cost, dim_eq, rank, register)
@@ -128,6 +128,15 @@ def _route_launch(ins: Tensors, outs: Tensors, ws: Tensors, a: MoeRouteAttrs) ->
     outs[1].copy_(weights)
 
 
+def _route_launches(ins: Sequence[TensorSpec], a: Any) -> int:
+    """The logits' linear, route_select's torch kernels (counted on meta tensors) and the two
+    copies into the outputs."""
+    experts = int(ins[1].shape[0])
+    logits = torch.empty(2, experts, device="meta")
+    bias = torch.empty(experts, device="meta") if len(ins) > 2 else None
+    return 1 + aten_kernels(lambda: route_select(logits, bias, a)) + 2
+
+
 register(OpDef(
     name="moe_route", inputs=("x", "gate_weight", "e_score_correction_bias"),
     outputs=("topk_ids", "topk_weights"), attrs=MoeRouteAttrs, num_required=2,
@@ -137,7 +146,8 @@ register(OpDef(
     # a gate in x's dtype; fp32 routing takes the reference
     kernels=(KernelBinding("triton_moe_route", _route_launch, Applies(TRITON, conditions=(
         Condition("gate_weight in x's dtype", lambda ins, a: ins[1].dtype == ins[0].dtype),)),
-        workspace=lambda ins, env, a: [("float32", (ins[0].concrete(env)[0], int(ins[1].shape[0])))]),),
+        workspace=lambda ins, env, a: [("float32", (ins[0].concrete(env)[0], int(ins[1].shape[0])))],
+        launches=_route_launches),),
 ))
 
 
@@ -268,6 +278,12 @@ def _experts_ws(ins: Sequence[TensorSpec], env: Env, a: Any, *, fp8: bool) -> Sc
     return scratch
 
 
+def _experts_launches(ins: Sequence[TensorSpec], a: Any, *, fp8: bool) -> int:
+    """kernels.moe_grouped: align, the routed gate_up and down, (the shared gate_up and down),
+    combine."""
+    return 6 if _parts(list(ins), fp8)[-1] else 4
+
+
 # read when a program is planned: planned with the switch set, the experts take the reference
 SWITCHED_ON = Condition(f"grouped MoE decode not switched off ({KILL_SWITCH})",
                         lambda ins, a: not grouped_decode_switched_off())
@@ -284,5 +300,6 @@ for _fp8, _name, _weights in ((False, "moe_experts", ("w_gate_up", "w_down")),
         infer=partial(_infer_experts, fp8=_fp8), reference=partial(_experts, fp8=_fp8),
         cost=partial(_experts_cost, fp8=_fp8), tags=frozenset({MATMUL, GATHER}),
         kernels=(KernelBinding("triton_moe_grouped", partial(_experts_launch, fp8=_fp8), GROUPED[_fp8],
-                               workspace=partial(_experts_ws, fp8=_fp8)),),
+                               workspace=partial(_experts_ws, fp8=_fp8),
+                               launches=partial(_experts_launches, fp8=_fp8)),),
     ))

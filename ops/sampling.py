@@ -119,7 +119,7 @@ register(OpDef(
     cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
     kernels=(KernelBinding("triton_linear_argmax_logprob", _launch_linear_argmax, Applies(TRITON, conditions=(
         Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: isinstance(v := ins[1].shape[0], int) and v < MAX_FUSED_VOCAB),)),
-        workspace=_linear_argmax_ws),),
+        workspace=_linear_argmax_ws, launches=2),),  # the chunk partials, then their merge
 ))
 
 
@@ -202,5 +202,5 @@ register(OpDef(
     tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
     kernels=(KernelBinding("triton_linear_argmax_keep", _launch_linear_argmax_keep, Applies(TRITON, conditions=(
         Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: isinstance(v := ins[1].shape[0], int) and v < MAX_FUSED_VOCAB),)),
-        workspace=_linear_argmax_ws),),
+        workspace=_linear_argmax_ws, launches=2),),  # the chunk partials, then the merge with keep
 ))

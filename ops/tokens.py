@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel
 
 from draft_circuit.circuit.types import TensorSpec
-from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors
+from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors, traced_launches
 from draft_circuit.ops.registry import (GATHER, Cost, CostContext, Env, OpDef, Specs, check, index_dtype, rank,
                                         register)
 
@@ -52,7 +52,8 @@ register(OpDef(
     name="embedding", inputs=("table", "ids"), outputs=("out",), infer=_infer_embedding,
     reference=lambda t, a: (embedding_ref(t[0], t[1]),), cost=_embedding_cost,
     tags=frozenset({GATHER}),
-    kernels=(KernelBinding("torch_gather", _gather_capturable, Applies(CUDA)),),
+    kernels=(KernelBinding("torch_gather", _gather_capturable, Applies(CUDA),
+                           launches=traced_launches(_gather_capturable, _infer_embedding)),),
 ))
 
 
@@ -90,5 +91,6 @@ register(OpDef(
     num_required=3, infer=_infer_embed_write, reference=_embed_write, mutates={0: 0},
     cost=lambda ins, outs, a, ctx, env: Cost(2 * outs[0].nbytes(env), outs[0].nbytes(env), 0),
     tags=frozenset({GATHER}),
-    kernels=(KernelBinding("torch_embed_write", _embed_write_capturable, Applies(CUDA)),),
+    kernels=(KernelBinding("torch_embed_write", _embed_write_capturable, Applies(CUDA),
+                           launches=traced_launches(_embed_write_capturable, _infer_embed_write)),),
 ))

@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel
 
 from draft_circuit.circuit.types import TensorSpec
-from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors
+from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors, traced_launches
 from draft_circuit.ops.registry import (GATHER, SAMPLING, Cost, CostContext, Env, OpDef, Specs, check,
                                         index_dtype, rank, register)
 from draft_circuit.ops.sampling import mask_words
@@ -61,7 +61,8 @@ register(OpDef(
     name="map_ids", inputs=("ids", "table"), outputs=("out",), infer=_infer_map_ids,
     reference=lambda t, a: (map_ids_ref(t[0], t[1]),), cost=_map_ids_cost,
     tags=frozenset({GATHER, SAMPLING}),
-    kernels=(KernelBinding("torch_map_ids", _map_ids_capturable, Applies(CUDA)),),
+    kernels=(KernelBinding("torch_map_ids", _map_ids_capturable, Applies(CUDA),
+                           launches=traced_launches(_map_ids_capturable, _infer_map_ids)),),
 ))
 
 
@@ -121,5 +122,6 @@ register(OpDef(
     name="remap_bitmask", inputs=("bitmask", "ids"), outputs=("out",), infer=_infer_remap,
     reference=lambda t, a: (remap_bitmask_ref(t[0], t[1]),), cost=_remap_cost,
     tags=frozenset({GATHER, SAMPLING}),
-    kernels=(KernelBinding("torch_remap_bitmask", _remap_capturable, Applies(CUDA)),),
+    kernels=(KernelBinding("torch_remap_bitmask", _remap_capturable, Applies(CUDA),
+                           launches=traced_launches(_remap_capturable, _infer_remap)),),
 ))

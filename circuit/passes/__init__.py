@@ -19,8 +19,10 @@ PASSES: dict[str, Pass] = {"eliminate_dead_nodes": eliminate_dead_nodes,
                            **{row.name: row.as_pass() for row in FUSIONS}}
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "eliminate_dead_nodes", "fuse_add_rmsnorm", "fuse_lm_head_argmax", "fuse_rope_kv_write",
-    "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear", "fuse_argmax_keep")
+    "eliminate_dead_nodes", "fuse_linear_add", "fuse_add_rmsnorm", "fuse_lm_head_argmax",
+    "fuse_rope_kv_write", "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear",
+    "fuse_argmax_keep", "fuse_rmsnorm_qkv", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
+    "fuse_rmsnorm_argmax", "fuse_embed_concat_linear")
 
 
 class PassError(CircuitError):

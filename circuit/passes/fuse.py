@@ -46,7 +46,8 @@ Rewrite = Callable[[Match], Parts]
 class Fusion:
     """One row. `edge`: the consumer's input the producer's first output feeds (and no other of
     its inputs); `sole_reader`: that output has no other reader and is no circuit output;
-    `at`: which matched node's place in circuit order the fused node takes."""
+    `at`: which matched node's place in circuit order the fused node takes ("last": the latest
+    of the match's nodes, guard-absorbed ones included, where every input they read exists)."""
 
     name: str        # the pass name, as pipelines and plan reports spell it
     doc: str         # the row's contract, one line
@@ -56,7 +57,7 @@ class Fusion:
     sole_reader: bool
     fused_op: str
     rewrite: Rewrite
-    at: Literal["producer", "consumer"] = "consumer"
+    at: Literal["producer", "consumer", "last"] = "consumer"
     guard: Guard | None = None
 
     def candidates(self, c: Circuit, producer: Node) -> Iterable[Node]:
@@ -133,6 +134,7 @@ class Taken:
 def fuse(c: Circuit, row: Fusion) -> Circuit:
     """Every match of `row` in `c`, fused (the driver of the table)."""
     taken = Taken(c)
+    order = {n.name: i for i, n in enumerate(c.nodes)}
     replacements: dict[str, Node | None] = {}
     for producer in c.nodes:
         if producer.op != row.producer or producer.name in taken:
@@ -145,7 +147,8 @@ def fuse(c: Circuit, row: Fusion) -> Circuit:
             if match is None or _blocked(taken, match):
                 continue
             taken.take(n.name for n in match.nodes)
-            anchor = match.producer if row.at == "producer" else match.consumer
+            anchor = (match.producer if row.at == "producer" else match.consumer if row.at == "consumer"
+                      else max(match.nodes, key=lambda n: order[n.name]))
             for n in match.nodes:
                 replacements[n.name] = None
             parts, inputs, outputs, attrs = row.rewrite(match)

@@ -76,6 +76,44 @@ def _argmax_keep(m: Match) -> Parts:
     return (arg, keep), (x, w, keep.inputs[1], *mask), (*arg.outputs, keep.outputs[0]), {}
 
 
+def _plain_linear_into_add(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """A plain linear whose product is the add's second operand (the residual stream's add)."""
+    return m if _plain_linear(c, m.producer) else None
+
+
+def _linear_add(m: Match) -> Parts:
+    lin, add = m.producer, m.consumer
+    return (lin, add), (*lin.inputs, add.inputs[0]), add.outputs, {}
+
+
+def _norm_prologue(m: Match) -> Parts:
+    """rmsnorm(x, w) read (as input 0) by a linear-family op -> the op's prologue variant over
+    (x, w, the op's other inputs), with the norm's eps."""
+    norm, lin = m.producer, m.consumer
+    return (norm, lin), (*norm.inputs, *lin.inputs[1:]), lin.outputs, norm.attrs
+
+
+def _mtp_input(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """embedding -> rmsnorm read only by a linear_concat as its first half, whose second half is
+    another rmsnorm (same eps) read only by it: the MTP eh_proj over [enorm(emb), hnorm(h)]."""
+    enorm = m.consumer
+    lc = sole_user(c, enorm.outputs[0])
+    if lc is None or lc.op != "linear_concat" or lc.inputs[0] != enorm.outputs[0] or lc.name in taken:
+        return None
+    hnorm = c.producer(lc.inputs[1])
+    if (hnorm is None or hnorm.op != "rmsnorm" or hnorm.name in taken or hnorm.attrs != enorm.attrs
+            or sole_user(c, hnorm.outputs[0]) is not lc):
+        return None
+    return Match(m.producer, enorm, (hnorm, lc))
+
+
+def _embed_concat_linear(m: Match) -> Parts:
+    emb, enorm, (hnorm, lc) = m.producer, m.consumer, m.more
+    table, ids = emb.inputs
+    return ((emb, enorm, hnorm, lc), (table, ids, enorm.inputs[1], *hnorm.inputs, lc.inputs[2]),
+            lc.outputs, enorm.attrs)
+
+
 def _qkv(group: tuple[Node, ...]) -> Parts:
     return group, (group[0].inputs[0], *(n.inputs[1] for n in group)), \
         tuple(n.outputs[0] for n in group), {}
@@ -110,6 +148,12 @@ def _linear_silu_mul(m: Match) -> Parts:
 
 
 FUSIONS: tuple[Fusion | Siblings, ...] = (
+    Fusion("fuse_linear_add",
+           "a plain linear whose only reader is add(x, linear) -> linear_add, the residual added "
+           "in the linear's epilogue (before fuse_add_rmsnorm, so the norm can move into the next "
+           "linear's prologue instead)",
+           producer="linear", consumer="add", edge=1, sole_reader=True, fused_op="linear_add",
+           rewrite=_linear_add, guard=_plain_linear_into_add),
     Fusion("fuse_add_rmsnorm",
            "add(x, r) and the first rmsnorm of its sum -> add_rmsnorm, writing the sum (the "
            "residual stream, which may have other readers) and the normed value in one pass",
@@ -145,4 +189,32 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            "which writes the kept draft in its merge epilogue (the token stays an output)",
            producer="linear_argmax_logprob", consumer="keep_if_active", edge=0, sole_reader=False,
            fused_op="linear_argmax_keep", rewrite=_argmax_keep, guard=_keep_after_argmax),
+    # the norms into the prologue of the linear after them (kernels.linear_fused): each program
+    # re-reads its rows for their sum of squares, which costs less than a launch at decode widths
+    Fusion("fuse_rmsnorm_qkv",
+           "rmsnorm whose only reader is linear_qkv -> rmsnorm_linear_qkv (input_layernorm in the "
+           "q/k/v launch's prologue; the normed row is never stored)",
+           producer="rmsnorm", consumer="linear_qkv", edge=0, sole_reader=True,
+           fused_op="rmsnorm_linear_qkv", rewrite=_norm_prologue),
+    Fusion("fuse_rmsnorm_silu_mul",
+           "rmsnorm whose only reader is linear_silu_mul -> rmsnorm_linear_silu_mul "
+           "(post_attention_layernorm in the gate_up launch's prologue)",
+           producer="rmsnorm", consumer="linear_silu_mul", edge=0, sole_reader=True,
+           fused_op="rmsnorm_linear_silu_mul", rewrite=_norm_prologue),
+    Fusion("fuse_rmsnorm_argmax_keep",
+           "rmsnorm whose only reader is linear_argmax_keep -> rmsnorm_linear_argmax_keep (the "
+           "final norm in the lm-head's partials prologue)",
+           producer="rmsnorm", consumer="linear_argmax_keep", edge=0, sole_reader=True,
+           fused_op="rmsnorm_linear_argmax_keep", rewrite=_norm_prologue),
+    Fusion("fuse_rmsnorm_argmax",
+           "rmsnorm whose only reader is linear_argmax_logprob -> rmsnorm_linear_argmax_logprob",
+           producer="rmsnorm", consumer="linear_argmax_logprob", edge=0, sole_reader=True,
+           fused_op="rmsnorm_linear_argmax_logprob", rewrite=_norm_prologue),
+    Fusion("fuse_embed_concat_linear",
+           "embedding -> enorm and hnorm -> linear_concat (the MTP input) -> "
+           "embed_rmsnorm_linear_concat: eh_proj gathers the embedding rows and normalises both "
+           "halves in its prologue, so none of the four is stored",
+           producer="embedding", consumer="rmsnorm", edge=0, sole_reader=True,
+           fused_op="embed_rmsnorm_linear_concat", rewrite=_embed_concat_linear, guard=_mtp_input,
+           at="last"),
 )

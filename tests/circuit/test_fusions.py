@@ -84,10 +84,16 @@ def assert_same(got, want):
 # rows whose producer is another row's fused op run after it
 PREREQUISITES = {"fuse_argmax_keep": ("fuse_lm_head_argmax",)}
 CONSUMED = {"linear_argmax_logprob"}  # fused ops a later row of the pipeline fuses further
+# the prologue rows (norms and the MTP input into the next linear) and their fused ops: tested on
+# their own block in tests/circuit/test_prologue_fusions.py (this block's norm has many readers)
+PROLOGUE_ROWS = ("fuse_rmsnorm_qkv", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
+                 "fuse_rmsnorm_argmax", "fuse_embed_concat_linear")
+BLOCK_ROWS = [row for row in FUSIONS if row.name not in PROLOGUE_ROWS]
+ONLY_IN_PROLOGUE_BLOCK = {"add_rmsnorm", *(row.fused_op for row in FUSIONS if row.name in PROLOGUE_ROWS)}
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])
-@pytest.mark.parametrize("row", FUSIONS, ids=lambda r: r.name)
+@pytest.mark.parametrize("row", BLOCK_ROWS, ids=lambda r: r.name)
 def test_row_equals_the_unfused_eager_circuit(row, width):
     c = block()
     params, inputs, states = values(c, width, seed=width)
@@ -110,7 +116,9 @@ def test_default_pipeline_equals_the_unfused_eager_circuit(width):
     c = block()
     params, inputs, states = values(c, width, seed=10 + width)
     compiled = compile_draft(c, params, [width])
-    assert {row.fused_op for row in FUSIONS} - CONSUMED <= {n.op for n in compiled.circuit.nodes}
+    # fuse_linear_add runs first and takes the add fuse_add_rmsnorm would pair here
+    assert ({row.fused_op for row in FUSIONS} - CONSUMED - ONLY_IN_PROLOGUE_BLOCK
+            <= {n.op for n in compiled.circuit.nodes})
     want, want_states = run_eager(c, params, inputs, states)
     prog_states = {k: t.clone() for k, t in states.items()}
     assert_same(ProgramRunner(compiled, prog_states).run(inputs), want)

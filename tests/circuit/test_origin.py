@@ -63,9 +63,12 @@ def test_a_node_built_here_names_this_file_and_the_nested_scope():
 def test_fused_nodes_keep_the_origins_of_their_parts():
     c = chain()
     fused = run_passes(c)
-    node = next(n for n in fused.nodes if n.op == "add_rmsnorm" and n.name.startswith("s1."))
+    node = next(n for n in fused.nodes if n.op == "linear_add" and n.name.startswith("s1."))
     assert node.origin == tuple(c.node(p).origin[0] for p in node.fused)
-    assert len(set(node.origin)) == 2  # the add and the rmsnorm sit on different lines
+    assert len(set(node.origin)) == 2  # the o_proj linear and its add sit on different lines
+    mtp_input = next(n for n in fused.nodes if n.op == "embed_rmsnorm_linear_concat")
+    assert mtp_input.origin == tuple(c.node(p).origin[0] for p in mtp_input.fused)
+    assert len(mtp_input.fused) == 5  # embedding, enorm, hnorm, concat, eh_proj
     assert all(n.origin for n in fused.nodes)
 
 
@@ -115,7 +118,10 @@ def test_debug_messages_name_the_launch_origin(monkeypatch):
     runner = ProgramRunner(compiled, batch.clone_states())
     hnorm_line = line_of('name="hnorm"')
     where = f"{MTP}:{hnorm_line} in scope s0"
-    with pytest.raises(FloatingPointError, match=rf"launch 's0.hnorm' .*\(built at {where}\)"):
+    # hnorm rides in eh_proj's prologue (fuse_embed_concat_linear): the launch names every part,
+    # and its origins list the hnorm line among the parts'
+    with pytest.raises(FloatingPointError, match=rf"launch 's0.embedding\+s0.enorm\+s0.hnorm\+s0.concat"
+                                                 rf"\+s0.eh_proj' .*\(built at .*{where}.*\)"):
         runner.run(bad)
 
 
@@ -125,7 +131,7 @@ def test_plan_report_carries_origins_for_the_details_panel():
     params = {k: torch.empty(s, device="meta") for k, s in head.param_shapes().items()}
     report = compile_draft(circuit, params, [1, 2], device="cpu").report()
     infos = {n.name: n for n in report.nodes}
-    fused = next(n for n in report.nodes if n.op == "add_rmsnorm")
+    fused = next(n for n in report.nodes if n.op == "rmsnorm_linear_silu_mul")
     assert [o.line for o in fused.origin] == [circuit.node(p).origin[0].line for p in fused.fused]
     assert infos["s0.attention"].origin == list(circuit.node("s0.attention").origin)
     assert '"origin"' in report.to_json()

@@ -100,9 +100,9 @@ def test_pipeline_names_are_the_passes():
 def test_whole_pipeline_text():
     out = run_passes(block())
     assert body(out) == "\n".join([
-        "  proj: f32[n,8] = linear(x, w)",
-        "  res: f32[n,8], norm: f32[n,8] = add_rmsnorm(x, proj, wn)  # fused res + norm",
-        "  q: f32[n,8], k: f32[n,4], v: f32[n,4] = linear_qkv(norm, wq, wk, wv)  # fused q + k + v",
+        "  res: f32[n,8] = linear_add(x, w, x)  # fused proj + res",
+        "  q: f32[n,8], k: f32[n,4], v: f32[n,4] = rmsnorm_linear_qkv(res, wn, wq, wk, wv)"
+        "  # fused norm + q + k + v",
         "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rope_kv_write(q, k, v, pos, kc, vc, "
         "tables, live) {head_dim=4}  # fused rq + rk + kvw",
         "  attn: f32[n,8] = decode_attention(rq, kc@1, vc@1, tables, live)",

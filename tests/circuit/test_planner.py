@@ -86,8 +86,10 @@ def test_fused_groups_are_recorded(setup):
     _, _, compiled = setup
     report = compiled.report().width(4)
     ops = {g["op"] for g in report.fused_groups}
-    assert ops == {"add_rmsnorm", "rope_kv_write", "linear_silu_mul", "linear_qkv", "linear_concat",
-                   "linear_argmax_keep"}  # the lm-head argmax with keep_if_active folded in
+    # the residual adds in o_proj's / down_proj's epilogues, every norm in the next linear's
+    # prologue, the lm-head argmax with keep_if_active folded in
+    assert ops == {"linear_add", "rope_kv_write", "rmsnorm_linear_silu_mul", "rmsnorm_linear_qkv",
+                   "embed_rmsnorm_linear_concat", "rmsnorm_linear_argmax_keep"}
     assert report.launches < len(setup[0].nodes)
 
 
@@ -143,7 +145,14 @@ def test_compile_time_and_arena_ratio_default_chain():
     compiled = compile_draft(chain, params, list(range(1, 65)), options=CompileOptions())
     assert compiled.widths == tuple(range(1, 65))
     ratios = [p.arena_bytes / p.lower_bound_bytes for p in compiled.programs.values()]
-    assert max(ratios) <= 1.1
+    # the prologue fusions lowered the bound (fewer live temps) but not the arena: consecutive
+    # steps' residual streams overlap by one launch, so greedy placement alternates two slots
+    # above the SwiGLU row; the arena never exceeds what the pipeline before them planned
+    assert max(ratios) <= 1.2
+    before = compile_draft(chain, params, [1, 64], options=CompileOptions(pipeline=(
+        "eliminate_dead_nodes", "fuse_add_rmsnorm", "fuse_lm_head_argmax", "fuse_rope_kv_write",
+        "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear", "fuse_argmax_keep")))
+    assert all(compiled.programs[w].arena_bytes <= before.programs[w].arena_bytes for w in (1, 64))
 
 
 def test_debug_level_names_the_launch_that_wrote_nan(setup, monkeypatch):
@@ -154,6 +163,8 @@ def test_debug_level_names_the_launch_that_wrote_nan(setup, monkeypatch):
     bad["hidden"] = bad["hidden"].clone()
     bad["hidden"][1, 3] = float("nan")
     runner = ProgramRunner(compiled, batch.clone_states())
-    with pytest.raises(FloatingPointError, match=r"launch 's0.hnorm' wrote a non-finite value"):
+    # hnorm runs in eh_proj's prologue: the fused launch is the first to write a non-finite value
+    with pytest.raises(FloatingPointError, match=r"launch 's0.embedding\+s0.enorm\+s0.hnorm\+s0.concat"
+                                                 r"\+s0.eh_proj' wrote a non-finite value"):
         runner.run(bad)
     runner.run(batch.inputs)  # clean inputs pass every check

@@ -39,7 +39,8 @@ def tiny_compiled(widths=(1, 4)):
     pre = h = b.op1("linear", [x, w], name="pre")
     for s in range(2):
         with b.scope(f"s{s}"):
-            h = b.op1("add", [h, b.op1("linear", [h, w], name="proj")], name="res")
+            # the product first: fuse_linear_add folds only add(x, linear), so these stay two nodes
+            h = b.op1("add", [b.op1("linear", [h, w], name="proj"), h], name="res")
     b.output(b.op1("add", [h, pre], name="post"), "y")
     params = {"w": torch.empty(8, 8, device="meta")}
     return compile_draft(b.build(), params, list(widths), device="cpu")
@@ -211,7 +212,8 @@ def test_cli_viz_writes_the_three_files(tmp_path, capsys):
     assert sorted(Path(p).name for p in printed) == ["circuit.dot", "plan.html", "schedule.json"]
     assert json.loads((out / "schedule.json").read_text())["traceEvents"]
     assert "digraph" in (out / "circuit.dot").read_text()
-    assert 'data-node="s1.embedding"' in (out / "plan.html").read_text()
+    # the MTP input: embedding, both norms, concat and eh_proj are one launch
+    assert 'data-node="s1.embedding+s1.enorm+s1.hnorm+s1.concat+s1.eh_proj"' in (out / "plan.html").read_text()
 
 
 # ---- the HTML, in a real browser

@@ -1,0 +1,200 @@
+"""Linears with their neighbour folded into a prologue or an epilogue (issue 15: at most 10
+launches a draft step). Each fused op's reference is the composition of its parts' references,
+so a fused circuit's eager run is the unfused one's, bitwise; each has one Triton binding
+(kernels.linear_fused, or the lm-head's two-launch argmax with the norm in its partials kernel).
+
+- `linear_add(x, weight, residual) -> residual + x @ weight^T` (o_proj / down_proj and the
+  residual add after them; split-K where the plain linear would split);
+- `rmsnorm_linear_qkv(x, norm_weight, w_q, w_k, w_v) -> q, k, v` (input_layernorm into q/k/v);
+- `rmsnorm_linear_silu_mul(x, norm_weight, gate_up) -> out` (post_attention_layernorm into the
+  SwiGLU gate_up);
+- `rmsnorm_linear_argmax_logprob` / `rmsnorm_linear_argmax_keep` (the final norm into the lm-head);
+- `embed_rmsnorm_linear_concat(table, ids, norm1, x2, norm2, weight)`: the MTP input,
+  eh_proj([enorm(embedding(ids)), hnorm(x2)]), with neither the embedding, the norms nor the
+  concat stored.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from pydantic import BaseModel
+
+from draft_circuit.circuit.types import TensorSpec
+from draft_circuit.ops.basic import (EpsAttrs, LinearAttrs, _infer_add, _infer_linear,
+                                     _infer_linear_silu_mul, _infer_rmsnorm, _linear_cost,
+                                     _many_splits, _silu_mul, _splitk_workspace, linear_ref,
+                                     rmsnorm_ref)
+from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.fused_linear import _infer_linear_concat, _infer_qkv
+from draft_circuit.ops.registry import (FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, SAMPLING, Cost,
+                                        CostContext, Env, OpDef, Specs, default_cost, register)
+from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, _infer_linear_argmax, _infer_linear_argmax_keep,
+                                        _linear_argmax, _linear_argmax_keep, _linear_argmax_ws)
+from draft_circuit.ops.tokens import _infer_embedding, embedding_ref
+
+_k_prologue = kernel("linear_fused", "linear_prologue")
+_k_norm_qkv = kernel("linear_fused", "rmsnorm_linear_qkv")
+_k_splitk = kernel("linear_splitk", "linear_splitk")
+_k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
+VOCAB_FITS = Condition(f"vocab < {MAX_FUSED_VOCAB}",
+                       lambda ins, a: isinstance(v := ins[2].shape[0], int) and v < MAX_FUSED_VOCAB)
+
+
+def _norm_then(ins: list[TensorSpec], a: EpsAttrs) -> TensorSpec:
+    """The normed x of a prologue op's (x, norm_weight, ...) inputs, checked as rmsnorm checks."""
+    return _infer_rmsnorm(ins[:2], a)[0]
+
+
+def _weight_cost(ins: Specs, outs: Specs, env: Env, x: TensorSpec, weights: Sequence[TensorSpec]) -> Cost:
+    n, k = x.concrete(env)
+    rows = sum(w.concrete(env)[0] for w in weights)
+    return default_cost(ins, outs, env, flops=2 * n * k * rows)
+
+
+# ---- linear_add: the residual add in the linear's epilogue ----
+def _infer_linear_add(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    (out,) = _infer_linear(ins[:2], a)
+    return _infer_add([ins[2], out], a)
+
+
+register(OpDef(
+    name="linear_add", inputs=("x", "weight", "residual"), outputs=("out",),
+    infer=_infer_linear_add, cost=_linear_cost,
+    # add(residual, linear(x, w)), the two references in the circuit's order
+    reference=lambda t, a: (t[2] + linear_ref(t[0], t[1]),),
+    tags=frozenset({MATMUL, FUSED}), inplace={0: 2},  # each tile reads its residual, then writes
+    kernels=(
+        # split-K where kernels.linear would split (the same rule, by the weight's shape only)
+        KernelBinding("triton_linear_add_splitk",
+                      lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], residual=i[2]),
+                      Applies(TRITON, conditions=(Condition("K in >= 2 splits", _many_splits),)),
+                      workspace=_splitk_workspace, launches=2),
+        KernelBinding("triton_linear_add", lambda i, o, w, a: _k_prologue()(i[0], i[1], o[0], residual=i[2]),
+                      Applies(TRITON)),
+    ),
+))
+
+
+# ---- rmsnorm in the prologue ----
+def _infer_norm_qkv(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    return _infer_qkv([_norm_then(ins, a), *ins[2:]], a)
+
+
+def _norm_qkv_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
+    return _weight_cost(ins, outs, env, ins[0], ins[2:])
+
+
+register(OpDef(
+    name="rmsnorm_linear_qkv", inputs=("x", "norm_weight", "q_weight", "k_weight", "v_weight"),
+    outputs=("q", "k", "v"), attrs=EpsAttrs, infer=_infer_norm_qkv, cost=_norm_qkv_cost,
+    reference=lambda t, a: tuple(linear_ref(rmsnorm_ref(t[0], t[1], a.eps), w) for w in t[2:]),
+    tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
+    kernels=(KernelBinding("triton_rmsnorm_linear_qkv",
+                           lambda i, o, w, a: _k_norm_qkv()(i[0], i[1], a.eps, i[2:], o),
+                           Applies(TRITON)),),
+))
+
+
+def _infer_norm_silu(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    return _infer_linear_silu_mul([_norm_then(ins, a), ins[2]], a)
+
+
+register(OpDef(
+    name="rmsnorm_linear_silu_mul", inputs=("x", "norm_weight", "gate_up_weight"), outputs=("out",),
+    attrs=EpsAttrs, infer=_infer_norm_silu,
+    cost=lambda ins, outs, a, ctx, env: _weight_cost(ins, outs, env, ins[0], ins[2:]),
+    reference=lambda t, a: _silu_mul([linear_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2])], a),
+    tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
+    kernels=(KernelBinding("triton_rmsnorm_linear_silu_mul",
+                           lambda i, o, w, a: _k_prologue()(i[0], i[2], o[0], norm1=i[1], eps1=a.eps,
+                                                            silu_mul=True),
+                           Applies(TRITON)),),
+))
+
+
+def _infer_norm_argmax(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    return _infer_linear_argmax([_norm_then(ins, a), *ins[2:]], LinearAttrs())
+
+
+def _infer_norm_argmax_keep(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    return _infer_linear_argmax_keep([_norm_then(ins, a), *ins[2:]], LinearAttrs())
+
+
+def _norm_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+    return _linear_argmax_ws([ins[0], *ins[2:]], env, a)
+
+
+def _launch_norm_argmax(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
+    x, norm, w, *mask = ins
+    _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], norm_weight=norm, eps=a.eps)
+
+
+def _launch_norm_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
+    x, norm, w, active, *mask = ins
+    _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], active=active,
+                    kept_out=outs[2], norm_weight=norm, eps=a.eps)
+
+
+def _argmax_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
+    return _weight_cost(ins, outs, env, ins[0], ins[2:3])
+
+
+register(OpDef(
+    name="rmsnorm_linear_argmax_logprob", inputs=("x", "norm_weight", "weight", "bitmask"),
+    outputs=("token", "logprob"), num_required=3, attrs=EpsAttrs, infer=_infer_norm_argmax,
+    reference=lambda t, a: _linear_argmax([rmsnorm_ref(t[0], t[1], a.eps), *t[2:]], a),
+    cost=_argmax_cost, tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
+    kernels=(KernelBinding("triton_rmsnorm_linear_argmax_logprob", _launch_norm_argmax,
+                           Applies(TRITON, conditions=(VOCAB_FITS,)), workspace=_norm_argmax_ws,
+                           launches=2),),  # the chunk partials (norm in their prologue), the merge
+))
+
+register(OpDef(
+    name="rmsnorm_linear_argmax_keep", inputs=("x", "norm_weight", "weight", "active", "bitmask"),
+    outputs=("token", "logprob", "kept"), num_required=4, attrs=EpsAttrs,
+    infer=_infer_norm_argmax_keep,
+    reference=lambda t, a: _linear_argmax_keep([rmsnorm_ref(t[0], t[1], a.eps), *t[2:]], a),
+    cost=_argmax_cost, tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
+    kernels=(KernelBinding("triton_rmsnorm_linear_argmax_keep", _launch_norm_argmax_keep,
+                           Applies(TRITON, conditions=(VOCAB_FITS,)), workspace=_norm_argmax_ws,
+                           launches=2),),
+))
+
+
+# ---- the MTP input: embedding, its norm, the hidden's norm and the concat, all in eh_proj ----
+def _infer_embed_concat(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    table, ids, norm1, x2, norm2, w = ins
+    (emb,) = _infer_embedding([table, ids], a)
+    x1 = _infer_rmsnorm([emb, norm1], a)[0]
+    return _infer_linear_concat([x1, _infer_rmsnorm([x2, norm2], a)[0], w], a)
+
+
+def _embed_concat_ref(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor]:
+    table, ids, norm1, x2, norm2, w = t
+    x1 = rmsnorm_ref(embedding_ref(table, ids), norm1, a.eps)
+    return (linear_ref(torch.cat([x1, rmsnorm_ref(x2, norm2, a.eps)], dim=-1), w),)
+
+
+def _embed_concat_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
+    table, ids, norm1, x2, norm2, w = ins
+    rows = outs[0].concrete(env)[0]
+    n, k2 = x2.concrete(env)
+    k1 = int(table.shape[1])
+    gathered = rows * k1 * TensorSpec(dtype=table.dtype, shape=(1,)).nbytes({})  # only the rows read
+    read = gathered + sum(s.nbytes(env) for s in (ids, norm1, x2, norm2, w))
+    return Cost(read, outs[0].nbytes(env), 2 * n * (k1 + k2) * int(w.shape[0]))
+
+
+register(OpDef(
+    name="embed_rmsnorm_linear_concat",
+    inputs=("table", "ids", "norm1_weight", "x2", "norm2_weight", "weight"), outputs=("out",),
+    attrs=EpsAttrs, infer=_infer_embed_concat, reference=_embed_concat_ref, cost=_embed_concat_cost,
+    tags=frozenset({GATHER, NORM, REDUCTION, LAYOUT, MATMUL, FUSED}),
+    # an id outside the table reads a zero row on the device (the reference raises TokenError):
+    # the GPU cannot raise, and the input checks refuse such ids before a run (FAULTS 25)
+    kernels=(KernelBinding("triton_embed_rmsnorm_linear_concat",
+                           lambda i, o, w, a: _k_prologue()(i[0], i[5], o[0], ids=i[1], norm1=i[2],
+                                                            eps1=a.eps, x2=i[3], norm2=i[4], eps2=a.eps),
+                           Applies(TRITON)),),
+))

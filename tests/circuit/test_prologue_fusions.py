@@ -1,0 +1,154 @@
+"""The prologue / epilogue rows of the fusion table (issue 15 item 1) on a block built to hold each
+of their patterns once: every row, after the rows it builds on, equals the unfused circuit's eager
+run bitwise (CPU fp32, widths 1, 3 and 8: the fused eager run and the compiled program); the
+default pipeline over the block too; its Triton kernels under the interpreter agree with the
+eager oracle in fp32 and fp16; a norm with a second reader stays its own launch."""
+import pytest
+import torch
+
+from draft_circuit.circuit import CircuitBuilder
+from draft_circuit.circuit.passes import run_passes
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.program import ProgramRunner
+
+MAX_WIDTH, HIDDEN, VOCAB = 8, 24, 40
+EPS = {"eps": 1e-5}
+
+
+def block(dtype="float32"):
+    """embedding -> enorm, hnorm -> eh_proj; input norm -> q/k/v; o_proj + residual; an add whose
+    second operand is no linear -> its norm; a norm into SwiGLU; two final norms into lm-heads
+    (one with keep_if_active)."""
+    b = CircuitBuilder("prologues", max_width=MAX_WIDTH)
+    x = b.input("x", dtype, ("n", HIDDEN))
+    ids = b.input("ids", "int32", ("n",))
+    active = b.input("active", "int32", ("n",))
+    mask = b.input("mask", "int32", ("n", 2))
+    p = {name: b.param(name, dtype, shape) for name, shape in (
+        ("table", (VOCAB, HIDDEN)), ("we", (HIDDEN,)), ("wh", (HIDDEN,)), ("wc", (HIDDEN, 2 * HIDDEN)),
+        ("wa", (HIDDEN,)), ("wq", (HIDDEN, HIDDEN)), ("wk", (HIDDEN, HIDDEN)), ("wv", (HIDDEN, HIDDEN)),
+        ("wo", (HIDDEN, HIDDEN)), ("wm", (HIDDEN,)), ("wt", (HIDDEN,)), ("wgu", (2 * HIDDEN, HIDDEN)),
+        ("wu", (HIDDEN,)), ("wz", (HIDDEN,)), ("head", (VOCAB, HIDDEN)))}
+    e = b.op1("rmsnorm", [b.op1("embedding", [p["table"], ids], name="emb"), p["we"]], EPS, name="enorm")
+    h = b.op1("rmsnorm", [x, p["wh"]], EPS, name="hnorm")
+    y = b.op1("linear", [b.op1("concat", [e, h], name="cat"), p["wc"]], name="eh")
+    a = b.op1("rmsnorm", [y, p["wa"]], EPS, name="anorm")
+    q, k, v = (b.op1("linear", [a, p[w]], name=w[1]) for w in ("wq", "wk", "wv"))
+    r = b.op1("add", [y, b.op1("linear", [q, p["wo"]], name="o")], name="res")
+    s = b.op1("add", [v, r], name="mix")  # v at edge 0: no linear_add, an add_rmsnorm
+    m = b.op1("rmsnorm", [s, p["wm"]], EPS, name="mnorm")
+    t = b.op1("rmsnorm", [k, p["wt"]], EPS, name="tnorm")
+    g = b.op1("silu_mul", [b.op1("linear", [t, p["wgu"]], name="gu")], name="act")
+    u = b.op1("rmsnorm", [r, p["wu"]], EPS, name="unorm")
+    logits = b.op1("linear", [u, p["head"]], {"out_dtype": "float32"}, name="lm")
+    tok, lp = b.op("argmax_logprob", [logits, mask], name="top1")
+    z = b.op1("rmsnorm", [s, p["wz"]], EPS, name="znorm")
+    tok2, lp2 = b.op("argmax_logprob", [b.op1("linear", [z, p["head"]], {"out_dtype": "float32"},
+                                              name="lm2")], name="top2")
+    b.output(b.op1("keep_if_active", [tok, active], name="keep"), "kept")
+    b.output(tok, "token")
+    b.output(lp, "logprob")
+    b.output(tok2, "token2")
+    b.output(lp2, "logprob2")
+    b.output(m, "mixed")
+    b.output(g, "act")
+    return b.build()
+
+
+def values(c, width, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    params = {}
+    for v in c.inputs_of_kind("param"):
+        t = torch.randn(v.shape, generator=g)
+        params[v.name] = (1 + 0.1 * t if len(v.shape) == 1 else t / v.shape[-1] ** 0.5).to(dtype)
+    ids = torch.randint(0, VOCAB, (width,), generator=g, dtype=torch.int32)
+    ids[width // 2] = -1  # an all-masked draft embeds as zeros
+    inputs = {
+        "x": torch.randn(width, HIDDEN, generator=g).to(dtype), "ids": ids,
+        "active": torch.tensor([i % 3 != 2 for i in range(width)], dtype=torch.int32),
+        "mask": torch.randint(-2**31, 2**31 - 1, (width, 2), generator=g, dtype=torch.int64).to(torch.int32),
+    }
+    return params, inputs
+
+
+# each row after the rows whose fused op it consumes
+PIPELINES = {
+    "fuse_linear_add": ("fuse_linear_add",),
+    "fuse_rmsnorm_qkv": ("fuse_qkv", "fuse_rmsnorm_qkv"),
+    "fuse_rmsnorm_silu_mul": ("fuse_linear_silu_mul", "fuse_rmsnorm_silu_mul"),
+    "fuse_rmsnorm_argmax_keep": ("fuse_lm_head_argmax", "fuse_argmax_keep", "fuse_rmsnorm_argmax_keep"),
+    "fuse_rmsnorm_argmax": ("fuse_lm_head_argmax", "fuse_argmax_keep", "fuse_rmsnorm_argmax"),
+    "fuse_embed_concat_linear": ("fuse_concat_linear", "fuse_embed_concat_linear"),
+}
+FUSED_OP = {"fuse_linear_add": "linear_add", "fuse_rmsnorm_qkv": "rmsnorm_linear_qkv",
+            "fuse_rmsnorm_silu_mul": "rmsnorm_linear_silu_mul",
+            "fuse_rmsnorm_argmax_keep": "rmsnorm_linear_argmax_keep",
+            "fuse_rmsnorm_argmax": "rmsnorm_linear_argmax_logprob",
+            "fuse_embed_concat_linear": "embed_rmsnorm_linear_concat"}
+
+
+def _equal(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+@pytest.mark.parametrize("row", sorted(PIPELINES))
+def test_row_equals_the_unfused_eager_circuit(row, width):
+    c = block()
+    params, inputs = values(c, width, seed=width)
+    fused = run_passes(c, PIPELINES[row])
+    assert sum(n.op == FUSED_OP[row] for n in fused.nodes) == 1  # the row matched, once
+    want = EagerRunner(c, params, {}).run(inputs)
+    _equal(EagerRunner(fused, params, {}).run(inputs), want)
+    compiled = compile_draft(c, params, [width], options=CompileOptions(pipeline=PIPELINES[row]))
+    _equal(ProgramRunner(compiled, {}).run(inputs), want)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_default_pipeline_folds_every_prologue(width):
+    c = block()
+    params, inputs = values(c, width, seed=20 + width)
+    compiled = compile_draft(c, params, [width])
+    ops = {n.op for n in compiled.circuit.nodes}
+    assert set(FUSED_OP.values()) | {"add_rmsnorm"} <= ops
+    assert not {"embedding", "concat", "rmsnorm", "linear"} & ops  # every norm and linear folded
+    _equal(ProgramRunner(compiled, {}).run(inputs), EagerRunner(c, params, {}).run(inputs))
+
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [1, 3])
+def test_interpreted_kernels_agree_with_the_eager_oracle(dtype, width):
+    """The Triton kernels of every prologue row (chosen under the interpreter) against the
+    unfused eager circuit: tokens equal, values within the dtype's rounding."""
+    name = str(dtype).removeprefix("torch.")
+    c = block(name)
+    params, inputs = values(c, width, seed=40 + width, dtype=dtype)
+    compiled = compile_draft(c, params, [width], options=CompileOptions(interpret_kernels=True))
+    kernels = {x.kernel for x in compiled.programs[width].launches}
+    assert {f"triton_{op}" for op in FUSED_OP.values()} <= kernels
+    got = ProgramRunner(compiled, {}).run(inputs)
+    want = EagerRunner(c, params, {}).run(inputs)
+    for k in ("kept", "token", "token2"):
+        assert torch.equal(got[k], want[k]), k
+    for k in ("logprob", "logprob2", "mixed", "act"):
+        torch.testing.assert_close(got[k], want[k], **TOL[dtype])
+
+
+def test_a_norm_with_another_reader_stays_unfused():
+    """anorm read by q/k/v and by an output too: the normed row must be stored, so no prologue."""
+    b = CircuitBuilder("shared", max_width=2)
+    x = b.input("x", "float32", ("n", 8))
+    w = b.param("w", "float32", (8,))
+    ws = [b.param(f"w{i}", "float32", (8, 8)) for i in range(3)]
+    a = b.op1("rmsnorm", [x, w], name="norm")
+    for i, wi in enumerate(ws):
+        b.output(b.op1("linear", [a, wi], name=f"l{i}"), f"o{i}")
+    b.output(a, "normed")
+    fused = run_passes(b.build(), ("fuse_qkv", "fuse_rmsnorm_qkv"))
+    assert [n.op for n in fused.nodes] == ["rmsnorm", "linear_qkv"]
