@@ -160,11 +160,11 @@ def test_circuit_draft_runner_and_split_plans_name_the_part(built):
     """A split width's guard sees part-relative rows: the error lists the parts' caller rows."""
     from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
     _, _, compiled = built
-    runner = CircuitDraftRunner(compiled, _batch(seed=6).clone_states(), scratch_block=SCRATCH,
-                                policy=WidthPolicy(allow_padding=False))
     n = 7  # split 4 + 2 + 1
-    assert runner.plan(n).kind == "split"
     batch = random_draft_batch(CFG, KV, n, seed=6, num_drafts=K, dtype=torch.bfloat16, device="cuda")
+    runner = CircuitDraftRunner(compiled, batch.clone_states(), scratch_block=SCRATCH,
+                                policy=WidthPolicy(allow_padding=False))
+    assert runner.plan(n).parts == ((4, 4), (2, 2), (1, 1))
     out = runner.run(n, _edited(batch, "live_rows", 5, None, -1))  # caller row 5: part row 1
     assert out["drafts"][5].eq(-1).all()
     with pytest.raises(RunnerInputError, match=r"row 1: live_rows -1 .* split into parts starting "
