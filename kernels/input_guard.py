@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import check, check_operand, describe
+from draft_circuit.kernels._common import check, check_operand, describe, pdl_supported
 
 FAULT_WORDS = 8
 COL_CHUNK = 64  # table columns per step of the two passes over a table too big for one tile
@@ -45,7 +45,13 @@ def input_guard_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # the whole table in one tile: loaded once, every load issued at once
+    TRIGGER: tl.constexpr,    # sm90+: let the next (PDL-launched) kernel launch now
 ):
+    if TRIGGER:
+        # The next launch may start while this one runs: every kernel waits (gdc_wait) before
+        # it reads what an earlier launch wrote, and that wait is for this grid's completion and
+        # its writes. This launch itself is not PDL-launched: it reads the inputs at once.
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.arange(0, BLOCK_N)
     rmask = rows < n
     flag_before = tl.load(faults_ptr)
@@ -157,5 +163,6 @@ def input_guard(tokens: torch.Tensor, block_tables: torch.Tensor, live_rows: tor
         n, m, block_tables.stride(0), g_tables.stride(0),
         vocab, num_blocks, block_size, steps, scratch,
         BLOCK_N=block_n, BLOCK_M=block_m if one else COL_CHUNK, ONE_CHUNK=one,
+        TRIGGER=pdl_supported(tokens),
         num_warps=4 if block_n * min(block_m, COL_CHUNK) <= 4096 else 8,
     )
