@@ -179,25 +179,28 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
     row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
     first_pos[i] + k and is written at drafter row bases[i] + k, attending to the rows before
-    it (earlier chunks, or earlier rows of the same kv_write launch)."""
-    flat = [(s, t, i, p + k, b + k)
-            for i, (s, ts, p, b) in enumerate(zip(states, tokens, first_pos, bases))
-            for k, t in enumerate(ts)]
-    starts = [0] * len(flat)  # each row's index within its sequence
-    for j in range(1, len(flat)):
-        starts[j] = starts[j - 1] + 1 if flat[j][2] == flat[j - 1][2] else 0
-    chunks = []
-    for start in range(0, len(flat), width):
-        part = range(start, min(start + width, len(flat)))
-        segments, j = [], part.start
-        while j < part.stop:  # one hidden slice (a view) per sequence's run of rows
-            i, end = flat[j][2], j
-            while end < part.stop and flat[end][2] == i:
-                end += 1
-            segments.append(hiddens[i][starts[j]:starts[j] + end - j])
-            j = end
-        chunks.append(ChainRows(tokens=[flat[j][1] for j in part], hiddens=segments,
-                                positions=[flat[j][3] for j in part],
-                                states=[flat[j][0] for j in part], live=[flat[j][4] for j in part],
-                                kv_only=True))
+    it (earlier chunks, or earlier rows of the same kv_write launch). Built a sequence's run of
+    rows at a time (one hidden view each), not row by row: this is per-step host work."""
+    chunks: list[ChainRows] = []
+    toks: list[int] = []
+    pos: list[int] = []
+    live: list[int] = []
+    owners: list[MtpProposerState] = []
+    segments: list[torch.Tensor] = []
+    for ts, h, p, b, s in zip(tokens, hiddens, first_pos, bases, states):
+        done, m = 0, len(ts)
+        while done < m:  # the sequence's rows, split where a chunk fills up
+            take = min(m - done, width - len(toks))
+            toks.extend(ts[done:done + take])
+            pos.extend(range(p + done, p + done + take))
+            live.extend(range(b + done, b + done + take))
+            owners.extend([s] * take)
+            # a whole sequence's hiddens go as they are (a slice costs a tensor of its own)
+            segments.append(h if take == m == h.shape[0] else h[done:done + take])
+            done += take
+            if len(toks) == width:
+                chunks.append(ChainRows(toks, segments, pos, owners, live, kv_only=True))
+                toks, pos, live, owners, segments = [], [], [], [], []
+    if toks:
+        chunks.append(ChainRows(toks, segments, pos, owners, live, kv_only=True))
     return chunks

@@ -120,18 +120,22 @@ class ChainStaging:
         v = self._views[turn]
         np_ = v.ints
         np_[0:n], np_[w:w + n], np_[2 * w:2 * w + n] = tokens, positions, live
-        dirty = 0
-        for i, s in enumerate(states):
-            slot = self._slot(s)
-            np_[3 * w + i] = slot
-            blocks = s.blocks.blocks
-            if self._cached[slot] != blocks:  # gained, lost or handed over a block
-                self._cached[slot] = blocks
-                v.dirty[dirty] = slot
-                row = v.rows[dirty]
-                row[:len(blocks)] = blocks
-                row[len(blocks):] = self.scratch
-                dirty += 1
+        dirty, slots = 0, []
+        prev: MtpProposerState | None = None
+        slot = -1
+        for s in states:  # a catch-up's rows of one sequence are consecutive: one check a run
+            if s is not prev:
+                prev, slot = s, self._slot(s)
+                blocks = s.blocks.blocks
+                if self._cached[slot] != blocks:  # gained, lost or handed over a block
+                    self._cached[slot] = blocks
+                    v.dirty[dirty] = slot
+                    row = v.rows[dirty]
+                    row[:len(blocks)] = blocks
+                    row[len(blocks):] = self.scratch
+                    dirty += 1
+            slots.append(slot)
+        np_[3 * w:3 * w + n] = slots
         if self.cuda:
             end = _TABLES * w + dirty * self.max_blocks
             self._dev[:end].copy_(self._hosts[turn][:end], non_blocking=True)
