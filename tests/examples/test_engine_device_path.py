@@ -163,3 +163,23 @@ def test_kv_only_catch_up_installed_beside_the_engines_chains_stays_exact(small_
     one_step.run = lambda n, inputs: full.append(n) or real_full(n, inputs)
     assert engine.generate(REQUESTS).outputs == greedy
     assert rows and not full  # every catch-up and prefill row ran on the KV-only runner
+
+
+def test_device_path_names_a_non_finite_verify_row(small_checkpoint, monkeypatch):
+    """FAULTS 27 on the device path: a verify row with no finite logit raises
+    NonFiniteLogitsError naming the request and decode step, as the host path does."""
+    from examples.engine.runner import NonFiniteLogitsError
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(widths=(1,), max_batch=1))
+    engine.device_drafts = True
+    forward, calls = engine.target.model.forward, []
+
+    def later_nan(rows):
+        tokens, hidden = forward(rows)
+        calls.append(len(tokens))
+        if len(calls) == 2:  # the first verify: its last row has no finite logit
+            tokens = [*tokens[:-1], -1]
+        return tokens, hidden
+    monkeypatch.setattr(engine.target.model, "forward", later_nan)
+    with pytest.raises(NonFiniteLogitsError, match=r"request 0: .* position \d+, decode step \d+ "):
+        engine.generate([Request([1, 2, 3], 12)])
+    assert calls[1] == engine.k + 1  # the verify ran on the device path: k + 1 rows
