@@ -134,6 +134,14 @@ def read_config(path: str | os.PathLike[str]) -> MtpConfig:
         raise ConfigError(f"{file}: {e}") from None
 
 
+def is_glm4_moe_checkpoint(root: Path) -> bool:
+    """config.json names model_type glm4_moe (then its target layers are GLM-4.5's MoE layers)."""
+    try:
+        return _raw_config(root).get("model_type") == "glm4_moe"
+    except CheckpointError:
+        return False  # no readable config.json (config passed in): not one
+
+
 def _label(root: Path) -> str:
     """The architecture a directory's config.json names, for tensor refusals."""
     try:
@@ -311,6 +319,10 @@ def load_target_weights(
         raise UnsupportedArchitectureError(f"{root}: {_label(root)} cannot be the target: its linear-attention "
                                            "(Gated DeltaNet) layers are not in the layer library; only its "
                                            "`mtp.*` drafter loads (load_mtp_weights)")
+    if isinstance(config, MoeConfig) and not isinstance(config, MlaConfig) and is_glm4_moe_checkpoint(root):
+        # GLM-4.5's MoE target layers (glm4_moe_target.py); a Llama-named MoE config keeps dense ones
+        from draft_circuit.circuit.layers.glm4_moe_target import load_glm4_moe_target_weights
+        return load_glm4_moe_target_weights(root, config, dtype, device, strict=strict)
     if isinstance(config, MlaConfig):  # DeepSeek-V3's layers (deepseek_checkpoint.py)
         from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_target_weights
         return load_deepseek_target_weights(root, config, dtype, device, strict=strict)
