@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # rope.py imports ConfigError from here: the class is imported where it is used
+    from draft_circuit.circuit.layers.rope import RopeScaling
 
 __all__ = ["ConfigError", "MtpConfig", "DEFAULT_CONFIG", "MTP_PARAM_SHAPES", "TARGET_PARAM_SHAPES"]
 
@@ -31,6 +34,7 @@ _ROPE_THETA_ALIASES = ("rope_theta", "rope_parameters.rope_theta", "rope_scaling
 _NUM_EXPERTS_ALIASES = ("n_routed_experts", "num_experts", "num_local_experts")
 _MISSING = object()
 FAMILY_OPTIONS = ("qkv_bias", "qk_norm", "partial_rotary_factor")  # set by the family table only
+_READ_APART = (*FAMILY_OPTIONS, "rope_scaling")  # fields not read from a config.json key of that name
 _NO_OPTIONS = {"qkv_bias": False, "qk_norm": False, "partial_rotary_factor": 1.0}
 
 
@@ -61,6 +65,10 @@ class MtpConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     partial_rotary_factor: float = 1.0
+    # RoPE scaling from `rope_parameters` / `rope_scaling` (circuit/layers/rope.py): None for default
+    # RoPE over rope_theta, else YaRN (the GQA layers then run rope_freqs over its frequencies; its
+    # theta is rope_theta). An MlaConfig keeps its scaling in its own `rope` field instead.
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -87,13 +95,16 @@ class MtpConfig:
         if options != _NO_OPTIONS:
             raise ConfigError(f"to_hf writes Llama's config.json; {options} are a family's attention "
                               "(Qwen2, Qwen3, GLM-4.5): write its config with transformers' config class")
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in FAMILY_OPTIONS}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in _READ_APART}
+        # YaRN as transformers 5 writes it (rope_parameters); default RoPE as before
+        rope = {"rope_scaling": None} if self.rope_scaling is None else \
+            {"rope_parameters": self.rope_scaling.to_hf()}
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_act": "silu",
             **fields,
-            "rope_scaling": None,
+            **rope,
         }
 
 
@@ -101,7 +112,6 @@ def _hf_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     for name in _REQUIRED:
         if d.get(name) is None:
             raise ConfigError(f"config field {name!r} is required but missing")
-    _check_rope_unscaled(d)
     _agreed(d, _NUM_EXPERTS_ALIASES)  # MoE fields are not in MtpConfig yet; only their agreement is checked
     heads, hidden = d["num_attention_heads"], d["hidden_size"]
     head_dim = d.get("head_dim")
@@ -112,27 +122,29 @@ def _hf_fields(d: Mapping[str, Any]) -> dict[str, Any]:
                 f"by 'num_attention_heads'={heads!r}: give head_dim explicitly"
             )
         head_dim = hidden // heads
-    fields = {f.name: d.get(f.name) for f in dataclasses.fields(MtpConfig) if f.name not in FAMILY_OPTIONS}
+    fields = {f.name: d.get(f.name) for f in dataclasses.fields(MtpConfig) if f.name not in _READ_APART}
     fields = {k: (_DEFAULTS.get(k) if v is None else v) for k, v in fields.items()}
     if d.get("num_key_value_heads") is None:
         fields["num_key_value_heads"] = heads  # HF: absent means multi-head attention (no GQA)
     fields["head_dim"] = head_dim
     theta = _agreed(d, _ROPE_THETA_ALIASES)
     fields["rope_theta"] = _DEFAULTS["rope_theta"] if theta is None else theta
+    fields["rope_scaling"] = _rope_scaling(d, fields["rope_theta"])
     return fields
 
 
-def _check_rope_unscaled(d: Mapping[str, Any]) -> None:
-    # The rope op implements default RoPE only; ignoring a scaling would silently change drafts.
-    for field in ("rope_parameters", "rope_scaling"):
-        params = d.get(field)
-        if params is None:
-            continue
-        if not isinstance(params, Mapping):
-            raise ConfigError(f"config field {field!r} = {params!r}: expected an object or null")
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(f"config field '{field}.rope_type' = {kind!r}: only default RoPE is supported")
+def _rope_scaling(d: Mapping[str, Any], theta: Any) -> RopeScaling | None:
+    """YaRN from rope_parameters / rope_scaling, None for default RoPE; any other type (linear,
+    dynamic, llama3, longrope) is refused by name: ignoring it would silently change the drafts."""
+    from draft_circuit.circuit.layers.rope import RopeScaling
+    try:
+        t = float(theta) if _is_int(theta) or isinstance(theta, float) else math.nan
+    except OverflowError:  # an int past float's range
+        t = math.nan
+    if not 0 < t < math.inf:
+        return None  # _validate names the bad rope_theta
+    rope = RopeScaling.from_hf(d, theta=t)
+    return None if rope.rope_type == "default" else rope
 
 
 def _lookup(d: Mapping[str, Any], dotted: str) -> Any:
@@ -200,6 +212,25 @@ def _validate(c: MtpConfig) -> None:
         raise ConfigError(f"config field 'partial_rotary_factor' = {f!r}: rotates {c.rotary_dim} of "
                           f"head_dim = {c.head_dim} dims; RoPE needs an even count >= 2")
     object.__setattr__(c, "partial_rotary_factor", float(f))
+    _validate_rope_scaling(c)
+
+
+def _validate_rope_scaling(c: MtpConfig) -> None:
+    from draft_circuit.circuit.layers.rope import RopeScaling
+    r: Any = c.rope_scaling
+    if isinstance(r, Mapping):  # dataclasses.asdict of a config (a subclass built from its base)
+        r = RopeScaling(**r)
+        object.__setattr__(c, "rope_scaling", r)
+    if r is None:
+        return
+    if not isinstance(r, RopeScaling) or r.rope_type != "yarn":
+        raise ConfigError(f"config field 'rope_scaling' = {r!r}: expected None (default RoPE) or a "
+                          "RopeScaling of type yarn")
+    if r.theta != c.rope_theta:
+        raise ConfigError(f"rope_scaling theta {r.theta} != rope_theta {c.rope_theta}")
+    if c.rotary_dim != c.head_dim:  # rope_freqs rotates whole heads
+        raise ConfigError(f"config field 'partial_rotary_factor' = {c.partial_rotary_factor} with "
+                          f"rope_scaling yarn: YaRN runs over whole heads only (rope_freqs)")
 
 
 DEFAULT_CONFIG = MtpConfig(

@@ -109,6 +109,8 @@ _TENSORS = ("any tensor inside a module the head runs that it has no use for (a 
 _MTP_NAMES = "DeepSeek-V3 MTP names (as for `llama`)"
 _EAGLE3_NO_BIAS = "the EAGLE-3 head's projections (`fc`, q/k/v, o, the MLP) have no bias"
 _DS_ROPE = "the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies, mscale in the softmax)"
+_GQA_ROPE = ("the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies and attention factor: "
+             "the dense head and the engine's target; a MoE head refuses YaRN by name)")
 _QWEN3_NEXT_MOE = ("vLLM and SGLang build `mtp.layers.0` at layer index 0, a MoE layer only when "
                    "(0 + 1) % decoder_sparse_step == 0: the head's MLP is the MoE")
 _DS_ROUTING = "routing is DeepSeek-V3's: sigmoid scores plus `e_score_correction_bias`, group-limited top-k"
@@ -124,7 +126,8 @@ FAMILIES: tuple[Family, ...] = (
         loads="target: `model.embed_tokens`, `model.layers.{l}`, `model.norm`, `lm_head` (tied or "
               "not); MTP layer, its embed / head falling back to the target's",
         target="yes: dense Llama (examples/engine)", runs="yes: `MtpHead` (dense), `MoeMtpHead` (MoE)",
-        rules=_COMMON + (
+        rules=_COMMON[:1] + tuple(FieldRule(f, ("default", "yarn"), "default", _GQA_ROPE) for f in (
+            "rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type")) + (
             FieldRule("attention_bias", (False,), False, _NO_BIAS),
             FieldRule("mlp_bias", (False,), False, _NO_BIAS),
         ),

@@ -21,13 +21,13 @@ from draft_circuit.circuit.builder import CircuitBuilder
 from draft_circuit.circuit.layers.config import _ROPE_THETA_ALIASES, ConfigError, _agreed, _is_int
 from draft_circuit.circuit.layers.fp8 import ROW_SCALE, emit_linear, fp8_rows, row_scale_shape, take_rows
 from draft_circuit.circuit.layers.moe import MoeConfig, _real
-from draft_circuit.circuit.layers.rope import RopeScaling, deinterleaved
+from draft_circuit.circuit.layers.rope import INV_FREQ, RopeScaling, deinterleaved
 from draft_circuit.ops.moe import FP8
 
 __all__ = ["MlaConfig", "is_mla_hf_config", "INV_FREQ", "LATENT_EPS", "mla_checkpoint_shapes", "mla_param_shapes",
            "mla_param_specs", "bind_mla_attention", "emit_mla_attention", "mla_cache_shapes", "MLA_PROJECTIONS"]
 
-INV_FREQ = "rope.inv_freq"  # f32 [qk_rope_head_dim / 2], shared by every layer and step
+# INV_FREQ (rope.py): f32 [qk_rope_head_dim / 2], shared by every layer and step
 LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm(rank) keeps its default eps
 _RANKS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # the linear weights among the params: fp8 when the layer keeps its projections fp8

@@ -57,8 +57,8 @@ class MtpHead:
         return shapes
 
     def declare_params(self, b: CircuitBuilder) -> None:
-        for name, shape in self.param_shapes().items():
-            b.param(name, self.dtype, shape)
+        for name, (dtype, shape) in self.param_specs().items():
+            b.param(name, dtype, shape)
 
     def bind(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint tensors (canonical names) -> the circuit's params, in the head's dtype."""
@@ -67,7 +67,7 @@ class MtpHead:
                   if k not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
         params[GATE_UP] = torch.cat([weights["mlp.gate_proj.weight"],
                                      weights["mlp.up_proj.weight"]]).to(dt).contiguous()
-        return {k: params[k] for k in self.param_shapes()}
+        return {k: params[k] for k in self.param_shapes()} | yarn_params(self.config, params[GATE_UP].device)
 
     def emit_mlp(self, b: CircuitBuilder, x: str) -> str:
         """The block's MLP on the normed residual: dense SwiGLU here; MoE heads override it."""
@@ -107,8 +107,8 @@ class MtpHead:
         q = emit_qk_norm(b, c, "q", b.op1("linear", [a, *qkv_params(c, "q")], name="q_proj"))
         k = emit_qk_norm(b, c, "k", b.op1("linear", [a, *qkv_params(c, "k")], name="k_proj"))
         v = b.op1("linear", [a, *qkv_params(c, "v")], name="v_proj")
-        q = b.op1("rope", [q, positions], rope, name="rope_q")
-        k = b.op1("rope", [k, positions], rope, name="rope_k")
+        q = b.op1(*rope_op(b, c, q, positions, rope), name="rope_q")  # YaRN: rope_freqs
+        k = b.op1(*rope_op(b, c, k, positions, rope), name="rope_k")
         # rows that stopped (or are inert padding) write no drafter-KV row
         k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live, active],
                                 {"row_offset": step})
@@ -136,7 +136,7 @@ class MtpHead:
         return self.config.hidden_size
 
     def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {k: (self.dtype, s) for k, s in self.param_shapes().items()}
+        return {k: (self.dtype, s) for k, s in self.param_shapes().items()} | yarn_param_specs(self.config)
 
     def cache_shapes(self, kv: KvLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of the two drafter-KV pools emit_step threads as k_cache and v_cache: GQA's
@@ -240,3 +240,39 @@ def emit_qk_norm(b: CircuitBuilder, c: MtpConfig, which: str, x: str, prefix: st
         return x
     return b.op1("head_rmsnorm", [x, f"{prefix}self_attn.{which}_norm.weight"], {"eps": c.rms_norm_eps},
                  name=f"{which}_norm")
+
+
+# ---- YaRN for the GQA layers (MtpConfig.rope_scaling), also emitted by the engine's target; last,
+# so the lines above keep their numbers (node origins); default RoPE emits what it always did
+from typing import Any  # noqa: E402
+
+from draft_circuit.circuit.layers.config import ConfigError  # noqa: E402
+from draft_circuit.circuit.layers.rope import INV_FREQ  # noqa: E402
+
+
+def yarn_param_specs(c: MtpConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The YaRN frequency table param (f32 [head_dim / 2], shared by every step and layer) when
+    the config scales RoPE; nothing for default RoPE."""
+    return {} if c.rope_scaling is None else {INV_FREQ: ("float32", (c.head_dim // 2,))}
+
+
+def yarn_params(c: MtpConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """Its bound value, transformers' YaRN inv_freq, on the device of the other params."""
+    return {} if c.rope_scaling is None else {INV_FREQ: c.rope_scaling.inv_freq(c.head_dim).to(device)}
+
+
+def rope_op(b: CircuitBuilder, c: MtpConfig, x: str, positions: str,
+            rope: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
+    """(op, inputs, attrs) of a GQA layer's RoPE on q or k: `rope` with `rope` attrs for default
+    RoPE; with YaRN `rope_freqs` over the INV_FREQ param, cos and sin scaled by YaRN's attention
+    factor (transformers' LlamaRotaryEmbedding with rope_type yarn: same frequencies, same
+    arithmetic). A layer that declares no INV_FREQ param cannot run YaRN: refused by name."""
+    if c.rope_scaling is None:
+        return "rope", [x, positions], rope
+    try:
+        b.spec(INV_FREQ)
+    except KeyError:
+        raise ConfigError(f"rope_scaling yarn: this layer ({b.name}) declares no {INV_FREQ!r} param; "
+                          "YaRN runs in the dense MTP head and the engine's Llama target only") from None
+    return "rope_freqs", [x, positions, INV_FREQ], {"head_dim": c.head_dim, "pos_offset": rope.get("pos_offset", 0),
+                                                    "attention_factor": c.rope_scaling.attention_factor}

@@ -14,7 +14,9 @@ import torch
 
 from draft_circuit.circuit.layers.config import ConfigError
 
-__all__ = ["RopeScaling", "yarn_get_mscale", "SUPPORTED_ROPE_TYPES"]
+__all__ = ["RopeScaling", "yarn_get_mscale", "SUPPORTED_ROPE_TYPES", "INV_FREQ"]
+
+INV_FREQ = "rope.inv_freq"  # the param of a scaled RoPE's frequencies: f32 [rotated dims / 2]
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",

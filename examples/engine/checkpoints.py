@@ -29,7 +29,7 @@ from draft_circuit.circuit.layers.eagle3 import Eagle3Config
 from draft_circuit.circuit.layers.eagle3_checkpoint import is_eagle3_checkpoint, load_eagle3_weights
 from draft_circuit.circuit.layers.heads import head_for
 from draft_circuit.circuit.layers.mla import MlaConfig
-from draft_circuit.circuit.layers.moe import MoeMtpHead
+from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "tiny"
 HELD_OUT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "heldout_prompts.json"
@@ -116,6 +116,9 @@ def _load_mtp(root: Path, config: MtpConfig, target: dict[str, torch.Tensor],
             if getattr(draft_config, field) != getattr(config, field):
                 raise EngineError(f"draft checkpoint {where}: {field} {getattr(draft_config, field)} "
                                   f"!= the target's {getattr(config, field)}")
+        if isinstance(draft_config, MoeConfig) and draft_config.rope_scaling is not None:
+            raise EngineError(f"MTP layer from {where}: rope_scaling yarn with a MoE MLP: YaRN runs in "
+                              "the dense MTP head only (MoeMtpHead declares no frequency table)")
         _, weights = load_mtp_weights(where, draft_config, keep_fp8=True)
         if not isinstance(head_for(draft_config, "float32", weights), MoeMtpHead) and \
                 any(w.dtype == torch.float8_e4m3fn for w in weights.values()):

@@ -17,7 +17,8 @@ import torch
 from draft_circuit.circuit.builder import CircuitBuilder
 from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
-from draft_circuit.circuit.layers.mtp import KvLayout, emit_qk_norm, qkv_params, rotary_attrs
+from draft_circuit.circuit.layers.mtp import (KvLayout, emit_qk_norm, qkv_params, rope_op, rotary_attrs,
+                                              yarn_param_specs, yarn_params)
 from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.eager import EagerDraftRunner
@@ -48,7 +49,7 @@ def bind_target(config: MtpConfig, weights: dict[str, torch.Tensor],
         else:
             w = weights[name]
         params[name] = w.to(dtype).contiguous()
-    return params
+    return params | yarn_params(config, torch.device("cpu"))  # YaRN's f32 frequencies, if scaled
 
 
 def check_tap_layers(config: MtpConfig, tap_layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -85,6 +86,8 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
     active = b.input("active", "int32", (ROW,), neutral=0)  # inert rows write no KV
     for pname, shape in target_param_shapes(c).items():
         b.param(pname, dtype, shape)
+    for pname, (pdtype, shape) in yarn_param_specs(c).items():  # rope_scaling yarn: rope_freqs' table
+        b.param(pname, pdtype, shape)
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
     eps = {"eps": c.rms_norm_eps}
     rope = {"head_dim": c.head_dim, "theta": c.rope_theta, **rotary_attrs(c)}
@@ -98,8 +101,8 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
             q = emit_qk_norm(b, c, "q", b.op1("linear", [a, *qkv_params(c, "q", p)], name="q_proj"), p)
             k = emit_qk_norm(b, c, "k", b.op1("linear", [a, *qkv_params(c, "k", p)], name="k_proj"), p)
             v = b.op1("linear", [a, *qkv_params(c, "v", p)], name="v_proj")
-            q = b.op1("rope", [q, positions], rope, name="rope_q")
-            k = b.op1("rope", [k, positions], rope, name="rope_k")
+            q = b.op1(*rope_op(b, c, q, positions, rope), name="rope_q")  # YaRN: rope_freqs
+            k = b.op1(*rope_op(b, c, k, positions, rope), name="rope_k")
             k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live, active])
             o = b.op1("decode_attention", [q, k_cache, v_cache, tables, live], name="attention")
             o = b.op1("linear", [o, p + "self_attn.o_proj.weight"], name="o_proj")

@@ -156,8 +156,8 @@ def test_explicit_config_still_refuses_tensors(tmp_path: Path, head: str) -> Non
     ({"attention_bias": True}, r"'attention_bias' = True"),
     ({"attention_bias": 1}, r"'attention_bias' = 1"),
     ({"mlp_bias": True}, r"'mlp_bias' = True"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-     r"'rope_parameters\.rope_type' = 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},  # yarn runs
+     r"'rope_parameters\.rope_type' = 'llama3'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"'rope_scaling\.type' = 'linear'"),
 ])
 def test_math_changing_field_is_refused(tmp_path: Path, head: str, fields: dict, pattern: str) -> None:
