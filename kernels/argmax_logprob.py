@@ -147,7 +147,9 @@ def _linear_partials_kernel(
 @triton.jit
 def _merge_partials_kernel(
     ws_ptr, token_ptr, logprob_ptr, num_chunks, active_ptr, kept_ptr,
-    MERGE_BLOCK: tl.constexpr, KEEP: tl.constexpr, USE_PDL: tl.constexpr,
+    fallback_ptr, last_ptr, log_tau_ptr, active_out_ptr,
+    MERGE_BLOCK: tl.constexpr, KEEP: tl.constexpr, LAST: tl.constexpr, GATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program per row; blocks of chunk partials folded serially in chunk order
     row = tl.program_id(0).to(tl.int64)
@@ -168,8 +170,17 @@ def _merge_partials_kernel(
         m_run, tok_run, s_run = _top1_merge(m_run, tok_run, s_run, m, tok, s)
     _top1_finish(m_run, tok_run, s_run, token_ptr, logprob_ptr, row)
     if KEEP:  # keep_if_active folded in: an inactive row's draft is -1
-        token = tl.where(m_run == float("-inf"), -1, tok_run)
-        tl.store(kept_ptr + row, tl.where(tl.load(active_ptr + row) != 0, token, -1))
+        empty = m_run == float("-inf")
+        token = tl.where(empty, -1, tok_run)
+        active = tl.load(active_ptr + row) != 0
+        tl.store(kept_ptr + row, tl.where(active, token, -1))
+        if LAST:  # keep_if_active(token, active, fallback): the last kept draft so far
+            tl.store(last_ptr + row, tl.where(active, token, tl.load(fallback_ptr + row)))
+        if GATE:  # confidence_gate(active, logprob, log_tau) on the logprob just stored
+            logprob = tl.where(empty, float("-inf"), -tl.log(s_run))
+            # not (logprob < log_tau): a NaN threshold never stops a row, as the reference
+            stop = logprob < tl.load(log_tau_ptr + row)
+            tl.store(active_out_ptr + row, (active & (stop == 0)).to(tl.int32))
 
 
 def _check_outputs(n: int, device: torch.device, token_out: torch.Tensor, logprob_out: torch.Tensor) -> None:
@@ -219,12 +230,17 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
                           logprob_out: torch.Tensor, bitmask: torch.Tensor | None = None,
                           workspace: torch.Tensor | None = None, active: torch.Tensor | None = None,
                           kept_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                          eps: float = 1e-6) -> None:
+                          eps: float = 1e-6, fallback: torch.Tensor | None = None,
+                          last_out: torch.Tensor | None = None, log_tau: torch.Tensor | None = None,
+                          active_out: torch.Tensor | None = None) -> None:
     """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype.
     With `active` int32 [n] and `kept_out` int32 [n]: also kept_out = token where active != 0, else -1
     (keep_if_active in the merge's epilogue, no launch of its own). With `norm_weight` [K]: x is
     rmsnorm(x, norm_weight, eps) first, normalised in the partials kernel's prologue
-    (kernels.linear_fused), never stored. Two launches: the partials, then their merge."""
+    (kernels.linear_fused), never stored. With `fallback` int32 [n] and `last_out` (needs active):
+    last_out = token where active else fallback. With `log_tau` fp32 [n] and `active_out` int32 [n]
+    (needs active): active_out = active and not (logprob < log_tau), the confidence gate. Two
+    launches: the partials, then their merge (whose epilogue writes kept, last and active)."""
     check(x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1,
           lambda: f"x must be [n, K] fp32/fp16/bf16 with contiguous rows; got {describe('x', x)}")
     n, K = x.shape
@@ -238,8 +254,15 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
     _check_outputs(n, x.device, token_out, logprob_out)
     _check_bitmask(bitmask, n, V, x.device)
     check((active is None) == (kept_out is None), lambda: "active and kept_out come together")
+    check((fallback is None) == (last_out is None), lambda: "fallback and last_out come together")
+    check((log_tau is None) == (active_out is None), lambda: "log_tau and active_out come together")
+    check(active is not None or (fallback is None and log_tau is None),
+          lambda: "fallback / log_tau need active (they fold keep_if_active / confidence_gate)")
     if active is not None and kept_out is not None:
-        for name, t in (("active", active), ("kept_out", kept_out)):
+        for name, t in (("active", active), ("kept_out", kept_out), ("fallback", fallback),
+                        ("last_out", last_out), ("active_out", active_out)):
+            if t is None:
+                continue
             check(t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous() and t.device == x.device,
                   lambda: f"{name} must be int32 [{n}] contiguous on {x.device}; got {describe(name, t)}")
     if norm_weight is not None:
@@ -258,9 +281,17 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
             BLOCK_K=LINEAR_BLOCK_K, USE_PDL=bool(kw),
             num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
         )
+    if log_tau is not None:
+        check(log_tau.shape == (n,) and log_tau.dtype == torch.float32 and log_tau.is_contiguous()
+              and log_tau.device == x.device,
+              lambda: f"log_tau must be float32 [{n}] contiguous on {x.device}; got {describe('log_tau', log_tau)}")
     keep = active is not None
     _merge_partials_kernel[(n,)](
         workspace, token_out, logprob_out, shape[1],
         active if keep else token_out, kept_out if keep else token_out,
-        MERGE_BLOCK=MERGE_BLOCK, KEEP=keep, USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
+        fallback if fallback is not None else token_out, last_out if last_out is not None else token_out,
+        log_tau if log_tau is not None else logprob_out,
+        active_out if active_out is not None else token_out,
+        MERGE_BLOCK=MERGE_BLOCK, KEEP=keep, LAST=fallback is not None, GATE=log_tau is not None,
+        USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
     )

@@ -9,6 +9,8 @@ so a fused circuit's eager run is the unfused one's, bitwise; each has one Trito
 - `rmsnorm_linear_silu_mul(x, norm_weight, gate_up) -> out` (post_attention_layernorm into the
   SwiGLU gate_up);
 - `rmsnorm_linear_argmax_logprob` / `rmsnorm_linear_argmax_keep` (the final norm into the lm-head);
+  `rmsnorm_linear_argmax_keep_last`, `_gate`, `_last_gate`: the chain's keep_if_active(token,
+  active, last) and confidence_gate(active, logprob, log_tau) in the merge's epilogue too;
 - `embed_rmsnorm_linear_concat(table, ids, norm1, x2, norm2, weight)`: the MTP input,
   eh_proj([enorm(embedding(ids)), hnorm(x2)]), with neither the embedding, the norms nor the
   concat stored.
@@ -29,8 +31,9 @@ from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding
 from draft_circuit.ops.fused_linear import _infer_linear_concat, _infer_qkv
 from draft_circuit.ops.registry import (FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, SAMPLING, Cost,
                                         CostContext, Env, OpDef, Specs, default_cost, register)
-from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, _infer_linear_argmax, _infer_linear_argmax_keep,
-                                        _linear_argmax, _linear_argmax_keep, _linear_argmax_ws)
+from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, KeepAttrs, _infer_gate, _infer_keep, _infer_linear_argmax,
+                                        _infer_linear_argmax_keep, _keep, _linear_argmax, _linear_argmax_keep,
+                                        _linear_argmax_ws, confidence_gate_ref)
 from draft_circuit.ops.tokens import _infer_embedding, embedding_ref
 
 _k_prologue = kernel("linear_fused", "linear_prologue")
@@ -160,6 +163,66 @@ register(OpDef(
                            Applies(TRITON, conditions=(VOCAB_FITS,)), workspace=_norm_argmax_ws,
                            launches=2),),
 ))
+
+
+# ---- the draft bookkeeping in the lm-head merge's epilogue: last_kept and the confidence gate ----
+def _draft_parts(t: list[Any], last: bool, gate: bool) -> tuple[list[Any], Any, Any]:
+    """(x, norm, w, active, [fallback], [log_tau], [bitmask]) -> ([x, norm, w, active, *bitmask],
+    fallback, log_tau)."""
+    x, norm, w, active, *rest = t
+    fallback = rest.pop(0) if last else None
+    log_tau = rest.pop(0) if gate else None
+    return [x, norm, w, active, *rest], fallback, log_tau
+
+
+def _draft_op(last: bool, gate: bool) -> OpDef:
+    name = "rmsnorm_linear_argmax_keep" + ("_last" if last else "") + ("_gate" if gate else "")
+    extra_in = (("fallback",) if last else ()) + (("log_tau",) if gate else ())
+    extra_out = (("last",) if last else ()) + (("active_next",) if gate else ())
+
+    def infer(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+        base, fallback, log_tau = _draft_parts(ins, last, gate)
+        outs = _infer_norm_argmax_keep(base, a)
+        more = []
+        if fallback is not None:
+            more += _infer_keep([outs[0], base[3], fallback], KeepAttrs())
+        if log_tau is not None:
+            more += _infer_gate([base[3], outs[1], log_tau], a)
+        return [*outs, *more]
+
+    def reference(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor, ...]:
+        base, fallback, log_tau = _draft_parts(t, last, gate)
+        x, norm, w, active, *mask = base
+        token, logprob, kept = _linear_argmax_keep([rmsnorm_ref(x, norm, a.eps), w, active, *mask], a)
+        more = []
+        if fallback is not None:
+            more.append(_keep([token, active, fallback], KeepAttrs())[0])
+        if log_tau is not None:
+            more.append(confidence_gate_ref(active, logprob, log_tau))
+        return (token, logprob, kept, *more)
+
+    def launch(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
+        base, fallback, log_tau = _draft_parts(ins, last, gate)
+        x, norm, w, active, *mask = base
+        more = iter(outs[3:])
+        last_out = next(more) if last else None
+        active_out = next(more) if gate else None
+        _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], active=active,
+                        kept_out=outs[2], norm_weight=norm, eps=a.eps, fallback=fallback,
+                        last_out=last_out, log_tau=log_tau, active_out=active_out)
+
+    return OpDef(
+        name=name, inputs=("x", "norm_weight", "weight", "active", *extra_in, "bitmask"),
+        outputs=("token", "logprob", "kept", *extra_out), num_required=4 + len(extra_in),
+        attrs=EpsAttrs, infer=infer, reference=reference, cost=_argmax_cost,
+        tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
+        kernels=(KernelBinding(f"triton_{name}", launch, Applies(TRITON, conditions=(VOCAB_FITS,)),
+                               workspace=_norm_argmax_ws, launches=2),),
+    )
+
+
+for _last, _gate in ((True, False), (False, True), (True, True)):
+    register(_draft_op(_last, _gate))
 
 
 # ---- the MTP input: embedding, its norm, the hidden's norm and the concat, all in eh_proj ----

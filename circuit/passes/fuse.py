@@ -44,8 +44,9 @@ Rewrite = Callable[[Match], Parts]
 
 @dataclass(frozen=True)
 class Fusion:
-    """One row. `edge`: the consumer's input the producer's first output feeds (and no other of
-    its inputs); `sole_reader`: that output has no other reader and is no circuit output;
+    """One row. `edge`: the consumer's input the producer's output `output` (its first unless
+    said) feeds (and no other of its inputs); `sole_reader`: that output has no other reader and
+    is no circuit output;
     `at`: which matched node's place in circuit order the fused node takes ("last": the latest
     of the match's nodes, guard-absorbed ones included, where every input they read exists)."""
 
@@ -59,9 +60,10 @@ class Fusion:
     rewrite: Rewrite
     at: Literal["producer", "consumer", "last"] = "consumer"
     guard: Guard | None = None
+    output: int = 0
 
     def candidates(self, c: Circuit, producer: Node) -> Iterable[Node]:
-        out = producer.outputs[0]
+        out = producer.outputs[self.output]
         if self.sole_reader and sole_user(c, out) is None:
             return ()
         return (u for u in c.users(out) if u.op == self.consumer and u.inputs[self.edge] == out

@@ -114,6 +114,43 @@ def _embed_concat_linear(m: Match) -> Parts:
             lc.outputs, enorm.attrs)
 
 
+def _readers_after(c: Circuit, m: Match) -> bool:
+    """Every other reader of the producer's outputs comes after the consumer in circuit order (the
+    fused node takes the consumer's place, so none of them may run before it)."""
+    order = {n.name: i for i, n in enumerate(c.nodes)}
+    readers = [u for out in m.producer.outputs for u in c.users(out) if u is not m.consumer]
+    return all(order[u.name] > order[m.consumer.name] for u in readers)
+
+
+def _last_kept_of_this_draft(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """keep_if_active(token, active, fallback) over the lm-head draft's own active rows."""
+    arg, keep = m.producer, m.consumer
+    same_active = len(keep.inputs) == 3 and keep.inputs[1] == arg.inputs[3]
+    return m if same_active and _readers_after(c, m) else None
+
+
+def _gate_of_this_draft(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """confidence_gate(active, logprob, log_tau) of the lm-head draft's own active rows."""
+    arg, gate = m.producer, m.consumer
+    return m if gate.inputs[0] == arg.inputs[3] and _readers_after(c, m) else None
+
+
+def _argmax_last(m: Match) -> Parts:
+    arg, keep = m.producer, m.consumer
+    x, norm, w, active, *mask = arg.inputs
+    return (arg, keep), (x, norm, w, active, keep.inputs[2], *mask), (*arg.outputs, keep.outputs[0]), \
+        arg.attrs
+
+
+def _argmax_gate(m: Match) -> Parts:
+    """log_tau goes after the producer's required inputs (and its fallback), before the mask."""
+    arg, gate = m.producer, m.consumer
+    required = 5 if arg.op.endswith("_last") else 4
+    ins = arg.inputs
+    return (arg, gate), (*ins[:required], gate.inputs[2], *ins[required:]), \
+        (*arg.outputs, gate.outputs[0]), arg.attrs
+
+
 def _qkv(group: tuple[Node, ...]) -> Parts:
     return group, (group[0].inputs[0], *(n.inputs[1] for n in group)), \
         tuple(n.outputs[0] for n in group), {}
@@ -210,6 +247,26 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            "rmsnorm whose only reader is linear_argmax_logprob -> rmsnorm_linear_argmax_logprob",
            producer="rmsnorm", consumer="linear_argmax_logprob", edge=0, sole_reader=True,
            fused_op="rmsnorm_linear_argmax_logprob", rewrite=_norm_prologue),
+    # the chain's draft bookkeeping into the lm-head merge's epilogue (the proposer's chain:
+    # bitmask, confidence stop and embed target): last_kept first, then the gate
+    Fusion("fuse_argmax_last",
+           "keep_if_active(token, active, last) of the lm-head draft -> "
+           "rmsnorm_linear_argmax_keep_last, the last kept draft written in the merge's epilogue",
+           producer="rmsnorm_linear_argmax_keep", consumer="keep_if_active", edge=0,
+           sole_reader=False, fused_op="rmsnorm_linear_argmax_keep_last", rewrite=_argmax_last,
+           guard=_last_kept_of_this_draft),
+    Fusion("fuse_argmax_gate",
+           "confidence_gate(active, logprob, log_tau) of the lm-head draft -> "
+           "rmsnorm_linear_argmax_keep_gate, the next step's active rows from the merge's epilogue",
+           producer="rmsnorm_linear_argmax_keep", consumer="confidence_gate", edge=1, output=1,
+           sole_reader=False, fused_op="rmsnorm_linear_argmax_keep_gate", rewrite=_argmax_gate,
+           guard=_gate_of_this_draft),
+    Fusion("fuse_argmax_last_gate",
+           "confidence_gate of a draft whose last_kept is folded -> "
+           "rmsnorm_linear_argmax_keep_last_gate",
+           producer="rmsnorm_linear_argmax_keep_last", consumer="confidence_gate", edge=1,
+           output=1, sole_reader=False, fused_op="rmsnorm_linear_argmax_keep_last_gate",
+           rewrite=_argmax_gate, guard=_gate_of_this_draft),
     Fusion("fuse_embed_concat_linear",
            "embedding -> enorm and hnorm -> linear_concat (the MTP input) -> "
            "embed_rmsnorm_linear_concat: eh_proj gathers the embedding rows and normalises both "

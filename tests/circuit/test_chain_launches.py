@@ -54,6 +54,20 @@ def test_launches_per_step():
         assert wr.reference_launches == PER_CHAIN
 
 
+def test_the_proposers_chain_keeps_the_count():
+    """Bitmask, confidence stop and embed target on (the proposer's chain): last_kept and the
+    confidence gate ride in the lm-head merge's epilogue, so a step is still
+    GPU_LAUNCHES_PER_STEP kernels and no step node runs a reference."""
+    c = chain(bitmask=True, embed_target=True, confidence_stop=True)
+    params = MtpHead(CFG).bind(random_mtp_weights(CFG, seed=2))
+    compiled = compile_draft(c, params, [MAX_WIDTH], options=CompileOptions(interpret_kernels=True))
+    wr = compiled.report().width(MAX_WIDTH)
+    assert wr.launches_per_step == NODES_PER_STEP
+    assert wr.gpu_launches_per_step == GPU_LAUNCHES_PER_STEP
+    in_steps = [x for x in compiled.programs[MAX_WIDTH].launches if x.step is not None]
+    assert all(x.kernel != "reference" for x in in_steps), [x.node for x in in_steps]
+
+
 def test_cuda_plan_counts_split_kernels_twice():
     """On CUDA (a shapes-only plan) the same chain launches the same kernels: every step node
     bound, GPU_LAUNCHES_PER_STEP kernels a step."""
@@ -156,8 +170,11 @@ def test_interpreted_kernels_of_the_fused_chain(width):
     params = MtpHead(CFG).bind(random_mtp_weights(CFG, seed=20 + width))
     compiled = compile_draft(c, params, [width], options=CompileOptions(interpret_kernels=True))
     kernels = {x.kernel for x in compiled.programs[width].launches}
+    # step 0 gates its rows; middle steps also keep the last draft; the last step only keeps it
     assert {"triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_qkv", "triton_linear_add",
-            "triton_rmsnorm_linear_silu_mul", "triton_rmsnorm_linear_argmax_keep"} <= kernels
+            "triton_rmsnorm_linear_silu_mul", "triton_rmsnorm_linear_argmax_keep_gate",
+            "triton_rmsnorm_linear_argmax_keep_last_gate", "triton_rmsnorm_linear_argmax_keep_last"} <= kernels
+    assert compiled.report().width(width).gpu_launches_per_step == GPU_LAUNCHES_PER_STEP
     got, want, got_states, want_states = _run(c, compiled, width, params, seed=width)
     assert torch.equal(got["drafts"], want["drafts"])
     torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)

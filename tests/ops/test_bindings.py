@@ -38,8 +38,10 @@ def test_triton_chain_matches_eager(width):
     assert {"triton_rope_kv_write", "triton_decode_attention", "triton_linear_add",
             "triton_rmsnorm_linear_qkv", "triton_rmsnorm_linear_silu_mul",
             "triton_embed_rmsnorm_linear_concat"} <= kernels, kernels
-    # the lm-head argmax, fused with keep_if_active (fuse_argmax_keep) where the chain gates drafts
-    assert kernels & {"triton_rmsnorm_linear_argmax_logprob", "triton_rmsnorm_linear_argmax_keep"}, kernels
+    # the lm-head argmax with the final norm, keep_if_active, last_kept and the confidence gate
+    # folded in (the merge's epilogue writes them)
+    assert {"triton_rmsnorm_linear_argmax_keep_gate", "triton_rmsnorm_linear_argmax_keep_last_gate",
+            "triton_rmsnorm_linear_argmax_keep_last"} <= kernels, kernels
     batch = random_draft_batch(CFG, KV, width, seed=width, num_drafts=K, bitmask=True)
     batch.inputs["bitmask"][:, 0] |= 1  # token 0 allowed: no all-masked row here
     batch.inputs["log_tau"] = torch.full((width,), math.log(0.004))
