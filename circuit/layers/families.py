@@ -193,8 +193,8 @@ FAMILIES: tuple[Family, ...] = (
               "`shared_head.*` (embed / head falling back to the target's), q/k/v biases iff "
               "`attention_bias`, `self_attn.{q,k}_norm` iff `use_qk_norm`, `mlp.gate` (read fp32), "
               "`e_score_correction_bias`, `mlp.experts.{e}.*`, `mlp.shared_experts.*`",
-        target="no: the engine's target is a dense Llama (GLM-4.5's layers after "
-               "`first_k_dense_replace` are MoE)",
+        target="yes: examples/engine/glm_target.py (`first_k_dense_replace` dense layers, then MoE "
+               "layers: the fp32 sigmoid router with `e_score_correction_bias`, routed and shared experts)",
         runs="yes: `MoeMtpHead` (partial rotary from `rope_parameters.partial_rotary_factor` or the "
              "top-level field, 0.5 absent; fp32 gate; weights normalised at top_k 1 too, as "
              "transformers). Position 0's embedding is not zeroed as in vLLM: the engine never drafts there",

@@ -38,7 +38,8 @@ HELD_OUT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "heldout_promp
 # dense decoders the target emits: Llama's block with the config's attention options (Qwen2's q/k/v
 # biases, Qwen3's q/k norms; the family table refuses what they do not cover); and DeepSeek-V3's
 # MLA + MoE decoder (examples/engine/deepseek_target.py)
-TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM")
+TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM",
+                        "Glm4MoeForCausalLM")  # GLM-4.5: dense first layers, then MoE (glm_target.py)
 
 
 class EngineError(ValueError):
@@ -77,7 +78,7 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | 
     arch = raw.get("architectures") or ["LlamaForCausalLM"]
     if not set(arch) & set(TARGET_ARCHITECTURES):  # before its weights: a MoE target lacks dense MLPs
         raise EngineError(f"{root}/config.json: architectures {arch}; the engine's target is a "
-                          f"dense Llama-like decoder or DeepSeek-V3's ({', '.join(TARGET_ARCHITECTURES)})")
+                          f"dense Llama-like decoder, DeepSeek-V3's or GLM-4.5's ({', '.join(TARGET_ARCHITECTURES)})")
     try:
         config = read_config(root)
         # DeepSeek-V3: fp8 projections and experts kept as stored (its target model runs them fp8)

@@ -18,7 +18,7 @@ from typing import Callable, Literal, Sequence as Seq
 import torch
 
 from examples.engine.checkpoints import Checkpoint, EngineError
-from examples.engine.deepseek_target import target_for
+from examples.engine.glm_target import target_for  # GLM-4.5's target, else DeepSeek-V3's or Llama's
 from examples.engine.model import TargetRows
 from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
 from examples.engine.runner import _check_finite as check_finite

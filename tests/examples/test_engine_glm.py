@@ -4,8 +4,9 @@ experts; partial rotary, q/k/v biases, q/k norms) on a checkpoint transformers' 
 Glm4MoeForCausalLM wrote (every tensor re-drawn, the MTP layer in its DeepSeek-V3 names at
 model.layers.{L}): the target alone (eager and circuit) is token-exact with transformers' greedy
 `generate`, and so is speculative decoding with the MoE MTP head (both drafter forwards, both
-target forwards; the engine's dispatch to this target is patched in where the hook belongs:
-checkpoints.TARGET_ARCHITECTURES and engine.target_for). Refusals of the loader are named."""
+target forwards, through the engine's own path: load_checkpoint admits Glm4MoeForCausalLM and
+load_target_weights reads its MoE layers, Engine builds the target with glm_target.target_for).
+Refusals of the loader are named."""
 from __future__ import annotations
 
 import json
@@ -98,18 +99,8 @@ def test_target_alone_equals_transformers_generate(checkpoint, forward):
         assert_same_greedy(target_greedy(target, prompt, table), theirs, gaps)
 
 
-@pytest.fixture
-def glm_dispatch(monkeypatch):
-    """The hook this target needs in the engine (owned elsewhere): the architecture admitted as a
-    target, and the engine's target built by glm_target.target_for."""
-    import examples.engine.checkpoints as checkpoints
-    import examples.engine.engine as engine
-    monkeypatch.setattr(checkpoints, "TARGET_ARCHITECTURES", (*checkpoints.TARGET_ARCHITECTURES, "Glm4MoeForCausalLM"))
-    monkeypatch.setattr(engine, "target_for", target_for)
-
-
 @pytest.mark.parametrize("drafter, target", [("eager", "eager"), ("circuit", "eager"), ("circuit", "circuit")])
-def test_speculative_decoding_equals_transformers_generate(checkpoint, glm_dispatch, drafter, target):
+def test_speculative_decoding_equals_transformers_generate(checkpoint, drafter, target):
     ckpt = load_checkpoint(checkpoint)
     requests = random_requests(ckpt.config.vocab_size, 3, seed=4, max_prompt=16, max_new=(5, 10))
     engine = Engine(ckpt, EngineConfig(forward=drafter, target_forward=target, num_drafts=3, widths=(1, 2, 4),

@@ -2,14 +2,13 @@
 checkpoint transformers' own Qwen2ForCausalLM / Qwen3ForCausalLM wrote (every tensor re-drawn, an
 MTP layer in the DeepSeek-V3 names at model.layers.{L}): speculative decoding's ids equal
 transformers' greedy `generate` for the target alone, with both drafter forwards (fp32, CPU); the
-target alone too. A GLM-4.5 checkpoint is refused as a target by name (its MoE layers)."""
+target alone too. (GLM-4.5's MoE target: tests/examples/test_engine_glm.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from examples.engine import Engine, EngineConfig, load_checkpoint
-from examples.engine.checkpoints import EngineError
 from tests.examples.helpers import random_requests
 from tests.examples.test_engine_hf import assert_same_greedy
 
@@ -47,9 +46,3 @@ def test_engine_equals_transformers_generate(checkpoint, forward, speculate):
         theirs, gaps = hf_greedy(checkpoint, r.prompt, r.max_new_tokens)
         assert_same_greedy(ours, theirs, gaps)
 
-
-def test_glm4_moe_is_refused_as_a_target_by_name(tmp_path):
-    root = family_checkpoint(tmp_path / "glm", "Glm4Moe", n_routed_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=16)
-    with pytest.raises(EngineError, match=r"Glm4MoeForCausalLM.*target"):
-        load_checkpoint(root)
