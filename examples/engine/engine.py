@@ -128,7 +128,7 @@ class Engine:
         if not widths:
             raise EngineError(f"--widths {cfg.widths}: give at least one width >= 1")
         # the proposer starts on the eager oracle; --forward circuit compiles the chains a step
-        # uses (k-step propose, one-step catch-up) from its bindings and installs them
+        # uses (k-step propose, one-step chain, KV-only catch-up) from its bindings and installs them
         proposer = MtpProposer(head, params, num_drafts=cfg.num_drafts,
                                num_blocks=kv.num_blocks, block_size=kv.block_size,
                                max_blocks_per_seq=kv.max_blocks_per_seq, max_width=max(widths),
@@ -139,6 +139,10 @@ class Engine:
             for k in sorted({cfg.num_drafts, 1}):
                 runner = compile_chain(proposer.circuit_draft(k), proposer.widths, device=cfg.device)
                 proposer.set_circuit_draft(runner, num_drafts=k)
+            # catch-up and prefill rows need only their K/V: the KV-only chain (issue 14 item 1)
+            proposer.set_circuit_draft(compile_chain(proposer.circuit_draft_kv_only(),
+                                                     proposer.widths, device=cfg.device),
+                                       kv_only=True)
         return proposer
 
     # ---- checks, all before anything runs ----

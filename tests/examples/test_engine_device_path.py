@@ -144,19 +144,19 @@ def test_acceptance_never_counts_drafts_past_the_limit_or_an_eos(small_checkpoin
 
 
 @pytest.mark.parametrize("device_drafts", [False, True])
-def test_kv_only_catch_up_installed_beside_the_engines_chains_stays_exact(small_checkpoint, greedy,
-                                                                          device_drafts):
-    """What `Engine._proposer` installs for --forward circuit plus the KV-only catch-up runner
-    (`set_circuit_draft(..., kv_only=True)`): catch-up and prefill rows then run on it, and the
-    output is still target-only greedy's."""
-    from draft_circuit.runners.chains import compile_chain
+def test_the_engines_kv_only_catch_up_stays_exact(small_checkpoint, greedy, device_drafts):
+    """`Engine._proposer` for --forward circuit installs the k-step chain, the one-step chain and
+    the KV-only catch-up runner (`set_circuit_draft(..., kv_only=True)`): every catch-up and
+    prefill row runs on the KV-only runner, none on the full one-step chain, and the output is
+    still target-only greedy's."""
+    from draft_circuit.runners.draft import CircuitDraftRunner
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward="circuit", num_drafts=4, widths=(1, 2, 4), max_batch=3))
     engine.device_drafts = device_drafts
     p = engine.proposer
-    kv = compile_chain(p.circuit_draft_kv_only(), p.widths, device="cpu")
-    p.set_circuit_draft(kv, kv_only=True)
-    assert p.chains.kv_only() == (kv, True)
+    kv, is_kv_only = p.chains.kv_only()
+    assert is_kv_only and isinstance(kv, CircuitDraftRunner)
+    assert kv is p.chains.installed[(0, False)]  # the engine's own install, not the default build
     rows, full, real, one_step = [], [], kv.run, p.chain_runner(1)
     real_full = one_step.run
     kv.run = lambda n, inputs: rows.append(n) or real(n, inputs)

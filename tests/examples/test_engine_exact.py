@@ -42,7 +42,9 @@ def test_speculative_equals_greedy(small_checkpoint, greedy, forward, k, tau, wi
     want = "eager" if forward == "eager" else "own"
     proposer = engine.proposer
     assert proposer.chain_runner(k).plan(1).kind == proposer.chain_runner(1).plan(1).kind == want
-    assert set(proposer.chains.installed) == (set() if forward == "eager" else {(k, False), (1, False)})
+    # (0, False): the KV-only catch-up chain (KV_ONLY_KEY)
+    assert set(proposer.chains.installed) == (set() if forward == "eager"
+                                              else {(k, False), (1, False), (0, False)})
     # every block is back in both pools once everything finished
     assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
 
