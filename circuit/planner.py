@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from draft_circuit.circuit.ir import Circuit, CircuitError
 from draft_circuit.circuit.passes import DEFAULT_PIPELINE, run_passes
 from draft_circuit.circuit.program import Program, build_program
-from draft_circuit.circuit.report import PlanReport, family_width, node_infos, width_report
+from draft_circuit.circuit.report import PlanReport, WidthReport, family_width, node_infos, width_report
 from draft_circuit.circuit.verify import verify
 
 #: the program family of a one-step chain's KV-only derivative (catch-up and prefill rows)
@@ -48,6 +48,8 @@ class CompiledDraft:
     notes: dict[str, Any] = field(default_factory=dict)  # the layer's statements for the report
     # derived program families compiled beside this one (KV_ONLY: catch-up rows), by name
     families: dict[str, "CompiledDraft"] = field(default_factory=dict)
+    # width -> (capture ms, the graph pool's reserved growth in bytes), as a graph runner measured
+    captures: dict[int, tuple[float, int]] = field(default_factory=dict)
     _report: PlanReport | None = field(default=None, repr=False)
 
     @property
@@ -79,12 +81,30 @@ class CompiledDraft:
                 pipeline=list(self.options.pipeline), num_nodes_before=len(self.source.nodes),
                 num_nodes_after=len(self.circuit.nodes), arena_bytes=self.arena_bytes,
                 nodes=node_infos(self.circuit), notes=dict(self.notes),
-                widths=[width_report(self.programs[w], self.options.bandwidth_gbps)
-                        for w in self.widths],
+                widths=[self._width_report(w) for w in self.widths],
                 families={name: [family_width(f.programs[w], self.options.bandwidth_gbps)
                                  for w in f.widths]
                           for name, f in sorted(self.families.items())})
         return self._report
+
+    def _width_report(self, w: int) -> WidthReport:
+        report = width_report(self.programs[w], self.options.bandwidth_gbps)
+        if w not in self.captures:
+            return report
+        ms, pool = self.captures[w]
+        return report.model_copy(update={"capture_ms": round(ms, 3), "graph_pool_bytes": pool})
+
+    def record_capture(self, width: int, capture_ms: float, graph_pool_bytes: int) -> None:
+        """A graph runner's measurement of width `width`: how long its warm-up and capture took
+        and how much the graph pool's reserved memory grew (the caching allocator's segments, not
+        the bytes allocated in them). The report shows them from then on (plan page, JSON)."""
+        if width not in self.programs:
+            raise PlanError(f"width {width} is not compiled; compiled widths: {list(self.widths)}")
+        if capture_ms < 0 or graph_pool_bytes < 0:
+            raise PlanError(f"capture of width {width}: capture_ms {capture_ms} and "
+                            f"graph_pool_bytes {graph_pool_bytes} must be >= 0")
+        self.captures[width] = (float(capture_ms), int(graph_pool_bytes))
+        self._report = None
 
     def add_family(self, name: str, family: "CompiledDraft") -> None:
         """List `family` (e.g. KV_ONLY) in this draft's report as its own program family."""

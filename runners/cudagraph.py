@@ -2,7 +2,9 @@
 
 The lifecycle reads in the constructor: bind the program runner (arena and static buffers are
 allocated before any capture, so no address moves), make every static input row inert, then for
-each width, largest first, warm up and capture. A width whose capture fails is not served (the
+each width, largest first, warm up (once per `warmup_class`) and capture, on one stream with no
+device sync between widths; each width's capture time and the graph pool's reserved growth go
+to `stats` and into the plan report (`CompiledDraft.record_capture`). A width whose capture fails is not served (the
 reason is logged and counted; `strict=True` raises instead) and the others keep working.
 Every CUDA call is behind `cuda_available()`, so importing this on a CPU-only torch is safe.
 Single-caller: a second thread entering `run`/`execute` while one is inside raises
@@ -36,10 +38,20 @@ class CaptureError(RuntimeError):
     """Capturing a width failed (raised only with strict=True; otherwise counted)."""
 
 
+def warmup_class(n: int) -> tuple[bool, bool]:
+    """The kernel configurations width n compiles (issue 15 item 5): Triton specialises integer
+    arguments equal to 1 or divisible by 16, and every other launch argument (strides, 256-byte
+    aligned arena offsets) is the same at every width, so one warm-up per class compiles and
+    settles everything the class's widths launch."""
+    return (n == 1, n % 16 == 0)
+
+
 @dataclass
 class CaptureStats:
     capture_ms: dict[int, float] = field(default_factory=dict)
-    pool_bytes: dict[int, int] = field(default_factory=dict)  # graph-pool growth per width
+    # the graph pool's reserved growth per width (segments the allocator took, not bytes in them)
+    pool_bytes: dict[int, int] = field(default_factory=dict)
+    warmed: dict[int, int] = field(default_factory=dict)  # warm-up runs each width took
     failures: dict[int, str] = field(default_factory=dict)
 
 
@@ -73,31 +85,40 @@ class GraphRunner:
         # warm-up writes no KV
         fill_neutral(compiled.circuit, self.program.static_inputs, 0, scratch_block)
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
+        # one capture stream for every width, and no device sync between widths (what
+        # torch.cuda.graph adds per capture: a sync and an empty_cache); warm-up only for the
+        # first width of each warmup_class
+        self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch stub
+        self._stream.wait_stream(torch.cuda.current_stream())
+        warmed: set[tuple[bool, bool]] = set()
+        self._warmup = warmup
         with _progress_bar(len(widths)) as bar:
             for w in widths:
                 bar.set_postfix_str(f"n={w}")
-                self._capture(w, warmup, fail=w in fail_widths)
+                cls = warmup_class(w)
+                self._capture(w, warmup if cls not in warmed else 0, fail=w in fail_widths)
+                warmed.add(cls)
                 bar.update(1)
+        torch.cuda.current_stream().wait_stream(self._stream)
+        torch.cuda.synchronize()
         self._debug = debug_level()
         self._ptrs = {n: t.data_ptr() for n, t in self.program.static_inputs.items()}
 
-    def _capture(self, w: int, warmup: int, fail: bool) -> None:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+    def _capture(self, w: int, warmup: int, fail: bool, retry: bool = True) -> None:
+        before = torch.cuda.memory_reserved()
         start = time.perf_counter()
         try:
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch stub
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
-                for _ in range(warmup):
-                    self.program.execute(w)
-            torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                if fail:
-                    torch.cuda.synchronize()  # a sync inside capture: what a bad op would do
-                self.program.execute(w)
-            torch.cuda.synchronize()
+            with torch.cuda.stream(self._stream):
+                for _ in range(warmup):  # compile kernels, settle allocations
+                    self.program.execute(w)
+                graph.capture_begin(pool=self.pool)
+                try:
+                    if fail:
+                        torch.cuda.synchronize()  # a sync inside capture: what a bad op would do
+                    self.program.execute(w)
+                finally:
+                    graph.capture_end()
         except Exception as e:  # noqa: BLE001 - any failure makes this one width unserved
             # a capture that failed at its end leaves the allocator routing to our pool; end
             # that, or the next width's capture finds the pool "already recording"
@@ -109,6 +130,12 @@ class GraphRunner:
             # may still be marked as recording (seen on torch 2.11)
             self.pool = torch.cuda.graph_pool_handle()
             torch.cuda.synchronize()
+            if retry and warmup == 0 and not fail:
+                # a width that skipped its warm-up may have met a kernel configuration
+                # warmup_class did not foresee: warm it up and capture it once more
+                log.info("capture of width %d without warm-up failed (%s); retrying with it", w, e)
+                self._capture(w, max(self._warmup, 1), fail, retry=False)
+                return
             self.stats.failures[w] = f"{type(e).__name__}: {e}"
             log.warning("capture of width %d failed; it will not be served: %s", w, e)
             if self.strict:
@@ -116,7 +143,10 @@ class GraphRunner:
             return
         self.graphs[w] = graph
         self.stats.capture_ms[w] = (time.perf_counter() - start) * 1e3
-        self.stats.pool_bytes[w] = torch.cuda.memory_allocated() - before  # held by the graph
+        self.stats.pool_bytes[w] = torch.cuda.memory_reserved() - before
+        self.stats.warmed[w] = warmup
+        # the plan report (and so the plan page) shows both from now on
+        self.compiled.record_capture(w, self.stats.capture_ms[w], self.stats.pool_bytes[w])
 
     @property
     def widths(self) -> tuple[int, ...]:

@@ -31,12 +31,16 @@ def json_script(element_id: str, data: Any) -> str:
 def width_row(w: WidthReport) -> str:
     cells = [
         (str(w.width), ""), (str(w.launches), ""), (f"{w.launches_per_step:g}", ""),
+        (str(w.gpu_launches), f"{w.gpu_launches_per_step:g} a step; {w.reference_launches} "
+                              "reference launches (torch ops) not counted"),
         (_kib(w.arena_bytes), f"{w.arena_bytes} B, {w.strategy}"),
         (_kib(w.lower_bound_bytes), f"{w.lower_bound_bytes} B"),
         (_kib(w.naive_bytes), f"{w.naive_bytes} B: every temp its own buffer"),
         (f"{w.arena_bytes / max(w.lower_bound_bytes, 1):.3f}", ""),
         (_kib(w.bytes_moved), f"{w.bytes_moved} B"), (f"{w.floor_us:.2f}", ""),
         (NONE if w.capture_ms is None else f"{w.capture_ms:.2f}", ""),
+        (NONE if w.graph_pool_bytes is None else _kib(w.graph_pool_bytes),
+         "" if w.graph_pool_bytes is None else f"{w.graph_pool_bytes} B reserved by the graph pool"),
     ]
     tds = "".join(f'<td title="{escape(t, quote=True)}">{escape(c)}</td>' if t else
                   f"<td>{escape(c)}</td>" for c, t in cells)
@@ -44,8 +48,8 @@ def width_row(w: WidthReport) -> str:
 
 
 def width_table(report: PlanReport) -> str:
-    head = ["width", "launches", "launches / step", "arena", "lower bound", "naive",
-            "arena / lower", "bytes moved", "floor µs", "capture ms"]
+    head = ["width", "launches", "launches / step", "GPU kernels", "arena", "lower bound", "naive",
+            "arena / lower", "bytes moved", "floor µs", "capture ms", "graph pool"]
     ths = "".join(f"<th>{escape(h)}</th>" for h in head)
     rows = "".join(width_row(w) for w in report.widths)
     return f'<table id="width-table"><thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>'
