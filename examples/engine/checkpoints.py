@@ -31,8 +31,9 @@ from draft_circuit.circuit.layers.heads import head_for
 from draft_circuit.circuit.layers.mla import MlaConfig
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 
-EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "tiny"
-HELD_OUT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "heldout_prompts.json"
+# the embedded default (examples/train_tiny.py trains it; its log and held-out prompts beside it)
+EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "pystdlib_12l"
+HELD_OUT_PROMPTS = EMBEDDED / "heldout_prompts.json"
 
 
 # dense decoders the target emits: Llama's block with the config's attention options (Qwen2's q/k/v

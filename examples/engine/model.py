@@ -19,10 +19,9 @@ from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
 from draft_circuit.circuit.layers.mtp import (KvLayout, emit_qk_norm, qkv_params, rope_op, rotary_attrs,
                                               yarn_param_specs, yarn_params)
-from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.eager import EagerDraftRunner
 from draft_circuit.runners.protocol import DraftRunner
+from examples.engine.capture import GRAPH_ROWS, TargetPasses
 
 GATE_UP = "mlp.gate_up_proj.weight"  # per layer: gate rows, then up rows (what silu_mul reads)
 
@@ -141,9 +140,10 @@ class TargetModel:
     """The target's circuit, its bound weights and its paged KV pools, and what runs them.
 
     forward="eager": the eager runner, any row count, no compile. forward="circuit": the circuit
-    compiled (fused passes, Triton kernels on CUDA, CUDA graphs) for power-of-two row counts up
-    to max_rows, a pass padded up to the next one with inert rows (never split: a sequence's
-    rows must run in order). Either way a row's bits never depend on the rows it shares a pass
+    compiled (fused passes, Triton kernels on CUDA) for power-of-two row counts up to max_rows,
+    a pass padded up to the next one with inert rows (never split: a sequence's rows must run in
+    order); on CUDA the decode / verify buckets are CUDA graphs, prefill chunks run uncaptured
+    (examples/engine/capture.py). Either way a row's bits never depend on the rows it shares a pass
     with (row-wise references; width-independent kernels), which is what makes speculative
     output equal target-only output.
     """
@@ -152,7 +152,8 @@ class TargetModel:
 
     def __init__(self, config: MtpConfig, weights: dict[str, torch.Tensor], kv: KvLayout, *,
                  max_rows: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 forward: str = "eager", tap_layers: tuple[int, ...] | None = None) -> None:
+                 forward: str = "eager", tap_layers: tuple[int, ...] | None = None,
+                 graph_rows: int = GRAPH_ROWS) -> None:
         self.config, self.kv, self.device, self.max_rows = config, kv, torch.device(device), max_rows
         dtype_name = str(dtype).removeprefix("torch.")
         self.circuit = emit_target(config, kv=kv, max_rows=max_rows, dtype=dtype_name, tap_layers=tap_layers)
@@ -166,11 +167,9 @@ class TargetModel:
         self.runner: DraftRunner
         if forward == "eager":
             self.runner = EagerDraftRunner(self.circuit, params, states)
-        elif forward == "circuit":
-            widths = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
-            compiled = compile_draft(self.circuit, params, widths, device=str(self.device))
-            self.runner = CircuitDraftRunner(compiled, states, scratch_block=0,
-                                             policy=WidthPolicy(allow_split=False))
+        elif forward == "circuit":  # decode / verify buckets captured on CUDA, prefill uncaptured
+            self.runner = TargetPasses(self.circuit, params, states, max_rows=max_rows,
+                                       device=str(self.device), graph_rows=graph_rows)
         else:
             raise ValueError(f"target forward must be 'eager' or 'circuit', got {forward!r}")
 
