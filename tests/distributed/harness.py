@@ -2,7 +2,8 @@
 group, *args) in world_size fresh processes joined over a file rendezvous, and fails the test
 (after killing its own children) if they do not finish within the timeout: nothing hangs.
 
-fn must be a module-level function (the spawn start method pickles it by name); an exception in
+All spawns of one pytest process share BUDGET_S, so the spawned tests together stay under two
+minutes even when every one of them hangs. fn must be a module-level function (the spawn start method pickles it by name); an exception in
 any rank fails the test with that rank's traceback."""
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from typing import Any, Callable
 
 import pytest
 import torch.multiprocessing as mp
+
+BUDGET_S = 110.0  # every spawn of this process together (issue 21: the gloo tests take < 2 min)
+_spent = [0.0]
 
 
 def _entry(rank: int, fn: Callable[..., None], world_size: int, rendezvous: str, timeout_s: float,
@@ -31,8 +35,12 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, rendezvous: str,
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., None], world_size: int, tmp: Path, *args: Any, timeout_s: float = 90.0,
+def spawn(fn: Callable[..., None], world_size: int, tmp: Path, *args: Any, timeout_s: float = 60.0,
           collective_timeout_s: float = 30.0) -> None:
+    if _spent[0] >= BUDGET_S:
+        pytest.fail(f"the spawned tests' budget of {BUDGET_S} s is spent; {fn.__name__} not started")
+    timeout_s = min(timeout_s, BUDGET_S - _spent[0])
+    start = time.monotonic()
     rendezvous = os.fspath(tmp / f"rendezvous_{fn.__name__}_{world_size}")
     ctx = mp.start_processes(_entry, args=(fn, world_size, rendezvous, collective_timeout_s, args),
                              nprocs=world_size, join=False, start_method="spawn")
@@ -46,3 +54,4 @@ def spawn(fn: Callable[..., None], world_size: int, tmp: Path, *args: Any, timeo
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        _spent[0] += time.monotonic() - start

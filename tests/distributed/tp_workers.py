@@ -2,6 +2,7 @@
 functions, so the spawn start method can pickle them by name."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -150,8 +151,8 @@ def refusal_worker(rank: int, world: int, group, good: str, bad: str, out: str) 
         Path(out, f"load_{rank}.txt").write_text(f"{type(e).__name__}: {e}")
     else:
         Path(out, f"load_{rank}.txt").write_text("loaded")
-    if rank == 1:
-        return  # gone before the next collective
+    if rank == 1:  # dies before the next collective, as a crash would: no teardown of its group
+        os._exit(0)  # (a clean destroy_process_group could race rank 0's send and abort in gloo)
     try:
         agree(group, None, "after rank 1 left")
     except GroupTimeoutError as e:
