@@ -300,7 +300,21 @@ def _specs(c: Circuit, kind: str) -> dict[str, _Spec]:
 
 
 def _static(c: Circuit, kind: str, device: torch.device) -> dict[str, torch.Tensor]:
-    """Static buffers at the max width; every width's views are their leading elements."""
-    return {name: torch.empty(s.shape_at(c.max_width), dtype=torch_dtype(s.dtype_name),
-                              device=device)
-            for name, s in _specs(c, kind).items()}
+    """Static buffers at the max width; every width's views are their leading elements. The
+    int32 inputs are views of ONE contiguous buffer, in the circuit's order, so a host that
+    stages them (runners/staging.py) fills them all with one host-to-device copy."""
+    specs = _specs(c, kind)
+    packed = [n for n, s in specs.items() if kind == "input" and s.dtype_name == "int32"]
+    sizes = [_numel(specs[n].shape_at(c.max_width)) for n in packed]
+    region = torch.empty(sum(sizes), dtype=torch.int32, device=device) if packed else None
+    out: dict[str, torch.Tensor] = {}
+    at = 0
+    for name, s in specs.items():
+        shape = s.shape_at(c.max_width)
+        if region is not None and name in packed:
+            size = _numel(shape)
+            out[name] = region[at:at + size].view(shape)
+            at += size
+        else:
+            out[name] = torch.empty(shape, dtype=torch_dtype(s.dtype_name), device=device)
+    return out
