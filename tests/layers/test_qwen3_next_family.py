@@ -3,7 +3,9 @@ Qwen3NextForCausalLM(config).save_pretrained wrote (every tensor re-drawn) plus 
 under vLLM's / SGLang's names, the loader reads it by name (and refuses a missing or an extra
 `mtp.*` tensor by name); our eager chain equals the chain run with transformers'
 Qwen3NextDecoderLayer (full-attention type, its MoE block) and Qwen3NextRMSNorm (1 + weight) at a
-fresh sequence's first position and after a cached prefix (fp32); program == eager bitwise at
+fresh sequence's first position and after a cached prefix (fp32), and a prefill's rows (the
+KV-only program over one sequence's positions) write the K / V transformers' layer caches for the
+same positions in one call; program == eager bitwise at
 widths 1..8; the interpreted kernels agree; `circuit plan --checkpoint` reports the head.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.mtp import emit_draft_chain
 from draft_circuit.circuit.layers.qwen3_next import (GATE, QUERY, Qwen3NextMtpConfig, Qwen3NextMtpHead,
                                                      gain, qwen3_next_mtp_shapes)
-from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.circuit.planner import CompileOptions, compile_draft, kv_only_circuit
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import random_draft_batch
@@ -161,6 +163,48 @@ def test_eager_chain_equals_transformers_decoder_layer(checkpoint, prefix) -> No
     torch.testing.assert_close(out["hidden_out"][0], ref.hidden, atol=1e-5, rtol=1e-5)
     # the drafts' own K rows: q/k norm (1 + weight) and partial rotary as transformers caches them
     torch.testing.assert_close(k_rows[prefix:], ref.keys[prefix:], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_write_transformers_kv(checkpoint) -> None:
+    """A prefill (the drafter's catch-up over a prompt: the KV-only program of the one-step chain,
+    one row per position of one sequence) writes, row for row, the K and V transformers' layer
+    caches when it runs the same positions as one prefill call."""
+    _, root = checkpoint
+    head, weights = load_head(root)
+    c, rows = head.config, 5
+    g = torch.Generator().manual_seed(21)
+    tokens, hidden = torch.randint(0, c.vocab_size, (rows,), generator=g), torch.randn(rows, c.hidden_size, generator=g)
+    config = transformers.AutoConfig.from_pretrained(root)
+    config._attn_implementation, config._experts_implementation = "eager", "eager"
+    layer = hf.Qwen3NextDecoderLayer(config, layer_idx=FULL).eval()
+    own = {k.removeprefix("layers.0."): t for k, t in weights.items() if k.startswith("layers.0.")}
+    layer.load_state_dict(moe_state(layer, own), strict=True)
+    norm = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        norm[name] = hf.Qwen3NextRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        norm[name].load_state_dict({"weight": weights[f"{name}.weight"]})
+    cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        x = F.linear(torch.cat([norm["pre_fc_norm_embedding"](weights["embed_tokens.weight"][tokens]),
+                                norm["pre_fc_norm_hidden"](hidden)], -1), weights["fc.weight"]).view(1, rows, -1)
+        ids = torch.arange(rows).view(1, -1)
+        layer(x, attention_mask=None, position_ids=ids, cache=cache, use_cache=True,
+              position_embeddings=hf.Qwen3NextRotaryEmbedding(config)(x, ids))
+    want_k, want_v = (t[0].transpose(0, 1) for t in (cache.layers[FULL].keys, cache.layers[FULL].values))
+    program = kv_only_circuit(emit_draft_chain(head, 1, max_width=8, kv=KV))
+    shape = (KV.num_blocks, KV.block_size, c.num_key_value_heads, c.head_dim)
+    states = {"k_cache": torch.zeros(shape), "v_cache": torch.zeros(shape)}
+    table = torch.tensor([[3, 1, 4, 2]], dtype=torch.int32).expand(rows, -1).contiguous()
+    inputs = {"tokens": tokens.int(), "hidden": hidden, "positions": torch.arange(rows, dtype=torch.int32),
+              "block_tables": table, "live_rows": torch.arange(rows, dtype=torch.int32),
+              "active": torch.ones(rows, dtype=torch.int32)}
+    inputs = {k: v for k, v in inputs.items() if any(x.name == k for x in program.values)}
+    params = {k: t for k, t in head.bind(weights).items() if any(x.name == k for x in program.values)}
+    EagerRunner(program, params, states).run(inputs)
+    r = torch.arange(rows)
+    blocks, slots = table[0, r // KV.block_size].long(), r % KV.block_size
+    torch.testing.assert_close(states["k_cache"][blocks, slots], want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states["v_cache"][blocks, slots], want_v, atol=1e-5, rtol=1e-5)
 
 
 def test_program_equals_eager_bitwise_at_widths_1_to_8(checkpoint) -> None:
