@@ -226,22 +226,37 @@ def _infer_attention(ins: list[TensorSpec], a: AttentionAttrs) -> list[TensorSpe
 def decode_attention_ref(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                          tables: torch.Tensor, live: torch.Tensor, scale: float | None,
                          row_offset: int) -> torch.Tensor:
-    """Attention of each row's query over its own live KV rows only, gathered through its table."""
+    """Attention of each row's query over its own live KV rows only (0..live + row_offset),
+    gathered through its table, in fp32, one row at a time (a row's bits never depend on the
+    rows beside it). Consecutive rows with the same table (one sequence's rows of a verify or a
+    prefill) share one gather, up to the longest of them: a row reads the first `length` rows of
+    it, the same values in the same layout as its own gather, so its bits are those it gets
+    alone (issue 20: the per-row gather made a CPU verify pass cost k+1 decode passes)."""
     block_size, kv_heads, dim = kc.shape[1:]
-    heads = q.shape[1] // dim
+    n, heads = q.shape[0], q.shape[1] // dim
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     out = torch.empty_like(q)
-    for i in range(q.shape[0]):
-        length = int(live[i]) + row_offset + 1
-        rows = torch.arange(length, device=q.device)
-        blocks = tables[i, rows // block_size].long()
-        keys = kc[blocks, rows % block_size].float()    # [L, kv_heads, D]
-        vals = vc[blocks, rows % block_size].float()
-        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
-        vals = vals.repeat_interleave(heads // kv_heads, dim=1)
-        qi = q[i].float().view(heads, dim)
-        scores = torch.einsum("hd,lhd->hl", qi, keys) * scale
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals).reshape(-1).to(q.dtype)
+    lengths: list[int] = (live.long() + row_offset + 1).tolist()
+    bad = next((i for i, length in enumerate(lengths) if length < 0), None)
+    if bad is not None:
+        raise ValueError(f"decode_attention row {bad}: live_rows {int(live[bad])} + row_offset "
+                         f"{row_offset} + 1 < 0 rows to attend to")
+    same: list[bool] = (tables[1:] == tables[:-1]).all(1).tolist() if n > 1 else []
+    start = 0
+    while start < n:
+        end = start + 1
+        while end < n and same[end - 1]:
+            end += 1
+        rows = torch.arange(max(lengths[start:end]), device=q.device)
+        blocks = tables[start, rows // block_size].long()
+        keys = kc[blocks, rows % block_size].float().repeat_interleave(heads // kv_heads, dim=1)
+        vals = vc[blocks, rows % block_size].float().repeat_interleave(heads // kv_heads, dim=1)
+        for i in range(start, end):
+            length = lengths[i]
+            qi = q[i].float().view(heads, dim)
+            scores = torch.einsum("hd,lhd->hl", qi, keys[:length]) * scale    # [heads, L]
+            out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals[:length]).reshape(-1).to(q.dtype)
+        start = end
     return out
 
 
