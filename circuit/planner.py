@@ -4,7 +4,7 @@ widths and reports itself as plain data (`report()`); runners execute it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict
 from draft_circuit.circuit.ir import Circuit, CircuitError
 from draft_circuit.circuit.passes import DEFAULT_PIPELINE, run_passes
 from draft_circuit.circuit.program import Program, build_program
-from draft_circuit.circuit.report import PlanReport, WidthReport, family_width, node_infos, width_report
+from draft_circuit.circuit.report import (KernelChoice, PlanReport, WidthReport, family_width, node_infos,
+                                          width_report)
+from draft_circuit.circuit.tuning import DEFAULT_CACHE, Measure, TuningCache, choose, environment, gpu_measure
 from draft_circuit.circuit.verify import verify
 
 #: the program family of a one-step chain's KV-only derivative (catch-up and prefill rows)
@@ -29,6 +31,11 @@ class CompileOptions(BaseModel):
     kernels: tuple[str, ...] | None = None  # allow only these kernels (None: any that applies)
     width_independent: bool = True    # a row's drafts never depend on the batch it shares
     interpret_kernels: bool = False   # on CPU, choose Triton kernels (TRITON_INTERPRET tests)
+    # measured kernel choice (circuit/tuning.py): "off" binds the first applicable kernel;
+    # "cached" uses measurements in the cache only; "measure" times what the cache lacks on the
+    # GPU (once) and saves it
+    tuning: Literal["off", "cached", "measure"] = "off"
+    tuning_cache: str | None = None   # the cache file (None: ~/.cache/draft_circuit/tuning.json)
 
 
 class PlanError(CircuitError):
@@ -50,6 +57,7 @@ class CompiledDraft:
     families: dict[str, "CompiledDraft"] = field(default_factory=dict)
     # width -> (capture ms, the graph pool's reserved growth in bytes), as a graph runner measured
     captures: dict[int, tuple[float, int]] = field(default_factory=dict)
+    choices: dict[int, list[KernelChoice]] = field(default_factory=dict)  # measured kernel choices
     _report: PlanReport | None = field(default=None, repr=False)
 
     @property
@@ -89,6 +97,8 @@ class CompiledDraft:
 
     def _width_report(self, w: int) -> WidthReport:
         report = width_report(self.programs[w], self.options.bandwidth_gbps)
+        if self.choices.get(w):
+            report = report.model_copy(update={"kernel_choices": list(self.choices[w])})
         if w not in self.captures:
             return report
         ms, pool = self.captures[w]
@@ -137,9 +147,11 @@ def device_kind(device: str | torch.device) -> str:
 def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: Sequence[int],
                   device: str | torch.device = "cpu",
                   options: CompileOptions | None = None,
-                  notes: Mapping[str, Any] | None = None) -> CompiledDraft:
+                  notes: Mapping[str, Any] | None = None,
+                  measure: Measure | None = None) -> CompiledDraft:
     """`notes`: plain data the layer states about its plan (e.g. which refused paths the n-row
-    program could still serve), carried into the report unchanged."""
+    program could still serve), carried into the report unchanged. `measure`: the timing
+    `options.tuning == "measure"` uses (default: circuit.tuning.gpu_measure, CUDA only)."""
     from draft_circuit.circuit.binding import check_params  # the same check every runner applies
 
     options = options or CompileOptions()
@@ -157,9 +169,33 @@ def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: 
             raise PlanError(f"param {name!r} is on {t.device}, the draft compiles for {device}")
     fused = run_passes(circuit, options.pipeline, check=options.verify_passes)
     allowed = set(options.kernels) if options.kernels is not None else None
+    todo = sorted(set(widths))
+    overrides, choices = _tuned(fused, todo, device, select_for, options, allowed, measure)
     programs = {w: build_program(fused, w, select_for, kv_rows=options.kv_rows,
                                  alignment=options.alignment, kernels=allowed,
-                                 width_independent=options.width_independent)
-                for w in sorted(set(widths))}
+                                 width_independent=options.width_independent,
+                                 overrides=overrides.get(w))
+                for w in todo}
     return CompiledDraft(source=circuit, circuit=fused, programs=programs, params=dict(params),
-                         device=str(device), options=options, notes=dict(notes or {}))
+                         device=str(device), options=options, notes=dict(notes or {}),
+                         choices=choices)
+
+
+def _tuned(fused: Circuit, widths: list[int], device: str | torch.device, select_for: str,
+           options: CompileOptions, allowed: set[str] | None, measure: Measure | None
+           ) -> tuple[dict[int, dict[str, str]], dict[int, list[KernelChoice]]]:
+    """The measured kernel choices `options.tuning` asks for (none when it is off)."""
+    if options.tuning == "off":
+        return {}, {}
+    if options.tuning == "measure" and measure is None:
+        if device_kind(device) != "cuda":
+            raise PlanError(f"tuning='measure' times kernels on the GPU; the draft compiles for "
+                            f"{device} (use tuning='cached', or pass measure=)")
+        measure = gpu_measure
+    cache = TuningCache(options.tuning_cache or DEFAULT_CACHE, environment(str(device)))
+    overrides, choices = choose(fused, widths, select_for, cache=cache,
+                                measure=measure if options.tuning == "measure" else None,
+                                allowed=allowed, width_independent=options.width_independent)
+    if options.tuning == "measure":
+        cache.save()
+    return overrides, choices

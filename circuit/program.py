@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from draft_circuit.circuit.ir import ROW, Circuit, Node, TensorSpec
+from draft_circuit.circuit.ir import ROW, Circuit, CircuitError, Node, TensorSpec
 from draft_circuit.circuit.memory import Buffer, plan_memory
 from draft_circuit.ops.bindings import KernelBinding
 from draft_circuit.ops.registry import CostContext, OpDef, get_op
@@ -90,6 +90,15 @@ def choose_kernel(op: OpDef, ins: list[TensorSpec], attrs: Any, device: str,
     return next((k for k in kernels if k.applies(device, ins, attrs)), None)
 
 
+def _override(op: OpDef, node: Node, ins: list[TensorSpec], attrs: Any, device: str,
+              name: str) -> KernelBinding:
+    binding = next((k for k in op.kernels if k.name == name), None)
+    if binding is None or not binding.applies(device, ins, attrs):
+        raise CircuitError(f"node {node.name!r}: kernel {name!r} was chosen for it but is not an "
+                           f"applicable binding of {op.name!r} on {device}")
+    return binding
+
+
 def _slot(c: Circuit, value: str, env: dict[str, int], offsets: dict[str, int]) -> Slot:
     v = c.value(value)
     shape = v.spec.concrete(env)
@@ -102,11 +111,17 @@ def _slot(c: Circuit, value: str, env: dict[str, int], offsets: dict[str, int]) 
 
 def build_program(c: Circuit, width: int, device: str, *, kv_rows: int = 100,
                   alignment: int = 256, kernels: set[str] | None = None,
-                  width_independent: bool = True) -> Program:
+                  width_independent: bool = True,
+                  overrides: dict[str, str] | None = None) -> Program:
+    """`overrides`: node name -> the kernel to bind there (the planner's measured choice, which
+    must be one of the node's applicable bindings) instead of the first that applies."""
     env = {ROW: width}
     order = c.topo_order()
     parsed = [get_op(n.op).parse_attrs(n.attrs) for n in order]
-    chosen = [choose_kernel(get_op(n.op), [c.value(x).spec for x in n.inputs], a, device, kernels,
+    chosen = [_override(get_op(n.op), n, [c.value(x).spec for x in n.inputs], a, device,
+                        overrides[n.name])
+              if overrides and n.name in overrides else
+              choose_kernel(get_op(n.op), [c.value(x).spec for x in n.inputs], a, device, kernels,
                             width_independent)
               for n, a in zip(order, parsed)]
     workspaces = _workspaces(c, order, parsed, chosen, env)

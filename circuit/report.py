@@ -35,6 +35,16 @@ class NodeInfo(BaseModel):
     origin: list[Origin] = []  # the layer lines that built it (a fused node: each part's)
 
 
+class KernelChoice(BaseModel):
+    """Why a node got its kernel at one width (circuit/tuning.py): the chosen binding, the rule,
+    and the measured us of every candidate."""
+    model_config = ConfigDict(frozen=True)
+    node: str
+    kernel: str
+    why: str
+    us: dict[str, float]
+
+
 class WidthReport(BaseModel):
     model_config = ConfigDict(frozen=True)
     width: int
@@ -55,6 +65,7 @@ class WidthReport(BaseModel):
     floor_us: float
     capture_ms: float | None = None  # filled by a graph runner when it captures
     graph_pool_bytes: int | None = None  # the graph pool's reserved growth while capturing it
+    kernel_choices: list[KernelChoice] = []  # measured choices (CompileOptions.tuning)
     schedule: list[Launch]
     buffers: list[dict[str, Any]]
 

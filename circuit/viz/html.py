@@ -47,6 +47,20 @@ def width_row(w: WidthReport) -> str:
     return f'<tr data-width="{w.width}" tabindex="0">{tds}</tr>'
 
 
+def choices_table(report: PlanReport) -> str:
+    """The measured kernel choices of every width (empty without a tuning pass)."""
+    rows = "".join(
+        f"<tr><td>{w.width}</td><td>{escape(c.node)}</td><td>{escape(c.kernel)}</td>"
+        f"<td>{escape(', '.join(f'{k} {us:.1f}' for k, us in sorted(c.us.items())) or NONE)}</td>"
+        f"<td>{escape(c.why)}</td></tr>"
+        for w in report.widths for c in w.kernel_choices)
+    if not rows:
+        return ('<p class="note" id="kernel-choices">Kernel choice: the first applicable binding '
+                "(no tuning pass; CompileOptions(tuning=\"measure\") times the candidates on the GPU).</p>")
+    head = "".join(f"<th>{h}</th>" for h in ("width", "node", "kernel", "measured µs", "why"))
+    return f'<table id="kernel-choices"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
+
+
 def width_table(report: PlanReport) -> str:
     head = ["width", "launches", "launches / step", "GPU kernels", "arena", "lower bound", "naive",
             "arena / lower", "bytes moved", "floor µs", "capture ms", "graph pool"]
@@ -123,6 +137,7 @@ def render_html(report: PlanReport) -> str:
 <section class="card" id="widths"><h2>Per-width plan</h2>{width_table(report)}
 <p class="note">Arena: this width's plan (the shared arena is the largest). Lower bound: the peak of
 aligned bytes live at once. Floor: bytes moved over the bandwidth. Capture: filled in by a GPU run.</p>
+{choices_table(report)}
 </section>
 <div class="grid"><div class="column">
 <section class="card" id="dag-section"><h2>Circuit by draft step</h2>{legend(report)}
