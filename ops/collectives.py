@@ -23,13 +23,14 @@ Costs are every op's (inputs read once, outputs written once) plus the bytes ove
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Callable, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import CircuitError, TensorSpec
-from draft_circuit.ops.bindings import Applies, Condition, KernelBinding, Launch, Scratch, Tensors
+from draft_circuit.ops.bindings import Applies, Condition, KernelBinding, Launch, Scratch, Tensors, aten_kernels
 from draft_circuit.ops.registry import (ELEMENTWISE, LAYOUT, REDUCTION, SAMPLING, Cost, CostContext, Env, OpDef, Reference,
                                         Specs, check, default_cost, register)
 from draft_circuit.ops.sampling import _check_mask, allowed_tokens
@@ -198,7 +199,7 @@ register(OpDef(
                               "world_size <= 2 (a sum of two is exact in either order)", _world_at_most_two),))),
         CollectiveBinding(name="gather_sum", launch=_gather_sum_on(None), on_group=_gather_sum_on,
                           eager_on_group=_gather_sum_eager, applies=Applies(ANY_DEVICE),
-                          workspace=_gather_sum_ws),
+                          workspace=_gather_sum_ws, launches=2),  # the gather, then the sum
         # the backend's own reduction: fewer bytes, but a row's bits follow the batch's chunking
         CollectiveBinding(name="torch_all_reduce_any", launch=_all_reduce_on(None),
                           on_group=_all_reduce_on, eager_on_group=_all_reduce_eager,
@@ -322,6 +323,21 @@ def _vp_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     return [("int32", (n, 3)), ("int32", (a.world_size, n, 3))]
 
 
+@cache
+def _vp_argmax_launches(ins: Sequence[TensorSpec], a: Any) -> int:
+    """The aten kernels one launch runs (its world-size-1 form on meta tensors, rows = 2: the
+    gather is one kernel, as the copy standing in for it there)."""
+    env = {name: 2 for s in ins for name in s.shape if isinstance(name, str)}
+    local = a.model_copy(update={"world_size": 1})
+
+    def meta(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+    tin = [meta(s.dtype, s.concrete(env)) for s in ins]
+    tout = [meta("int32", (2,)), meta("float32", (2,))]
+    ws = [meta(dt, shape) for dt, shape in _vp_argmax_ws(ins, env, local)]
+    return aten_kernels(lambda: _vp_argmax_on(None)(tin, tout, ws, local))
+
+
 def _vp_argmax_on(group: Any) -> Launch:
     def launch(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
         argmax_partial(ins[0], ins[1] if len(ins) > 1 else None, a.vocab_offset, out=ws[0])
@@ -353,7 +369,8 @@ register(OpDef(
     cost=_vp_argmax_cost, tags=frozenset({REDUCTION, SAMPLING}),
     kernels=(CollectiveBinding(name="torch_vocab_parallel_argmax", launch=_vp_argmax_on(None),
                                on_group=_vp_argmax_on, eager_on_group=_vp_argmax_eager,
-                               applies=Applies(ANY_DEVICE), workspace=_vp_argmax_ws),),
+                               applies=Applies(ANY_DEVICE), workspace=_vp_argmax_ws,
+                               launches=lambda ins, a: _vp_argmax_launches(tuple(ins), a)),),
 ))
 
 

@@ -209,3 +209,24 @@ def test_fp8_block_scaled_checkpoints_are_refused_for_sharded_loading(tmp_path):
     path = write_random_checkpoint(tmp_path / "fp8", moe, seed=1, fp8_experts=True)
     with pytest.raises(TpShardError, match="block-scales an fp8 tensor"):
         load_mtp_shard(path, 0, 2)
+
+
+def test_collective_bindings_declare_the_kernels_they_run():
+    """Plan reports count launches: the argmax's torch binding declares the aten kernels it runs
+    (counted on real tensors here, world size 1: its gather is the one copy), gather_sum two."""
+    from draft_circuit.circuit.ir import ROW, TensorSpec
+    from draft_circuit.ops.bindings import aten_kernels
+    from draft_circuit.ops.registry import get_op
+
+    op = get_op("vocab_parallel_argmax")
+    for with_mask in (False, True):
+        specs = [TensorSpec(dtype="float32", shape=(ROW, 70))] + \
+            ([TensorSpec(dtype="int32", shape=(ROW, 3))] if with_mask else [])
+        attrs = op.parse_attrs({"vocab_size": 70})
+        binding = op.kernels[0]
+        ins = [torch.randn(3, 70)] + ([torch.full((3, 3), -1, dtype=torch.int32)] if with_mask else [])
+        outs = [torch.empty(3, dtype=torch.int32), torch.empty(3)]
+        ws = [torch.empty(shape, dtype=getattr(torch, dt)) for dt, shape in binding.workspace(specs, {ROW: 3}, attrs)]
+        assert aten_kernels(lambda: binding.launch(ins, outs, ws, attrs)) == binding.launch_count(specs, attrs)
+    assert {k.name: k.launches for k in get_op("all_reduce").kernels if not callable(k.launches)} == {
+        "torch_all_reduce": 1, "gather_sum": 2, "torch_all_reduce_any": 1}
