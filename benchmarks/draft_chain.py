@@ -293,6 +293,8 @@ class Settings:
     circuit_widths: str
     compile_dynamic: bool | None
     compile_backend: str | None  # None: inductor with mode="reduce-overhead"
+    tuning: str = "off"  # CompileOptions.tuning for the circuit strategies
+    tuning_cache: str | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -479,7 +481,8 @@ class CircuitBuild:
         chain = emit_draft_chain(b.head, s.num_drafts, max_width=s.max_width, kv=b.kv(),
                                  draft_vocab=b.draft_vocab)
         options = CompileOptions(kv_rows=round(b.mean_live), bandwidth_gbps=bandwidth_gbps,
-                                 width_independent=not fast)
+                                 width_independent=not fast, tuning=s.tuning,
+                                 tuning_cache=s.tuning_cache)
         t = time.perf_counter()
         self.compiled = compile_draft(chain, b.params, widths=widths, device=str(s.device),
                                       options=options)
@@ -509,6 +512,10 @@ class CircuitBuild:
             "capture_failures": dict(stats.failures) if stats else {},
             "launches": {w.width: w.launches for w in report.widths},
             "launches_per_step": {w.width: w.launches_per_step for w in report.widths},
+            # what the GPU runs: a split kernel and its merge count two (KernelBinding.launches)
+            "gpu_launches_per_step": {w.width: w.gpu_launches_per_step for w in report.widths},
+            "kernel_choices": {w.width: [c.model_dump() for c in w.kernel_choices]
+                               for w in report.widths if w.kernel_choices},
             "plan_bytes_moved": {w.width: w.bytes_moved for w in report.widths},
             "plan_floor_us": {w.width: w.floor_us for w in report.widths},
             "kernels": sorted({x.kernel for x in report.widths[-1].schedule}),
@@ -527,7 +534,8 @@ class CircuitBuild:
         report = self.compiled.report().width(n)
         return Case(prepare, lambda: self.backend.execute(n),
                     lambda: self.backend.output_buffers(n)["drafts"],
-                    {"launches": report.launches, "launches_per_step": report.launches_per_step})
+                    {"launches": report.launches, "launches_per_step": report.launches_per_step,
+                     "gpu_launches_per_step": report.gpu_launches_per_step})
 
 
 class CompiledStep:
@@ -926,11 +934,13 @@ def config_markdown(name: str, cfg: dict[str, Any], strategies: list[str]) -> st
              f"vocab {c['vocab_size']}{_moe_text(c)}{_vocab_text(cfg)} ({cfg['dtype']}, k = {cfg['num_drafts']}, "
              f"mean live {cfg['mean_live_rows']:.1f} rows)", "",
              "Median us per chain (x floor, x circuit).", ""]
-    head = ["n", "floor us", "circuit launches/step", *strategies]
+    head = ["n", "floor us", "circuit GPU launches/step (nodes)", *strategies]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for n, row in sorted(cfg["widths"].items(), key=lambda kv: int(kv[0])):
-        lps = (row.get("circuit") or {}).get("launches_per_step", "-")
+        circuit = row.get("circuit") or {}
+        lps = (f"{circuit['gpu_launches_per_step']:g} ({circuit['launches_per_step']:g})"
+               if "gpu_launches_per_step" in circuit else circuit.get("launches_per_step", "-"))
         cells = [n, f"{cfg['floors'][n]['floor_us']:.1f}", str(lps),
                  *[_cell(row.get(st)) for st in strategies]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -948,9 +958,13 @@ def config_markdown(name: str, cfg: dict[str, Any], strategies: list[str]) -> st
                 f"- {key}: compile {sm['compile_s']:.1f} s + capture {sm['capture_wall_s']:.1f} s "
                 f"for {len(sm['widths_compiled'])} widths ({sm['widths_compiled'][0]}.."
                 f"{sm['widths_compiled'][-1]}); sum of capture_ms {sm['capture_ms_sum']:.0f} ms; "
-                f"graph pool {sm['pool_bytes_sum'] / 2**20:.1f} MiB beyond the arena of "
+                f"graph pool reserved {sm['pool_bytes_sum'] / 2**20:.1f} MiB beyond the arena of "
                 f"{sm['arena_bytes'] / 2**20:.1f} MiB; capture failures: "
                 f"{len(sm['capture_failures'])}")
+            for w, picks in sorted(sm.get("kernel_choices", {}).items(), key=lambda kv: int(kv[0]))[:1]:
+                lines.append(f"- {key} kernel choices (measured, every width): " + "; ".join(
+                    f"{c['node']}: {c['kernel']} ({', '.join(f'{k} {us:.1f} us' for k, us in sorted(c['us'].items()))})"
+                    for c in picks))
         elif sm and sm.get("error"):
             line = f"- {key}: {sm['error'].splitlines()[0][:300]}"
             if line not in lines:
@@ -1075,6 +1089,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="markdown to write or update (default benchmarks/RESULTS.md; inside "
                         "--out for --dry-run)")
     p.add_argument("--device", default=None, help="default: cuda (cpu for --dry-run)")
+    p.add_argument("--tuning", choices=("off", "cached", "measure"), default="off",
+                   help="the circuit's measured kernel choice (CompileOptions.tuning): measure "
+                        "times competing kernels once on the GPU and caches them")
+    p.add_argument("--tuning-cache", default=None,
+                   help="tuning cache file (default ~/.cache/draft_circuit/tuning.json)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, a tiny fp32 config, one width, few iterations: checks the script")
     return p.parse_args(argv)
@@ -1129,7 +1148,8 @@ def build(args: argparse.Namespace) -> tuple[Settings, dict[str, MtpConfig], lis
                  num_sets=args.sets, live_min=args.live_min, live_max=args.live_max,
                  iters=args.iters, warmup=args.warmup, seed=args.seed,
                  circuit_widths=args.circuit_widths, compile_dynamic=dynamic,
-                 compile_backend=args.compile_backend)
+                 compile_backend=args.compile_backend, tuning=args.tuning,
+                 tuning_cache=args.tuning_cache)
     return s, {n: CONFIGS[n] for n in names}, strategies
 
 
