@@ -146,3 +146,34 @@ def test_hiddens_of_another_width_are_a_typed_error(dirs):
         engine.proposer.propose_batch([3], torch.randn(1, TARGET.hidden_size), [2], 3, [state])
     with pytest.raises(HiddenWidthError, match=r"sequence 0: hiddens must be \[rows, 288\].*the head reads 288"):
         engine.proposer.catchup_batch([[1, 2]], [torch.randn(2, TARGET.hidden_size)], [1], [state])
+
+
+def test_the_command_line_takes_an_eagle3_drafter_and_a_draft_vocabulary(dirs, tmp_path, capsys):
+    import json
+
+    from draft_circuit.circuit.layers.draft_vocab import save_draft_vocab
+    from examples.engine.__main__ import main
+    ck = load_checkpoint(dirs["target"], draft_path=dirs["named"])
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 9, 2, 33, 17], [7, 1], [40, 41, 42, 43, 44, 45, 46]]))
+    vocab = save_draft_vocab(tmp_path / "vocab.json", _subset(ck, 64))
+    held = draft_targets(ck.mtp["d2t"], TARGET.vocab_size).tolist()
+    corpus = tmp_path / "corpus.json"  # draft ids only, the first 80 of them twice: a top-80 list
+    corpus.write_text(json.dumps(held + held[:80]))
+    base = ["--checkpoint", str(dirs["target"]), "--prompts", str(prompts), "--max-new-tokens", "10",
+            "--quiet", "--forward", "eager", "--widths", "1,2,4", "--threads", str(torch.get_num_threads())]
+    eagle = ["--draft-checkpoint", str(dirs["named"])]
+    runs = {}
+    for name, extra in (("greedy", ["--no-speculation"]), ("eagle3", eagle),
+                        ("file", [*eagle, "--draft-vocab", str(vocab)]),
+                        ("built", [*eagle, "--draft-vocab", "80", "--draft-vocab-corpus", str(corpus)])):
+        out = tmp_path / f"{name}.json"
+        assert main([*base, *extra, "--summary-json", str(out)]) == 0, name
+        runs[name] = [r["generated"] for r in json.loads(out.read_text())["requests_ids"]]
+    assert runs["eagle3"] == runs["file"] == runs["built"] == runs["greedy"]
+    capsys.readouterr()
+    assert main([*base, *eagle, "--draft-vocab", "80"]) == 2  # N with no corpus, not a byte-level model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --draft-vocab 80: building 80 ids needs a corpus")
+    assert main([*base, *eagle, "--draft-vocab", str(tmp_path / "missing.json")]) == 2
+    assert "error: --draft-vocab" in capsys.readouterr().err
