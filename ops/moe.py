@@ -137,17 +137,29 @@ def _route_launches(ins: Sequence[TensorSpec], a: Any) -> int:
     return 1 + aten_kernels(lambda: route_select(logits, bias, a)) + 2
 
 
+def _route_fp32_gate_launch(ins: Tensors, outs: Tensors, ws: Tensors, a: MoeRouteAttrs) -> None:
+    """An fp32 gate over 16-bit x (GLM-4.5's router, transformers' _keep_in_fp32_modules): x
+    widened to fp32 (exact) in a workspace, then the fp32 linear, as the reference computes it."""
+    ws[1].copy_(ins[0])
+    _route_launch([ws[1], *ins[1:]], outs, ws[:1], a)
+
+
 register(OpDef(
     name="moe_route", inputs=("x", "gate_weight", "e_score_correction_bias"),
     outputs=("topk_ids", "topk_weights"), attrs=MoeRouteAttrs, num_required=2,
     infer=_infer_route, reference=_route, tags=frozenset({MATMUL, REDUCTION}),
     cost=lambda ins, outs, a, ctx, env: default_cost(
         ins, outs, env, flops=2 * math.prod(ins[0].concrete(env)) * int(ins[1].shape[0])),
-    # a gate in x's dtype; fp32 routing takes the reference
+    # a gate in x's dtype; an fp32 gate over 16-bit x: x widened first (one more launch)
     kernels=(KernelBinding("triton_moe_route", _route_launch, Applies(TRITON, conditions=(
         Condition("gate_weight in x's dtype", lambda ins, a: ins[1].dtype == ins[0].dtype),)),
         workspace=lambda ins, env, a: [("float32", (ins[0].concrete(env)[0], int(ins[1].shape[0])))],
-        launches=_route_launches),),
+        launches=_route_launches),
+        KernelBinding("triton_moe_route_fp32_gate", _route_fp32_gate_launch, Applies(TRITON, conditions=(
+            Condition("an fp32 gate_weight over 16-bit x", lambda ins, a: ins[1].dtype == "float32" != ins[0].dtype),)),
+            workspace=lambda ins, env, a: [("float32", (ins[0].concrete(env)[0], int(ins[1].shape[0]))),
+                                           ("float32", tuple(ins[0].concrete(env)))],
+            launches=lambda ins, a: 1 + _route_launches(ins, a))),
 ))
 
 

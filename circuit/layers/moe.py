@@ -307,8 +307,9 @@ def moe_plan_note(config: MoeConfig) -> dict[str, Any]:
              "how": "planned with the switch set, moe_experts takes its reference: per row and slot "
                     "gathers (capturable, no host sync) that read each selected expert once per row"},
             {"reason": "fp32_routing", "active": config.routing_dtype == "float32",
-             "n_row_program_serves": True, "kernel": "reference (moe_route) + triton_moe_grouped",
-             "how": "routing is its own op: an fp32 gate makes moe_route take its fp32 reference; "
+             "n_row_program_serves": True, "kernel": "triton_moe_route_fp32_gate + triton_moe_grouped",
+             "how": "routing is its own op: an fp32 gate over 16-bit rows takes moe_route's fp32-gate "
+                    "kernel (the rows widened to fp32, then the fp32 linear); "
                     "the grouped expert kernel only reads ids and weights"},
             {"reason": "expert_parallel", "active": config.expert_parallel_size > 1,
              "n_row_program_serves": False, "kernel": None,
