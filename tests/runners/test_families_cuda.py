@@ -1,6 +1,6 @@
 """On the GPU (`-m cuda`): the Qwen2 (q/k/v bias), Qwen3 (q/k norm) and GLM-4.5 (partial rotary,
 bias, q/k norm, fp32 gate, top-1 normalised) MTP chains in bf16, planned with the Triton kernels
-(biased linear, head_rmsnorm, partial rope_kv_write) and captured into CUDA graphs: each replay
+(biased linear, head_rmsnorm, partial rope_kv_write, GLM's fp32-gate router) and captured into CUDA graphs: each replay
 equals the program run uncaptured bitwise, the fp32 eager oracle under the near-tie rule, and
 replay allocates nothing."""
 import dataclasses
@@ -46,6 +46,8 @@ def test_captured_family_chain_equals_program_and_eager(family):
     kernels = {(x.op, x.kernel) for x in compiled.programs[4].launches}
     assert ("rope_kv_write", "triton_rope_kv_write") in kernels
     assert (("head_rmsnorm", "triton_head_rmsnorm") in kernels) == config.qk_norm
+    if isinstance(config, MoeConfig):  # GLM-4.5's fp32 gate over the bf16 rows: its own Triton binding
+        assert ("moe_route", "triton_moe_route_fp32_gate") in kernels
     if config.qkv_bias:
         assert any(x.op == "linear" and x.kernel == "triton_linear" and len(x.inputs) == 3
                    for x in compiled.programs[4].launches)
