@@ -333,7 +333,8 @@ def _vp_argmax_launches(ins: Sequence[TensorSpec], a: Any) -> int:
     def meta(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     tin = [meta(s.dtype, s.concrete(env)) for s in ins]
-    tout = [meta("int32", (2,)), meta("float32", (2,))]
+    rows = tin[0].shape[0]  # 2, or the width where the specs are concrete (plan reports)
+    tout = [meta("int32", (rows,)), meta("float32", (rows,))]
     ws = [meta(dt, shape) for dt, shape in _vp_argmax_ws(ins, env, local)]
     return aten_kernels(lambda: _vp_argmax_on(None)(tin, tout, ws, local))
 

@@ -230,3 +230,21 @@ def test_collective_bindings_declare_the_kernels_they_run():
         assert aten_kernels(lambda: binding.launch(ins, outs, ws, attrs)) == binding.launch_count(specs, attrs)
     assert {k.name: k.launches for k in get_op("all_reduce").kernels if not callable(k.launches)} == {
         "torch_all_reduce": 1, "gather_sum": 2, "torch_all_reduce_any": 1}
+
+
+def test_a_shards_plan_report_renders_and_names_its_shard(tmp_path):
+    """Regression: the report counts the argmax's launches at a concrete width (its launch count
+    once traced 2 rows against 4-row specs and failed), states the shard, and the viz renders."""
+    from draft_circuit.circuit.viz import write_all
+
+    tp = shard_head(MtpHead(CFG), 1, 2)
+    chain = emit_draft_chain(tp, 2, max_width=4, kv=KV)
+    compiled = compile_draft(chain, tp.bind(shard_weights(random_mtp_weights(CFG, seed=2), tp.tp)), [1, 4],
+                             notes=tp.plan_notes())
+    report = compiled.report()
+    assert report.notes["tensor_parallel"] == {
+        "rank": 1, "world_size": 2, "query_heads": [2, 4], "kv_heads": [1, 2], "kv_replicated": False,
+        "vocab_rows": [125, 250], "embedding": "replicated"}
+    argmax = [x for x in compiled.programs[4].launches if x.op == "vocab_parallel_argmax"]
+    assert len(argmax) == 2 and argmax[0].bytes_read == 4 * 125 * 4 + 12 * 4  # logits + partials received
+    assert {p.name for p in write_all(report, tmp_path)} >= {"plan.html", "circuit.dot"}
