@@ -83,3 +83,21 @@ def test_speculative_decoding_equals_transformers_generate(checkpoint, drafter, 
     for prompt, ours in zip(PROMPTS, result.outputs):
         theirs, gaps = hf_greedy(checkpoint, prompt)
         assert_same_greedy(ours, theirs, gaps)
+
+
+def test_an_fp8_checkpoint_runs_fp8_and_speculation_equals_target_only(tmp_path):
+    """DeepSeek-V3's released form (projections and experts fp8 e4m3 beside 128x128 scales): the
+    engine keeps them fp8 in the target and the MTP head, and speculating changes no id."""
+    from tests.examples.helpers import random_requests
+    root = real_layout(tmp_path / "fp8", fp8=True, moe_intermediate_size=128, hidden_size=128)
+    ck = dataclasses.replace(load_checkpoint(root), eos_token_id=None)
+    assert any(w.dtype == torch.float8_e4m3fn for w in ck.target.values())
+    requests = random_requests(ck.config.vocab_size, 3, seed=1, max_prompt=10, max_new=(6, 10))
+    settings = dict(num_drafts=3, max_batch=3, kv_blocks=64, block_size=4, widths=(1, 2, 4), max_rows=64)
+    greedy = Engine(ck, EngineConfig(speculate=False, **settings)).generate(requests).outputs
+    for forward in ("eager", "circuit"):
+        engine = Engine(ck, EngineConfig(forward=forward, **settings))
+        head = engine.proposer.head
+        assert isinstance(head, DeepseekMtpHead) and head.fp8_experts and head.fp8_dense
+        assert any(n.op == "linear_fp8" for n in engine.target.model.circuit.nodes)
+        assert engine.generate(requests).outputs == greedy, forward
