@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from draft_circuit.circuit.cli import main
 from draft_circuit.circuit.layers.checkpoint import (ConfigError, MissingMtpLayerError, MissingTensorError,
+                                                     NonFiniteTensorError, TensorDtypeError,
                                                      UnsupportedArchitectureError, UnsupportedConfigError,
                                                      UnexpectedTensorError, UnsupportedTensorError, load_mtp_weights,
                                                      load_target_weights, read_config)
@@ -288,6 +289,15 @@ def test_an_extra_mtp_tensor_is_refused_by_name(tmp_path, name, shape) -> None:
     root = _one(tmp_path)
     _edit(root, add={name: torch.ones(shape)})
     with pytest.raises(UnsupportedTensorError, match=f"'{re.escape(name)}'.*Qwen3NextForCausalLM"):
+        load_mtp_weights(root)
+
+
+@pytest.mark.parametrize("bad, error", [(torch.full((32, 64), float("nan")), NonFiniteTensorError),
+                                        (torch.ones(32, 64, dtype=torch.int32), TensorDtypeError)])
+def test_non_finite_or_integer_weights_are_refused_by_name(tmp_path, bad, error) -> None:
+    root = _one(tmp_path)
+    _edit(root, add={"mtp.fc.weight": bad})
+    with pytest.raises(error, match=r"'mtp\.fc\.weight'"):
         load_mtp_weights(root)
 
 
