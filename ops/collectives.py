@@ -9,6 +9,8 @@ only on a process group. The group reaches the launches through `CollectiveBindi
 the CUDA graphs replay), `eager_on_group(group)` the out-of-place form EagerRunner calls. Launches
 call torch.distributed in place on the program's static buffers (the output slot, or planned
 workspace), so a call allocates no buffer of its own; with NCCL they are captured like any kernel.
+vocab_parallel_argmax runs its partial and combine as Triton kernels on CUDA (and under the
+interpreter), torch ops on CPU and in the eager oracle.
 
 Sum order. A sum of two is exact in either order, so `torch_all_reduce` serves world size 2 as
 width independent (a row's bits never depend on the batch). A ring or tree all-reduce over more
@@ -30,7 +32,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import CircuitError, TensorSpec
-from draft_circuit.ops.bindings import Applies, Condition, KernelBinding, Launch, Scratch, Tensors, aten_kernels
+from draft_circuit.ops.bindings import (TRITON, Applies, Condition, KernelBinding, Launch, Scratch, Tensors,
+                                        aten_kernels, kernel)
 from draft_circuit.ops.registry import (ELEMENTWISE, LAYOUT, REDUCTION, SAMPLING, Cost, CostContext, Env, OpDef, Reference,
                                         Specs, check, default_cost, register)
 from draft_circuit.ops.sampling import _check_mask, allowed_tokens
@@ -363,12 +366,47 @@ def _vp_argmax_eager(group: Any) -> Reference:
     return ref
 
 
+_k_partial = kernel("vocab_parallel_argmax", "vocab_partial")
+_k_combine = kernel("vocab_parallel_argmax", "vocab_combine")
+
+
+def _vp_triton_on(group: Any) -> Launch:
+    """Triton partial, the gather, Triton combine: three launches (two at world size 1, where the
+    one partial is the gathered set)."""
+    def launch(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
+        _k_partial()(ins[0], ins[1] if len(ins) > 1 else None, a.vocab_offset, ws[0])
+        if a.world_size == 1:
+            parts = ws[0].view(1, *ws[0].shape)
+        else:
+            if group is None:
+                _single_process("vocab_parallel_argmax", a)
+            _gather_into(group, ws[1], ws[0])
+            parts = ws[1]
+        _k_combine()(parts, outs[0], outs[1])
+    return launch
+
+
+def _vp_triton_eager(group: Any) -> Reference:
+    def ref(t: list[torch.Tensor], a: Any) -> tuple[torch.Tensor, ...]:
+        n = t[0].shape[0]
+        outs = [t[0].new_empty(n, dtype=torch.int32), t[0].new_empty(n, dtype=torch.float32)]
+        ws = [t[0].new_empty(n, 3, dtype=torch.int32), t[0].new_empty(a.world_size, n, 3, dtype=torch.int32)]
+        _vp_triton_on(group)(t, outs, ws, a)
+        return tuple(outs)
+    return ref
+
+
 register(OpDef(
     # the tie rule of argmax_logprob across ranks; the confidence is the full-vocabulary softmax
     name="vocab_parallel_argmax", inputs=("logits", "bitmask"), outputs=("token", "logprob"),
     num_required=1, attrs=VocabParallelAttrs, infer=_infer_vp_argmax, reference=_vp_argmax_ref,
     cost=_vp_argmax_cost, tags=frozenset({REDUCTION, SAMPLING}),
-    kernels=(CollectiveBinding(name="torch_vocab_parallel_argmax", launch=_vp_argmax_on(None),
+    kernels=(CollectiveBinding(name="triton_vocab_parallel_argmax", launch=_vp_triton_on(None),
+                               on_group=_vp_triton_on, eager_on_group=_vp_triton_eager,
+                               applies=Applies(TRITON), workspace=_vp_argmax_ws,
+                               launches=lambda ins, a: 2 if a.world_size == 1 else 3),
+             # CPU, and the eager oracle's collective: torch ops around the gather
+             CollectiveBinding(name="torch_vocab_parallel_argmax", launch=_vp_argmax_on(None),
                                on_group=_vp_argmax_on, eager_on_group=_vp_argmax_eager,
                                applies=Applies(ANY_DEVICE), workspace=_vp_argmax_ws,
                                launches=lambda ins, a: _vp_argmax_launches(tuple(ins), a)),),

@@ -223,11 +223,14 @@ def test_collective_bindings_declare_the_kernels_they_run():
         specs = [TensorSpec(dtype="float32", shape=(ROW, 70))] + \
             ([TensorSpec(dtype="int32", shape=(ROW, 3))] if with_mask else [])
         attrs = op.parse_attrs({"vocab_size": 70})
-        binding = op.kernels[0]
+        binding = next(k for k in op.kernels if k.name == "torch_vocab_parallel_argmax")
         ins = [torch.randn(3, 70)] + ([torch.full((3, 3), -1, dtype=torch.int32)] if with_mask else [])
         outs = [torch.empty(3, dtype=torch.int32), torch.empty(3)]
         ws = [torch.empty(shape, dtype=getattr(torch, dt)) for dt, shape in binding.workspace(specs, {ROW: 3}, attrs)]
         assert aten_kernels(lambda: binding.launch(ins, outs, ws, attrs)) == binding.launch_count(specs, attrs)
+    triton = next(k for k in op.kernels if k.name == "triton_vocab_parallel_argmax")
+    assert [triton.launch_count(specs, op.parse_attrs({"vocab_size": 70, "world_size": w, "vocab_offset": 0}))
+            for w in (1, 2)] == [2, 3]  # partial, (gather,) combine
     assert {k.name: k.launches for k in get_op("all_reduce").kernels if not callable(k.launches)} == {
         "torch_all_reduce": 1, "gather_sum": 2, "torch_all_reduce_any": 1}
 
@@ -248,3 +251,41 @@ def test_a_shards_plan_report_renders_and_names_its_shard(tmp_path):
     argmax = [x for x in compiled.programs[4].launches if x.op == "vocab_parallel_argmax"]
     assert len(argmax) == 2 and argmax[0].bytes_read == 4 * 125 * 4 + 12 * 4  # logits + partials received
     assert {p.name for p in write_all(report, tmp_path)} >= {"plan.html", "circuit.dot"}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_interpreted_partial_and_combine_kernels_match_the_whole_vocabulary(world):
+    """kernels/vocab_parallel_argmax.py under the interpreter, ranks simulated in one process (the
+    gather is a stack): tokens == argmax_logprob over the whole vocabulary, ties across and within
+    ranks to the lowest id, mask by global id, NaN never, nothing allowed -1/-inf; log-probabilities
+    close; a row alone == the row in the batch bitwise."""
+    from draft_circuit.kernels.vocab_parallel_argmax import vocab_combine, vocab_partial
+    from draft_circuit.ops.sampling import argmax_logprob_ref, mask_words
+
+    vocab, n = 4100, 6  # more than one CHUNK a rank at world 1
+    g = torch.Generator().manual_seed(world)
+    logits = torch.randn(n, vocab, generator=g)
+    last, _ = vocab_shard(vocab, world - 1, world)
+    logits[0, [1, last + 1]] = 9.0
+    logits[1, [last, last + 1]] = 9.0
+    logits[2] = float("-inf")
+    logits[3, 2], logits[3, last] = float("nan"), 7.0
+    logits[4, [0, vocab - 1]] = 9.0
+    mask = torch.randint(-2**31, 2**31 - 1, (n, mask_words(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[:5] = -1
+    mask[4, 0] = -2
+    want_tok, want_lp = argmax_logprob_ref(logits, mask)
+
+    def run(rows):
+        parts = torch.empty(world, len(rows), 3, dtype=torch.int32)
+        for r in range(world):
+            off, size = vocab_shard(vocab, r, world)
+            vocab_partial(logits[rows, off:off + size].contiguous(), mask[rows].contiguous(), off, parts[r])
+        tok, lp = torch.empty(len(rows), dtype=torch.int32), torch.empty(len(rows))
+        vocab_combine(parts, tok, lp)
+        return tok, lp
+    tok, lp = run(list(range(n)))
+    assert torch.equal(tok, want_tok), (tok, want_tok)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+    alone = run([5])
+    assert torch.equal(alone[0], tok[5:]) and torch.equal(alone[1], lp[5:])

@@ -15,7 +15,7 @@ from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, random_moe_weights
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.layers.tp import shard_head, shard_kv, shard_weights, vocab_shard
-from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops.sampling import argmax_logprob_ref, mask_words
 from draft_circuit.runners.distributed import GroupTimeoutError, ShardLoadError, agree, load_sharded_head
 from draft_circuit.runners.eager import EagerRunner
@@ -137,7 +137,11 @@ def argmax_ties_worker(rank: int, world: int, group) -> None:
     inputs = {"logits": logits[:, off:off + rows].contiguous(), "bitmask": mask}
     eager = EagerRunner(circuit, {}, {}, group=group).run(inputs)
     program = ProgramRunner(compile_draft(circuit, {}, [n]), {}, group=group).run(inputs)
-    for got in (eager, program):
+    # the Triton partial and combine (interpreted) around the same gloo gather
+    compiled = compile_draft(circuit, {}, [n], options=CompileOptions(interpret_kernels=True))
+    assert [x.kernel for x in compiled.programs[n].launches] == ["triton_vocab_parallel_argmax"]
+    triton = ProgramRunner(compiled, {}, group=group).run(inputs)
+    for got in (eager, program, triton):
         assert torch.equal(got["token"], want_tok), (got["token"], want_tok)
         torch.testing.assert_close(got["logprob"], want_lp, atol=1e-6, rtol=1e-6)
 
