@@ -156,10 +156,11 @@ class MtpProposer:
                               "fixed across draft positions; acceptance may drop")
         # a masked draft's confidence is not measured in the reference: a masked chain never stops
         log_tau = float("-inf") if bitmask is not None else self.log_tau
+        # the runner's own input buffers, filled in place (it then skips its checks and copies)
         inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.states,
-                                     rows.hiddens, log_tau)
-        if bitmask is not None:
-            inputs["bitmask"] = bitmask
+                                     rows.hiddens, log_tau, runner)
+        if bitmask is not None:  # a masked chain stages in the staging's own (read-only) views
+            inputs = {**inputs, "bitmask": bitmask}
         return runner.run(n, inputs)
 
     def _execute_kv(self, rows: ChainRows) -> dict[str, torch.Tensor]:
@@ -168,7 +169,7 @@ class MtpProposer:
         (runner, kv_only), n = self.chains.kv_only(), len(rows.tokens)
         self.stats[runner.plan(n).kind][n] += 1
         inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.states,
-                                     rows.hiddens, None if kv_only else self.log_tau)
+                                     rows.hiddens, None if kv_only else self.log_tau, runner)
         return runner.run(n, inputs)
 
     # ---- states ----

@@ -1,89 +1,179 @@
 """Persistent staging of the proposer's chain inputs and outputs (issue 14 step 2): a steady-state
-propose or catch-up builds no tensor and allocates no memory of its own.
+propose or catch-up builds no tensor and allocates no memory of its own, and writes its inputs
+straight into the buffers the chain's program reads.
 
-- Every integer input of a run (tokens, positions, live rows, each row's table slot) and the
-  block-table rows that changed since the last run travel in ONE host-to-device copy of one
-  int32 staging buffer (pinned on CUDA, written through its numpy view: no tensor is built from a
-  Python list). On CPU the host buffer is the device buffer and nothing is copied.
-- Block tables live on the device, one row per state (its slot), and a row is rewritten only
-  when its sequence gained, lost or handed over a block (the table differs from the row's cached
-  copy); each run gathers its rows' tables with one `index_select` into a persistent buffer.
-- `active` and `log_tau` are constant buffers (log_tau refilled only when its value changes);
-  hiddens are copied into a persistent buffer, a catch-up's segments one copy each.
+- A compiled runner (`CircuitDraftRunner`) hands out its own static input buffers
+  (`staged_inputs(n)`); its int32 inputs (tokens, positions, block tables, live rows, active)
+  are views of one contiguous device region (runners/program.py). The staging keeps a host
+  mirror of that region laid out like it (pinned on CUDA, written through numpy views: no tensor
+  is built from a Python list) and fills it whole, every row past n at its neutral value, so
+  one `non_blocking` host-to-device copy stages every integer input of a run, padding included.
+  On CPU the mirror is the region itself and nothing is copied. The runner is then given its own
+  mapping back and runs with no check, copy or padding of its own (identity, O(1)).
+- A runner without such buffers (the eager oracle, a split plan, a masked chain, a runner of
+  another layout) gets views of the staging's own region laid out the same way, and checks and
+  copies them in as any caller's inputs.
+- Block tables are kept on the host, one row per state (its slot), rewritten only when its
+  sequence gained, lost or handed over a block; a run gathers its rows' tables into the mirror
+  with one `np.take` and they travel in the same copy (no per-row device work).
+- Hiddens are copied into the region's hidden buffer (one `cat` for a catch-up's segments);
+  rows past n are zeroed only when n shrank; `log_tau` is refilled only when its value or n
+  changes.
 - Drafts and confidences come back in ONE device-to-host copy (confidences packed beside the
   drafts as int32 bits) into pinned memory, with one sync per call.
 
-There are two host buffers, used in turn: before writing one, a run waits for the event recorded
-after the copy that last read it, two runs back, so a copy never reads a half-written buffer and
-a run enqueued right behind another (a propose behind the catch-up just enqueued) never waits
-for the GPU. Slot tables and slots grow by doubling when more states appear: an allocation only
-then.
+Each region has two host mirrors on CUDA, used in turn: before writing one, a run waits for the
+event recorded after the copy that last read it, two runs back, so a copy never reads a
+half-written mirror and a run enqueued right behind another (a propose behind the catch-up just
+enqueued) never waits for the GPU. Slot tables grow by doubling when more states appear: a host
+allocation only then.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from draft_circuit.runners.padding import neutral_value
 from draft_circuit.runners.proposer_state import MtpProposerState
 
-_ROWS = 4  # int rows per run: tokens, positions, live rows, slots; then dirty slots and tables
-_TABLES = _ROWS + 2  # dirty slots are int64 (index_copy_'s index): two int32 words each
+#: the chain inputs a region stages, in the circuit's order (and the region's layout)
+INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
+_ROWS = ("tokens", "positions", "live_rows", "active")  # one int a row
 
 
-class _HostViews:
-    """numpy views of one host staging buffer: the int rows, the dirty slots (int64) and the
-    dirty table rows."""
+class _Mirror:
+    """numpy views of one host mirror of a region: one [W] array per one-int input and the
+    block tables [W, M]."""
 
-    def __init__(self, ints: np.ndarray, w: int, m: int) -> None:
-        self.ints = ints
-        self.dirty = ints[_ROWS * w:_TABLES * w].view(np.int64)
-        self.rows = ints[_TABLES * w:].reshape(w, m)
+    def __init__(self, flat: np.ndarray, offsets: Mapping[str, int], w: int, m: int) -> None:
+        self.rows = {k: flat[offsets[k]:offsets[k] + w] for k in _ROWS}
+        self.tables = flat[offsets["block_tables"]:offsets["block_tables"] + w * m].reshape(w, m)
+
+
+class _Region:
+    """Where one runner's inputs are staged: its int32 region (device), the host mirror(s) of it,
+    its hidden and log_tau buffers, and what is known of their rows past the latest run's n."""
+
+    def __init__(self, flat: torch.Tensor, offsets: Mapping[str, int], hidden: torch.Tensor,
+                 log_tau: torch.Tensor | None, neutral: Mapping[str, int | float], *, w: int,
+                 m: int, cuda: bool, runner: object | None) -> None:
+        self.flat, self.hidden, self.log_tau, self.cuda = flat, hidden, log_tau, cuda
+        self.neutral = dict(neutral)
+        self.width = w
+        self.runner = runner  # the runner whose buffers these are (None: the staging's own)
+        # on CPU the mirror is the region; elsewhere host copies of it (pinned, two on CUDA)
+        self.copies = flat.device.type != "cpu"
+        self.hosts = [torch.zeros(flat.numel(), dtype=torch.int32, pin_memory=cuda)
+                      for _ in range(2 if cuda else 1)] if self.copies else [flat]
+        self.mirrors = [_Mirror(h.numpy(), offsets, w, m) for h in self.hosts]
+        self.copied = [torch.cuda.Event() for _ in self.hosts] if cuda else []  # type: ignore[no-untyped-call]
+        self.turn = 0
+        devs = {k: flat[offsets[k]:offsets[k] + w] for k in _ROWS}
+        self.tokens = devs["tokens"]
+        # rows [0:hidden_dirty) of hidden may hold values; log_tau's (value, n) as filled
+        self.hidden_dirty = w
+        self.tau: tuple[float, int] | None = None
+        self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
+        # the staging's own region: views handed out per (n, with log_tau), made once
+        self.views: dict[tuple[int, bool], Mapping[str, torch.Tensor]] = {}
+        self._devs = {**devs, "block_tables": flat[offsets["block_tables"]:
+                                                   offsets["block_tables"] + w * m].view(w, m)}
+
+    def own_views(self, n: int, tau: bool) -> Mapping[str, torch.Tensor]:
+        key = (n, tau)
+        if key not in self.views:
+            made = {"tokens": self._devs["tokens"][:n], "hidden": self.hidden[:n],
+                    "positions": self._devs["positions"][:n],
+                    "block_tables": self._devs["block_tables"][:n],
+                    "live_rows": self._devs["live_rows"][:n], "active": self._devs["active"][:n]}
+            if tau:
+                assert self.log_tau is not None
+                made["log_tau"] = self.log_tau[:n]
+            self.views[key] = MappingProxyType(made)
+        return self.views[key]
+
+
+def _runner_region(runner: object, *, w: int, m: int, device: torch.device,
+                   scratch: int) -> _Region | None:
+    """The region of a runner's own static inputs, or None when it has none of this layout (the
+    staging's own region serves it then)."""
+    if not hasattr(runner, "staged_inputs"):
+        return None
+    backend = getattr(runner, "backend", None)
+    static = getattr(backend, "static_inputs", None)
+    circuit = getattr(getattr(runner, "compiled", None), "circuit", None)
+    if not isinstance(static, dict) or circuit is None:
+        return None
+    names = set(static)
+    if not {*INTS, "hidden"} <= names or names - {*INTS, "hidden", "log_tau"}:
+        return None  # a masked chain (its bitmask) or another chain: not this layout
+    ints = [static[k] for k in INTS]
+    if any(t.dtype != torch.int32 or t.device != device or not t.is_contiguous() for t in ints):
+        return None
+    if tuple(static["block_tables"].shape) != (w, m) or static["tokens"].shape != (w,):
+        return None
+    if any(t.untyped_storage().data_ptr() != ints[0].untyped_storage().data_ptr() for t in ints):
+        return None
+    lo = min(t.storage_offset() for t in ints)
+    hi = max(t.storage_offset() + t.numel() for t in ints)
+    if hi - lo != sum(t.numel() for t in ints):
+        return None  # not one contiguous span of exactly these inputs
+    flat = ints[0].as_strided((hi - lo,), (1,), lo)
+    offsets = {k: t.storage_offset() - lo for k, t in zip(INTS, ints)}
+    neutral = {k: neutral_value(circuit, k, scratch) for k in (*INTS, "hidden")}
+    if "log_tau" in static:
+        neutral["log_tau"] = neutral_value(circuit, "log_tau", scratch)
+    return _Region(flat, offsets, static["hidden"], static.get("log_tau"), neutral, w=w, m=m,
+                   cuda=device.type == "cuda", runner=runner)
 
 
 class ChainStaging:
-    """The staging buffers of one proposer's chains (widths up to `max_width`)."""
+    """The staging of one proposer's chains (widths up to `max_width`)."""
 
     def __init__(self, *, max_width: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
                  max_drafts: int, scratch_block: int, device: str | torch.device,
                  slots: int = 64) -> None:
         self.device = torch.device(device)
+        index: int | None = self.device.index
+        if self.device.type == "cuda" and index is None:  # "cuda" resolves, as buffers' devices do
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda = self.device.type == "cuda"
         self.width, self.max_blocks, self.scratch, self.max_drafts = \
             max_width, max_blocks, scratch_block, max(max_drafts, 1)
         w, m = max_width, max_blocks
-        size = _TABLES * w + w * m  # + dirty slots [w] as int64 + dirty table rows [w, m]
-        # two host buffers in turn on CUDA (a copy may still be reading the other); on CPU the
-        # one host buffer is the device buffer
-        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
-                       for _ in range(2 if self.cuda else 1)]
-        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device) if self.cuda \
-            else self._hosts[0]
-        self._views = [_HostViews(h.numpy(), w, m) for h in self._hosts]
-        self._turn = 0
-        self._ints = [self._dev[i * w:(i + 1) * w] for i in range(_ROWS)]
-        self._dirty_slots = self._dev[_ROWS * w:_TABLES * w].view(torch.int64)
-        self._dirty_rows = self._dev[_TABLES * w:].view(w, m)
-        self._hidden = torch.zeros(w, hidden_size, dtype=dtype, device=self.device)
-        self._active = torch.ones(w, dtype=torch.int32, device=self.device)
-        self._log_tau = torch.full((w,), float("-inf"), dtype=torch.float32, device=self.device)
-        self._tau = float("-inf")
-        self._tables = torch.full((w, m), scratch_block, dtype=torch.int32, device=self.device)
-        self._slot_tables = torch.full((slots, m), scratch_block, dtype=torch.int32,
-                                       device=self.device)
+        # the staging's own region, for runners that hand out no buffers of this layout
+        sizes = {"tokens": w, "positions": w, "block_tables": w * m, "live_rows": w, "active": w}
+        offsets, at = {}, 0
+        for k in INTS:
+            offsets[k], at = at, at + sizes[k]
+        own = torch.zeros(at, dtype=torch.int32, device=self.device)
+        neutral: dict[str, int | float] = {"tokens": 0, "positions": 0, "live_rows": 0,
+                                           "active": 0, "block_tables": scratch_block,
+                                           "hidden": 0, "log_tau": float("-inf")}
+        self._own = _Region(own, offsets,
+                            torch.zeros(w, hidden_size, dtype=dtype, device=self.device),
+                            torch.full((w,), float("-inf"), dtype=torch.float32,
+                                       device=self.device),
+                            neutral, w=w, m=m, cuda=self.cuda, runner=None)
+        self._regions: weakref.WeakKeyDictionary[object, _Region | None] = \
+            weakref.WeakKeyDictionary()
+        self._last: Mapping[str, torch.Tensor] | None = None
+        # block tables on the host, one row per state; a row is rewritten when its blocks change
+        self._slot_tables = torch.full((slots, m), scratch_block, dtype=torch.int32)
+        self._slot_np = self._slot_tables.numpy()
         self._cached: list[tuple[int, ...] | None] = [None] * slots
         self._free: list[int] = list(range(slots - 1, -1, -1))
         k2 = 2 * self.max_drafts
         self._out_dev = torch.zeros(w * k2, dtype=torch.int32, device=self.device)
         self._out_host = torch.zeros(w * k2, dtype=torch.int32, pin_memory=self.cuda) \
             if self.cuda else self._out_dev
-        # per host buffer: the event recorded after the copy that read it last
-        self._copied = [torch.cuda.Event() for _ in self._hosts] if self.cuda else []  # type: ignore[no-untyped-call]
         self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
-    # ---- slots: one device table row per state ----
+    # ---- slots: one host table row per state ----
     def _slot(self, state: MtpProposerState) -> int:
         if state.slot is not None and state.slot[0] is self:
             return state.slot[1]
@@ -97,30 +187,54 @@ class ChainStaging:
 
     def _grow(self) -> None:
         old = self._slot_tables.shape[0]
-        grown = torch.full((2 * old, self.max_blocks), self.scratch, dtype=torch.int32,
-                           device=self.device)
+        grown = torch.full((2 * old, self.max_blocks), self.scratch, dtype=torch.int32)
         grown[:old].copy_(self._slot_tables)
-        self._slot_tables = grown
+        self._slot_tables, self._slot_np = grown, grown.numpy()
         self._cached += [None] * old
         self._free += list(range(2 * old - 1, old - 1, -1))
+
+    def _region(self, runner: object | None) -> _Region:
+        if runner is None:
+            return self._own
+        try:
+            region = self._regions[runner]
+        except KeyError:
+            region = self._regions[runner] = _runner_region(
+                runner, w=self.width, m=self.max_blocks, device=self.device, scratch=self.scratch)
+        except TypeError:  # an object that cannot be weakly referenced: stage in our own
+            return self._own
+        return self._own if region is None else region
 
     # ---- inputs ----
     def inputs(self, tokens: Sequence[int], positions: Sequence[int], live: Sequence[int],
                states: Sequence[MtpProposerState], hiddens: Sequence[torch.Tensor],
-               log_tau: float | None) -> dict[str, torch.Tensor]:
+               log_tau: float | None, runner: object | None = None) -> Mapping[str, torch.Tensor]:
         """The runner inputs of n rows: row i is states[i]'s, hiddens are the rows' segments in
-        order (their rows add up to n). Views of the persistent buffers: valid until the next
-        call. log_tau None: a chain without the confidence stop."""
-        n, w = len(tokens), self.width
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._hosts)
-        # the copy two runs back must have read this buffer (steady state: long done, no wait)
-        if self.cuda and not self._copied[turn].query():  # type: ignore[no-untyped-call]
-            self._copied[turn].synchronize()
-        v = self._views[turn]
-        np_ = v.ints
-        np_[0:n], np_[w:w + n], np_[2 * w:2 * w + n] = tokens, positions, live
-        dirty, slots = 0, []
+        order (their rows add up to n). With `runner` a `CircuitDraftRunner` whose plan for n is
+        one program, its own `staged_inputs(n)`, filled in place (give it back to that runner's
+        `run` unchanged); otherwise read-only views of the staging's own buffers. Valid until
+        the next call. log_tau None: a chain without the confidence stop."""
+        n = len(tokens)
+        region = self._region(runner)
+        staged: Mapping[str, torch.Tensor] | None = None
+        if region is not self._own:
+            staged = runner.staged_inputs(n)  # type: ignore[union-attr]
+            if staged is None or (log_tau is None) != (region.log_tau is None):
+                region = self._own  # a split plan: its parts read rows 0.. of every buffer
+        turn = region.turn
+        if region.cuda:
+            region.turn = (turn + 1) % 2
+            # the copy two runs back must have read this mirror (steady state: long done)
+            if not region.copied[turn].query():  # type: ignore[no-untyped-call]
+                region.copied[turn].synchronize()
+        mirror = region.mirrors[turn]
+        rows, nz = mirror.rows, region.neutral
+        for name, values in (("tokens", tokens), ("positions", positions), ("live_rows", live)):
+            rows[name][:n] = values
+            rows[name][n:] = nz[name]
+        rows["active"][:n] = 1
+        rows["active"][n:] = nz["active"]
+        slots: list[int] = []
         prev: MtpProposerState | None = None
         slot = -1
         for s in states:  # a catch-up's rows of one sequence are consecutive: one check a run
@@ -128,51 +242,67 @@ class ChainStaging:
                 prev, slot = s, self._slot(s)
                 blocks = s.blocks.blocks
                 if self._cached[slot] != blocks:  # gained, lost or handed over a block
+                    table = self._slot_np  # read after _slot: a grow replaces it
                     self._cached[slot] = blocks
-                    v.dirty[dirty] = slot
-                    row = v.rows[dirty]
-                    row[:len(blocks)] = blocks
-                    row[len(blocks):] = self.scratch
-                    dirty += 1
+                    table[slot, :len(blocks)] = blocks
+                    table[slot, len(blocks):] = self.scratch
             slots.append(slot)
-        np_[3 * w:3 * w + n] = slots
-        if self.cuda:
-            end = _TABLES * w + dirty * self.max_blocks
-            self._dev[:end].copy_(self._hosts[turn][:end], non_blocking=True)
-            self._copied[turn].record()
-        if dirty:
-            self._slot_tables.index_copy_(0, self._dirty_slots[:dirty], self._dirty_rows[:dirty])
-        torch.index_select(self._slot_tables, 0, self._ints[3][:n], out=self._tables[:n])
-        self._stage_hiddens(hiddens, n)
-        out = {"tokens": self._ints[0][:n], "hidden": self._hidden[:n],
-               "positions": self._ints[1][:n], "block_tables": self._tables[:n],
-               "live_rows": self._ints[2][:n], "active": self._active[:n]}
-        if log_tau is not None:
-            if log_tau != self._tau and not (log_tau != log_tau and self._tau != self._tau):
-                self._log_tau.fill_(log_tau)
-                self._tau = log_tau
-            out["log_tau"] = self._log_tau[:n]
+        np.take(self._slot_np, slots, axis=0, out=mirror.tables[:n])
+        mirror.tables[n:] = nz["block_tables"]
+        if region.copies:
+            region.flat.copy_(region.hosts[turn], non_blocking=True)
+        if region.cuda:
+            region.copied[turn].record()
+        self._stage_hiddens(region, hiddens, n)
+        if staged is not None:
+            self._fill_tau(region, log_tau, n)
+            out = staged
+        else:
+            if log_tau is not None:
+                self._fill_tau(region, log_tau, region.width)
+            out = region.own_views(n, log_tau is not None)
+        self._last = out
         return out
 
-    def _stage_hiddens(self, hiddens: Sequence[torch.Tensor], n: int) -> None:
-        """The rows' hiddens into the persistent buffer: one `cat` into it when every segment
+    def _fill_tau(self, region: _Region, log_tau: float | None, n: int) -> None:
+        """log_tau's rows [:n] at its value, the rest neutral: refilled only when they change
+        (or when the runner's buffers were written by an unstaged run)."""
+        if log_tau is None or region.log_tau is None or region.tau == (log_tau, n):
+            return
+        region.log_tau[:n].fill_(log_tau)
+        region.log_tau[n:].fill_(region.neutral.get("log_tau", float("-inf")))
+        region.tau = (log_tau, n)
+
+    def _stage_hiddens(self, region: _Region, hiddens: Sequence[torch.Tensor], n: int) -> None:
+        """The rows' hiddens into the region's buffer: one `cat` into it when every segment
         already has its dtype and device (a catch-up of many sequences is one launch, not one a
-        sequence), else one copy a segment (which converts)."""
+        sequence), else one copy a segment (which converts). A runner's own buffer keeps its
+        rows past n neutral (a padded program reads them): zeroed when n shrank, or when an
+        unstaged run wrote them."""
+        hidden = region.hidden
+        if region.runner is not None:
+            seen = getattr(region.runner, "unstaged_runs", 0)
+            if seen != region.unstaged:
+                region.unstaged, region.hidden_dirty, region.tau = seen, region.width, None
         if len(hiddens) == 1:
-            self._hidden[:n].copy_(hiddens[0], non_blocking=True)
-        elif all(h.dtype == self._hidden.dtype and h.device == self._hidden.device
-                 for h in hiddens):  # the buffer's device is resolved ("cuda" is "cuda:0")
-            torch.cat(list(hiddens), out=self._hidden[:n])
+            hidden[:n].copy_(hiddens[0], non_blocking=True)
+        elif all(h.dtype == hidden.dtype and h.device == hidden.device for h in hiddens):
+            torch.cat(list(hiddens), out=hidden[:n])  # the buffer's device is resolved
         else:
             start = 0
             for h in hiddens:
-                self._hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
+                hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
                 start += h.shape[0]
+        if region.runner is not None:
+            if region.hidden_dirty > n:
+                hidden[n:region.hidden_dirty].fill_(region.neutral["hidden"])
+            region.hidden_dirty = n
 
     def tokens(self, n: int) -> torch.Tensor:
         """The device tokens of the latest run's n rows (valid until the next run): what a
         device-resident propose puts before each row's drafts in a verify input."""
-        return self._ints[0][:n]
+        assert self._last is not None and self._last["tokens"].shape[0] == n
+        return self._last["tokens"]
 
     # ---- outputs ----
     def read(self, drafts: torch.Tensor, confidences: torch.Tensor) -> tuple[list[list[int]],

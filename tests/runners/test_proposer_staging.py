@@ -1,7 +1,9 @@
 """The steady-state host path (issue 14 step 2): propose_batch and catchup_batch build no tensor
 of their own once warm (CPU: a trace of torch's tensor constructors on the proposer's frames;
-GPU: no device allocation), block tables are rewritten on the device only when a sequence's
-blocks change, and the staged runs draft and write exactly what the oracle does."""
+GPU: no device allocation), stage straight into a compiled runner's own input buffers (which it
+runs unchecked, by identity) with a handful of torch ops a call whatever n is, keep block tables
+on the host rewritten only when a sequence's blocks change, and draft and write exactly what the
+oracle does."""
 import random
 import sys
 from pathlib import Path
@@ -9,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import draft_circuit.runners as runners_pkg
-from draft_circuit.runners.staging import ChainStaging
-from draft_circuit.runners.testing import assert_no_allocation
+import draft_circuit.runners.draft as draft_mod
+from draft_circuit.circuit.binding import BindingError
+from draft_circuit.runners.draft import CircuitDraftRunner
+from draft_circuit.runners.input_values import RunnerInputError
+from draft_circuit.runners.staging import INTS, ChainStaging
+from draft_circuit.runners.testing import assert_no_allocation, cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
 
 CONSTRUCTORS = ("tensor", "as_tensor", "ones", "zeros", "full", "empty", "arange", "stack",
@@ -95,7 +103,7 @@ def test_staged_decode_loop_equals_the_oracle_bitwise():
         assert torch.equal(mine.states[name], oracle.states[name])
 
 
-def test_device_tables_are_rewritten_only_when_blocks_change():
+def test_host_tables_are_rewritten_only_when_blocks_change():
     p = make("eager", num_blocks=80, max_blocks_per_seq=12)
     s, _ = prefilled(p, 1, length=5)  # 4 rows: one block of 8
     staging = p.staging
@@ -165,3 +173,186 @@ def test_a_catch_up_of_several_sequences_stages_its_hiddens_in_one_cat(monkeypat
     p.catchup_batch([[1, 2], [3], [4, 5, 6]], [hidden(1, 2), hidden(2, 1), hidden(3, 3)],
                     [5, 5, 5], states)
     assert calls == [3]  # three segments, one launch
+
+
+class HostOps(TorchDispatchMode):
+    """Every torch op dispatched outside the chains' programs (their `backend.execute` is
+    paused): the proposer's own per-call host work, op by op."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.ops: list[str] = []
+        self.paused = False
+        for r in p.chains.runners():
+            if isinstance(r, CircuitDraftRunner):
+                real = r.backend.execute
+
+                def execute(n, _real=real):
+                    self.paused = True
+                    try:
+                        _real(n)
+                    finally:
+                        self.paused = False
+                r.backend.execute = execute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def steady_ops(p, n, device="cpu"):
+    """Torch ops of one steady-state propose_batch and one catch-up of a row each at width n
+    (each warmed at that width first, so the runner's views of it exist)."""
+    states = [prefilled(p, 20 + i, length=9)[0] for i in range(n)]
+    hid = hidden(3, n).to(device)
+    one = [hidden(4, 1).to(device) for _ in range(n)]
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    counts = []
+    for _ in range(3):  # two warm steps, then the counted one
+        mode = HostOps(p)
+        with mode:
+            p.propose_batch([5] * n, hid, pos, K, states)
+        propose = mode.ops
+        for s in states:
+            p.after_verify(1, s)
+        mode = HostOps(p)
+        with mode:
+            p.catchup_batch([[1]] * n, one, [q + 1 for q in pos], states)
+        counts = [propose, mode.ops]
+        pos = [p.last_pair_key(s) + 2 for s in states]
+    for s in states:
+        p.free_state(s)
+    return counts
+
+
+def test_steady_state_issues_a_few_torch_ops_whatever_n():
+    """Item 4, structurally: a steady-state propose_batch issues the same few torch ops at every
+    width, own or padded (3 pads to 4): the hiddens' copy and its view, no per-row op, no input
+    copy of the runner's (it runs on the buffers staged in place), no pad fill; a catch-up of n
+    sequences likewise (one cat of their hiddens)."""
+    p = make("circuit", num_blocks=200, max_blocks_per_seq=12)
+    proposes, catchups = {}, {}
+    for n in (1, 2, 3, 4, 8):
+        proposes[n], catchups[n] = steady_ops(p, n)
+    assert all(len(ops) <= 3 for ops in proposes.values()), proposes
+    assert len({len(ops) for ops in proposes.values()}) == 1, proposes
+    assert all(len(ops) <= 3 for ops in catchups.values()), catchups
+    assert len({len(ops) for n, ops in catchups.items() if n > 1}) == 1, catchups
+
+
+def test_the_op_count_sees_per_row_work(monkeypatch):
+    """The witness works: a staging that copied each row's hidden alone is counted n times."""
+    from draft_circuit.runners import staging as staging_mod
+    real = staging_mod.ChainStaging._stage_hiddens
+
+    def per_row(self, region, hiddens, n):
+        real(self, region, hiddens, n)
+        for i in range(n):
+            region.hidden[i].copy_(region.hidden[i])  # what a per-row staging would issue
+    monkeypatch.setattr(staging_mod.ChainStaging, "_stage_hiddens", per_row)
+    p = make("circuit", num_blocks=200, max_blocks_per_seq=12)
+    one, eight = steady_ops(p, 1)[0], steady_ops(p, 8)[0]
+    assert len(eight) - len(one) >= 7 * 2  # a view and a copy a row
+
+
+def test_a_compiled_runner_runs_the_staged_buffers_without_checking_them(monkeypatch):
+    """The proposer hands a compiled runner its own `staged_inputs(n)` (the very mapping: O(1)
+    identity), which it runs with no shape/dtype check and no copy; any other inputs are still
+    checked in full."""
+    p = make("circuit", num_blocks=80, max_blocks_per_seq=12)
+    loop = DecodeLoop(p, n=3)
+    loop.step()
+    checks, given = [], []
+    real_check = draft_mod.check_inputs
+    monkeypatch.setattr(draft_mod, "check_inputs", lambda c, i: checks.append(1) or real_check(c, i))
+    runner = p.chain_runner(K)
+    real_run = runner.run
+    runner.run = lambda n, inputs: given.append((n, inputs)) or real_run(n, inputs)
+    loop.step()
+    assert checks == [] and given
+    assert all(inputs is runner.staged_inputs(n) for n, inputs in given)
+    mine = {k: v.clone() for k, v in runner.staged_inputs(3).items()}
+    mine["tokens"] = mine["tokens"].long()  # not the runner's buffers: checked, refused
+    with pytest.raises(BindingError, match="tokens"):
+        runner.run(3, mine)
+    assert checks
+
+
+def test_rows_past_n_stay_neutral_through_shrinking_and_unstaged_runs():
+    """A padded program reads the rows past n of the runner's buffers: the staging keeps them at
+    their neutral values when n shrinks and after a run the proposer did not stage (which wrote
+    them), and the drafts and KV stay the oracle's."""
+    mine, oracle = make("circuit", num_blocks=120, max_blocks_per_seq=12), \
+        make("eager", num_blocks=120, max_blocks_per_seq=12)
+    runner = mine.chain_runner(K)
+    pairs = [(prefilled(mine, 70 + i, length=9)[0], prefilled(oracle, 70 + i, length=9)[0])
+             for i in range(4)]
+    for step, n in enumerate((4, 3, 1, 3)):
+        if step == 2:  # someone else's run over the buffers: garbage hiddens, nothing active
+            theirs = {k: v.clone() for k, v in runner.staged_inputs(4).items()}
+            theirs["hidden"].normal_()
+            theirs["active"].zero_()
+            runner.run(4, theirs)
+        got = []
+        for p, states in ((mine, [a for a, _ in pairs[:n]]), (oracle, [b for _, b in pairs[:n]])):
+            pos = [p.last_pair_key(s) + 2 for s in states]
+            got.append(p.propose_batch([7] * n, hidden(80 + step, n), pos, K, states))
+            for s in states:
+                p.after_verify(1, s)
+        assert got[0] == got[1]
+        static = runner.backend.static_inputs
+        w = runner.plan(n).parts[0][0]
+        assert (static["hidden"][n:w] == 0).all()
+        assert (static["block_tables"][n:] == 0).all() and (static["active"][n:] == 0).all()
+        for name in ("tokens", "positions", "live_rows"):
+            assert (static[name][n:] == 0).all(), name
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(mine.states[name], oracle.states[name])
+
+
+def test_the_int_inputs_are_one_region_the_staging_fills():
+    """The runner's int32 inputs are views of one contiguous buffer (runners/program.py) and the
+    staging writes into it (its region is the runner's, not its own)."""
+    p = make("circuit")
+    runner = p.chain_runner(K)
+    static = runner.backend.static_inputs
+    storages = {static[k].untyped_storage().data_ptr() for k in INTS}
+    assert len(storages) == 1
+    region = p.staging._region(runner)
+    assert region is not p.staging._own and region.hidden is static["hidden"]
+    assert p.staging._region(p.chain_runner(K, bitmask=True)) is p.staging._own  # its bitmask
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_bad_row_in_the_staged_buffers_is_named_through_the_proposer(monkeypatch, device_path):
+    """The staged path skips the runner's own checks: the input guard is what catches a bad row
+    (here a token the staging was made to write past the vocabulary), and the proposer's call
+    raises its RunnerInputError naming row, input and value (on CPU at the end of the run; on
+    a GPU at the proposer's read, test_proposer_staging_cuda)."""
+    p = make("circuit", num_blocks=80, max_blocks_per_seq=12)
+    states = [prefilled(p, 90 + i, length=9)[0] for i in range(3)]
+    real = p.staging.inputs
+
+    def corrupt(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["tokens"][1] = 10 ** 6
+        return out
+    monkeypatch.setattr(p.staging, "inputs", corrupt)
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    call = p.propose_batch_on_device if device_path else p.propose_batch
+    with pytest.raises(RunnerInputError, match="row 1: token 1000000") as e:
+        call([5] * 3, hidden(91, 3), pos, K, states)
+    assert (e.value.row, e.value.input, e.value.value) == (1, "tokens", 10 ** 6)
+
+
+@cuda
+def test_steady_state_stages_in_one_host_to_device_copy_on_cuda():
+    """On a GPU a steady-state propose_batch copies host memory to the device once (every int
+    input of the run, padding included), at every width; its ops are as few as on CPU plus the
+    one read's packing."""
+    p = make("circuit", device="cuda", num_blocks=200, max_blocks_per_seq=12)
+    for n in (1, 3, 8):
+        propose, catchup = steady_ops(p, n, device="cuda")
+        assert propose.count("aten.copy_.default") <= 5, propose  # H2D, hiddens, read's three
+        assert len(propose) <= 9 and len(catchup) <= 4, (propose, catchup)
