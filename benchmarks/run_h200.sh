@@ -31,6 +31,7 @@ engine default_circuit --forward circuit
 engine default_eager --forward eager --no-compare
 timeout 300 python3 benchmarks/peer_mtp.py --device cuda --out "$OUT/peer_mtp.json" > "$OUT/peer_mtp.log" 2>&1
 echo "== peer (rc $?)"; tail -12 "$OUT/peer_mtp.log"
+rm -rf /tmp/ck8b  # write_random_checkpoint refuses a directory holding one (a warm machine's)
 python3 - <<'PY'
 import json, os, torch
 from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
