@@ -197,7 +197,11 @@ class _TpShard:
                      name=f"{x.rsplit('.', 1)[-1]}_sum")
 
     def emit_argmax(self, b: CircuitBuilder, logits: str, bitmask: str | None) -> tuple[str, str]:
-        offset, _ = self.tp.vocab
+        offset, rows = self.tp.vocab
+        if b.spec(logits).shape[1] != rows:  # the lm-head's rows were replaced (a draft vocabulary)
+            raise TpConfigError(f"tensor parallelism: the lm-head gives {b.spec(logits).shape[1]} logits a "
+                                f"row, the shard holds vocabulary rows {rows}; a reduced draft vocabulary "
+                                "does not shard yet")
         tok, lp = b.op("vocab_parallel_argmax", [logits, bitmask],
                        {"world_size": self.tp.world_size, "vocab_size": self.tp.config.vocab_size,
                         "vocab_offset": offset}, name="argmax")

@@ -123,6 +123,8 @@ def test_collectives_refuse_a_world_without_its_group():
 
 
 def test_shard_plans_and_refusals():
+    with pytest.raises(TpConfigError, match="a reduced draft vocabulary does not shard yet"):
+        emit_draft_chain(shard_head(MtpHead(CFG), 0, 2), 1, max_width=2, kv=KV, draft_vocab=64)
     assert [vocab_shard(250, r, 4) for r in range(4)] == [(0, 63), (63, 63), (126, 62), (188, 62)]
     p = tp_plan(CFG, 3, 4)
     assert p.q_heads == (3, 4) and p.kv_heads == (1, 2) and p.kv_replicated  # q head 3 reads kv head 1
