@@ -59,7 +59,9 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m examples.engine", description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", type=Path, help="HF-layout directory (default: the embedded byte-level model, examples/data/pystdlib_12l)")
+    ap.add_argument("--checkpoint", type=Path,
+                    help="HF-layout directory (default: the embedded byte-level model, "
+                         "examples/data/pystdlib_12l)")
     ap.add_argument("--draft-checkpoint", type=Path,
                     help="drafter directory: an MTP layer exported at model.layers.0, or an EAGLE-3 "
                          "drafter (config.json: LlamaForCausalLMEagle3), told apart by its config")
