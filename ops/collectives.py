@@ -114,6 +114,18 @@ def check_group_size(op: str, a: CollectiveAttrs, group: Any) -> None:
                               op=op)
 
 
+def resolve_group(op: str, a: CollectiveAttrs, group: Any) -> Any:
+    """The group a collective runs on: the runner's, else (as torch.distributed's own calls do)
+    the default group when the node was emitted for more than one rank and torch.distributed is
+    initialized, else None (one process). Checked against the node's world size."""
+    if group is None and a.world_size > 1:
+        dist = _dist()
+        if dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+    check_group_size(op, a, group)
+    return group
+
+
 GroupLaunch = Callable[[Any], Launch]       # (process group or None) -> the bound launch
 GroupReference = Callable[[Any], Reference]  # (process group or None) -> an out-of-place reference
 
@@ -419,11 +431,12 @@ def collective_binding(op: OpDef, kernel: str) -> CollectiveBinding | None:
 
 
 def eager_collective(op: OpDef, attrs: Any, group: Any) -> Reference | None:
-    """For EagerRunner: the out-of-place collective of `op` on `group` (the binding the planner
-    would choose at this world size, width independent), or None for an op that is no collective."""
+    """For EagerRunner: the out-of-place collective of `op` on its group (`resolve_group`; the
+    binding the planner would choose on CPU, width independent), or None for an op that is no
+    collective or runs in one process (its reference serves)."""
     bindings = [k for k in op.kernels if isinstance(k, CollectiveBinding) and k.width_independent]
     for k in bindings:
         if k.applies("cpu", [], attrs):  # the conditions read attrs only
-            check_group_size(op.name, attrs, group)
-            return k.eager_on_group(group)
+            resolved = resolve_group(op.name, attrs, group)
+            return None if resolved is None else k.eager_on_group(resolved)
     return None

@@ -48,7 +48,8 @@ class EagerRunner:
 
     States are mutated in place (a state with a row dim is bound at max width; a call at
     width n touches its first n rows). Returned tensors are fresh: later calls never overwrite them.
-    With a torch.distributed `group`, collectives run on it (every other node by its reference).
+    Collectives run on `group` (None: torch.distributed's default group where a node was emitted
+    for several ranks); every other node, and a one-process collective, by its reference.
     A draft chain runs its input guard's reference first, as the compiled runners run its kernel
     (runners/input_guard.py): a bad row runs inert, and `run` raises `RunnerInputError` naming
     it after the run (`defer_faults=True`: at `check_faults()`, as on a GPU).
@@ -65,8 +66,8 @@ class EagerRunner:
         keep = set(circuit.outputs)
         self._free = last_uses(self.order, keep)
         self._attrs = [get_op(n.op).parse_attrs(n.attrs) for n in self.order]
-        self._refs = [(group is not None and eager_collective(get_op(n.op), a, group))
-                      or get_op(n.op).reference for n, a in zip(self.order, self._attrs)]
+        self._refs = [eager_collective(get_op(n.op), a, group) or get_op(n.op).reference
+                      for n, a in zip(self.order, self._attrs)]
         self.outputs = tuple(o for o in circuit.outputs if circuit.value(o).kind != "state")
         pool = self.states.get("k_cache")
         self.guard = InputGuard.for_circuit(

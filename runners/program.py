@@ -30,7 +30,7 @@ from draft_circuit.circuit.ir import ROW, Circuit
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.program import REFERENCE, Launch, Slot
 from draft_circuit.ops.registry import get_op, torch_dtype
-from draft_circuit.ops.collectives import CollectiveBinding, check_group_size
+from draft_circuit.ops.collectives import CollectiveBinding, resolve_group
 from draft_circuit.circuit.binding import WidthError, check_inputs, check_states, state_view
 from draft_circuit.runners.input_guard import GUARDED, InputGuard
 from draft_circuit.runners.input_values import InputValueCheck
@@ -67,15 +67,15 @@ def reference_launch(op_name: str) -> LaunchFn:
 
 
 def kernel_launch(op_name: str, kernel: str, attrs: Any = None, group: Any = None) -> LaunchFn:
-    """A collective's launch is bound to `group` (None: its world-size-1 form), after checking
-    the group has the world size the node was emitted for (ops/collectives.py)."""
+    """A collective's launch is bound to `group` (None: torch.distributed's default group for a
+    node emitted for several ranks, else its one-process form), after checking the group has the
+    world size the node was emitted for (ops/collectives.resolve_group)."""
     if kernel == REFERENCE:
         return reference_launch(op_name)
     for k in get_op(op_name).kernels:
         if k.name == kernel:
             if isinstance(k, CollectiveBinding):
-                check_group_size(op_name, attrs, group)
-                return k.on_group(group)
+                return k.on_group(resolve_group(op_name, attrs, group))
             return k.launch
     raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
 

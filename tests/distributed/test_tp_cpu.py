@@ -18,7 +18,7 @@ from draft_circuit.circuit.layers.tp import TpConfigError, shard_head, shard_kv,
 from draft_circuit.circuit.layers.tp_checkpoint import TpShardError, load_mtp_shard
 from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.ops.collectives import CollectiveError
-from draft_circuit.runners.eager import EagerRunner, RunError
+from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
 from tests.distributed import tp_workers
@@ -116,8 +116,8 @@ def test_collectives_refuse_a_world_without_its_group():
     weights = shard_weights(random_mtp_weights(CFG, seed=2), tp.tp)
     batch = random_draft_batch(CFG, KV, 2, num_drafts=1)
     states = {k: shard_kv(v, tp.tp) for k, v in batch.states().items()}
-    with pytest.raises(RunError, match="all_reduce over 2 ranks needs a process group"):
-        EagerRunner(chain, tp.bind(weights), states).run(batch.inputs)
+    with pytest.raises(CollectiveError, match="emitted for 2 ranks; the process group has 1"):
+        EagerRunner(chain, tp.bind(weights), states)  # no group given, torch.distributed not started
     with pytest.raises(CollectiveError, match="emitted for 2 ranks; the process group has 1"):
         ProgramRunner(compile_draft(chain, tp.bind(weights), [2]), states)
 

@@ -141,7 +141,9 @@ def argmax_ties_worker(rank: int, world: int, group) -> None:
     compiled = compile_draft(circuit, {}, [n], options=CompileOptions(interpret_kernels=True))
     assert [x.kernel for x in compiled.programs[n].launches] == ["triton_vocab_parallel_argmax"]
     triton = ProgramRunner(compiled, {}, group=group).run(inputs)
-    for got in (eager, program, triton):
+    # no group given: torch.distributed's default group (what an engine under torchrun relies on)
+    default = EagerRunner(circuit, {}, {}).run(inputs)
+    for got in (eager, program, triton, default):
         assert torch.equal(got["token"], want_tok), (got["token"], want_tok)
         torch.testing.assert_close(got["logprob"], want_lp, atol=1e-6, rtol=1e-6)
 
