@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Literal, Mapping, Sequence
+from typing import Literal, Mapping, Sequence, cast
 
 import torch
 
@@ -254,7 +254,7 @@ class MtpProposer:
         if reason is not None:
             self.last_served = Served("refused", n, reason)
             return None
-        mine = [self._own(s) for s in states]
+        mine = cast("list[MtpProposerState]", list(states))  # _batch_refusal found (and settled) each
         mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                              num_drafts_max=self.num_drafts, config=self.head.config,
                              device=self.device, hidden_size=self.head.hidden_in_size)
@@ -303,6 +303,8 @@ class MtpProposer:
         return [m.last_drafts if (m := self._mine(s)) is not None else [] for s in states]
 
     def _batch_refusal(self, n: int, k: int, states: Sequence[object], masked: bool) -> str | None:
+        """Why n states cannot draft in one run (None: they can, and every state is this
+        proposer's, settled: the caller may take them as its own without a second pass)."""
         if n == 0:
             return "an empty batch (width 0)"
         if not all(self._mine(s) is not None for s in states):

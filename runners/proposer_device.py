@@ -19,13 +19,13 @@ The buffers are reused by the next device-resident batch, which settles the prev
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.proposer_inputs import check_propose
-from draft_circuit.runners.proposer_state import PendingBatch, record_drafts
+from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch, record_drafts
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
@@ -95,7 +95,7 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     if reason is not None:
         p.last_served = Served("refused", n, reason)
         return None
-    mine = [p._own(s) for s in states]
+    mine = cast("list[MtpProposerState]", list(states))  # _batch_refusal found (and settled) each
     mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                          num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
                          hidden_size=p.head.hidden_in_size)

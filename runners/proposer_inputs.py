@@ -47,6 +47,11 @@ def drafter_pools(head: MtpHead, kv: KvLayout, max_width: int,
 
 def check_tokens(tokens: Sequence[int], vocab: int, where: str = "") -> None:
     """Every id an int in [0, vocab): a bad id is refused before the embedding gather."""
+    # per-step host work: the common case in C-level passes, the row-by-row loop only to name
+    # the bad one (an int subclass such as bool takes the loop, which admits it as before)
+    if all(type(t) is int for t in tokens) and (not tokens or (min(tokens) >= 0
+                                                              and max(tokens) < vocab)):
+        return
     for i, t in enumerate(tokens):
         if not isinstance(t, int) or not 0 <= t < vocab:
             raise TokenError(f"token {t!r} at row {i}{where} is outside the vocabulary [0, {vocab})")
@@ -85,8 +90,9 @@ def check_propose(tokens: Sequence[int], hiddens: torch.Tensor, positions: Seque
         raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
                             f"[{n}, {width}]; got {len(states)} states, "
                             f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
-    for i, p in enumerate(positions):
-        check_position(p, f"row {i}: position")
+    if not (all(type(p) is int for p in positions) and (not positions or min(positions) >= 1)):
+        for i, p in enumerate(positions):  # only to name the bad row (see check_tokens)
+            check_position(p, f"row {i}: position")
     check_tokens(tokens, c.vocab_size)
     return None if bitmask is None else check_bitmask(bitmask, n, c.vocab_size).to(device)
 
@@ -152,8 +158,9 @@ def grow_all(states: Sequence[MtpProposerState], rows: Sequence[int]) -> None:
     grown: list[MtpProposerState] = []
     try:
         for s, r in zip(states, rows):
-            s.blocks.ensure_rows(r)
-            grown.append(s)
+            if r > s.blocks.capacity_rows:  # steady state: most tables have room already
+                s.blocks.ensure_rows(r)
+                grown.append(s)
     except Exception:
         for s in grown:
             s.blocks.release_unused()
