@@ -80,7 +80,10 @@ class Eagle3Config(MtpConfig):
         target's final norm) the engine concatenates, in this order, into the chain's `hidden`.
         Default: the outputs of layers 1, L//2 - 1 and L - 4, i.e. the inputs of layers 2, L//2 and
         L - 3 (vLLM's and SGLang's default capture); named ids are layer outputs, as SGLang reads
-        them (SpecForge, which trains these drafters, taps the same)."""
+        them (SpecForge, which trains these drafters, taps the same). vLLM reads the same keys as
+        capture points instead (id j: the input of layer j, one layer earlier), so a drafter whose
+        ids were pinned for vLLM (the speculators format) is tapped here, as by SGLang, one layer
+        later than vLLM taps it; the defaults agree in all three."""
         if self.aux_layer_ids is not None:
             ids = self.aux_layer_ids
         else:
