@@ -102,8 +102,12 @@ def describe_head(head: MtpHead) -> str:
 
 
 def _attention(c: MtpConfig) -> str:
-    """The family options of the attention, where any is set (nothing for Llama's)."""
+    """The family options of the attention and its RoPE scaling, where any is set (nothing for
+    Llama's with default RoPE)."""
+    yarn = c.rope_scaling
     parts = [what for on, what in ((c.qkv_bias, "q/k/v bias"), (c.qk_norm, "q/k norm"),
-                                   (c.rotary_dim != c.head_dim, f"rotary {c.rotary_dim} of {c.head_dim} dims"))
+                                   (c.rotary_dim != c.head_dim, f"rotary {c.rotary_dim} of {c.head_dim} dims"),
+                                   (yarn is not None, f"YaRN x{yarn.factor if yarn else 0:g} over "
+                                                      f"{yarn.original_max_position_embeddings if yarn else 0}"))
              if on]
     return "".join(f", {p}" for p in parts)

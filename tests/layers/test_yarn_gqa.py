@@ -103,7 +103,11 @@ def yarn_checkpoint(tmp_path_factory):
 
 
 def test_the_checkpoint_reads_back_with_its_yarn(yarn_checkpoint):
+    from draft_circuit.circuit.layers.heads import describe_head, load_head
     assert read_config(yarn_checkpoint) == YARN_SMALL
+    head, weights = load_head(yarn_checkpoint)
+    assert describe_head(head) == "MtpHead: dense SwiGLU MLP, float32, YaRN x4 over 16"
+    assert INV_FREQ in head.bind(weights)
 
 
 @pytest.mark.parametrize("speculate, forward", [(False, "eager"), (True, "eager"), (True, "circuit")])
