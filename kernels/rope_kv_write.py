@@ -19,6 +19,40 @@ from draft_circuit.kernels._common import (
 
 
 @triton.jit
+def rope_inv_freq(j, rotary_dim, theta, log2_theta_hi, log2_theta_lo, LIBDEVICE: tl.constexpr):
+    """inv_freq[j] = 1 / theta ** (2j / R), rounded as the fp32 reference rounds it: the power,
+    then the reciprocal (div_rn: Triton's `/` is approximate on the GPU)."""
+    e = tl.div_rn((2 * j).to(tl.float32), tl.zeros(j.shape, tl.float32) + rotary_dim)
+    if LIBDEVICE:
+        power = tl.extra.cuda.libdevice.pow(theta, e)  # __nv_powf, as torch's CUDA pow
+    else:
+        # No libdevice in the interpreter. exp2(e * log2(theta)) would lose ~|arg| ulps to the
+        # rounding of the product, so it is kept as hi + lo (an fma and a split log2(theta)).
+        prod_hi = e * log2_theta_hi
+        prod_lo = tl.fma(e, log2_theta_hi, -prod_hi) + e * log2_theta_lo
+        base = tl.exp2(prod_hi)
+        power = tl.fma(base, prod_lo * 0.6931471805599453, base)
+    return tl.div_rn(tl.zeros(j.shape, tl.float32) + 1.0, power)
+
+
+@triton.jit
+def rope_cos_sin(angle, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        # libdevice sinf/cosf reduce any argument fully (positions reach 1e5), whatever a given
+        # Triton version lowers tl.sin to.
+        return tl.extra.cuda.libdevice.cos(angle), tl.extra.cuda.libdevice.sin(angle)
+    return tl.cos(angle), tl.sin(angle)
+
+
+def theta_parts(theta: float) -> tuple[float, float, float]:
+    """(theta, log2(theta) rounded to fp32, the remainder): the kernels' rope arguments."""
+    theta = float(theta)  # an int would reach the kernel as i32
+    log2_theta = math.log2(theta)
+    hi = float(np.float32(log2_theta))  # exact in fp32; the remainder goes in _lo
+    return theta, hi, log2_theta - hi
+
+
+@triton.jit
 def rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, live_ptr, tables_ptr, active_ptr,
     k_cache_ptr, v_cache_ptr, q_out_ptr,
@@ -44,32 +78,12 @@ def rope_kv_write_kernel(
     p = ROTARY_DIM + tl.arange(0, BLOCK_PASS)  # the dims that pass through unrotated
     p_mask = p < HEAD_DIM
 
-    # inv_freq[j] = 1 / theta ** (2j / R), rounded as the fp32 reference rounds it: the power,
-    # then the reciprocal (div_rn: Triton's `/` is approximate on the GPU).
-    e = tl.div_rn((2 * j).to(tl.float32), tl.full((BLOCK_HALF,), ROTARY_DIM, tl.float32))
-    if LIBDEVICE:
-        power = tl.extra.cuda.libdevice.pow(theta, e)  # __nv_powf, as torch's CUDA pow
-    else:
-        # No libdevice in the interpreter. exp2(e * log2(theta)) would lose ~|arg| ulps to the
-        # rounding of the product, so it is kept as hi + lo (an fma and a split log2(theta)).
-        prod_hi = e * log2_theta_hi
-        prod_lo = tl.fma(e, log2_theta_hi, -prod_hi) + e * log2_theta_lo
-        base = tl.exp2(prod_hi)
-        power = tl.fma(base, prod_lo * 0.6931471805599453, base)
-    inv_freq = tl.div_rn(tl.full((BLOCK_HALF,), 1.0, tl.float32), power)
+    inv_freq = rope_inv_freq(j, ROTARY_DIM, theta, log2_theta_hi, log2_theta_lo, LIBDEVICE)
 
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v, positions and the tables come from earlier launches
     pos = (tl.load(pos_ptr + row) + pos_offset).to(tl.float32)
-    angle = pos * inv_freq
-    if LIBDEVICE:
-        # libdevice sinf/cosf reduce any argument fully (positions reach 1e5), whatever a given
-        # Triton version lowers tl.sin to.
-        cos = tl.extra.cuda.libdevice.cos(angle)
-        sin = tl.extra.cuda.libdevice.sin(angle)
-    else:
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+    cos, sin = rope_cos_sin(pos * inv_freq, LIBDEVICE)
 
     if head < NUM_HEADS:
         src = q_ptr + row * stride_q + head * HEAD_DIM
@@ -163,9 +177,7 @@ def rope_kv_write(
         check_operand("active", active, (n,), (torch.int32,), dev)
     if n == 0:
         return
-    theta = float(theta)  # an int would reach the kernel as i32
-    log2_theta = math.log2(theta)
-    log2_theta_hi = float(np.float32(log2_theta))  # exact in fp32; the remainder goes in _lo
+    theta, log2_theta_hi, log2_theta_lo = theta_parts(theta)
     pdl = launch_kwargs(q)
     rope_kv_write_kernel[(n, num_heads + num_kv_heads)](
         q, k, v, positions, live_rows, block_tables, active if active is not None else live_rows,
@@ -174,7 +186,7 @@ def rope_kv_write(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         int(pos_offset), int(row_offset), block_size,
-        theta, log2_theta_hi, log2_theta - log2_theta_hi,
+        theta, log2_theta_hi, log2_theta_lo,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),

@@ -11,6 +11,9 @@ so a fused circuit's eager run is the unfused one's, bitwise; each has one Trito
 - `rmsnorm_linear_argmax_logprob` / `rmsnorm_linear_argmax_keep` (the final norm into the lm-head);
   `rmsnorm_linear_argmax_keep_last`, `_gate`, `_last_gate`: the chain's keep_if_active(token,
   active, last) and confidence_gate(active, logprob, log_tau) in the merge's epilogue too;
+- `rmsnorm_linear_qkv_rope_kv_write(x, norm, w_q, w_k, w_v, positions, caches, tables, live,
+  [active])`: the above and rope_kv_write after it (kernels.qkv_rope: q, k, v never stored
+  unroped);
 - `embed_rmsnorm_linear_concat(table, ids, norm1, x2, norm2, weight)`: the MTP input,
   eh_proj([enorm(embedding(ids)), hnorm(x2)]), with neither the embedding, the norms nor the
   concat stored.
@@ -28,8 +31,9 @@ from draft_circuit.ops.basic import (EpsAttrs, LinearAttrs, _infer_add, _infer_l
                                      _many_splits, _silu_mul, _splitk_workspace, linear_ref,
                                      rmsnorm_ref)
 from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.attention import RopeKvWriteAttrs, _infer_rope_kv_write, _rope_kv_write
 from draft_circuit.ops.fused_linear import _infer_linear_concat, _infer_qkv
-from draft_circuit.ops.registry import (FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, SAMPLING, Cost,
+from draft_circuit.ops.registry import (ATTENTION, FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, SAMPLING, Cost,
                                         CostContext, Env, OpDef, Specs, default_cost, register)
 from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, KeepAttrs, _infer_gate, _infer_keep, _infer_linear_argmax,
                                         _infer_linear_argmax_keep, _keep, _linear_argmax, _linear_argmax_keep,
@@ -260,4 +264,63 @@ register(OpDef(
                            lambda i, o, w, a: _k_prologue()(i[0], i[5], o[0], ids=i[1], norm1=i[2],
                                                             eps1=a.eps, x2=i[3], norm2=i[4], eps2=a.eps),
                            Applies(TRITON)),),
+))
+
+
+# ---- the attention's input: the normed q/k/v products, rope and the paged KV write, one launch ----
+class NormRopeKvWriteAttrs(RopeKvWriteAttrs):
+    """rope_kv_write's attrs and the input norm's eps."""
+    eps: float = 1e-6
+
+    def model_post_init(self, _: object) -> None:
+        super().model_post_init(_)
+        EpsAttrs(eps=self.eps)  # the same refusal rmsnorm makes
+
+
+def _qkv_rope_parts(t: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(x, norm, wq, wk, wv, positions, kc, vc, tables, live, [active]) -> the norm-qkv inputs
+    and the rope_kv_write inputs after the three products."""
+    return t[:5], t[5:]
+
+
+def _infer_qkv_rope(ins: list[TensorSpec], a: NormRopeKvWriteAttrs) -> list[TensorSpec]:
+    qkv, rest = _qkv_rope_parts(ins)
+    q, k, v = _infer_norm_qkv(qkv, EpsAttrs(eps=a.eps))
+    return _infer_rope_kv_write([q, k, v, *rest], a)
+
+
+def _qkv_rope_ref(t: list[torch.Tensor], a: NormRopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
+    (x, norm, *weights), rest = _qkv_rope_parts(t)
+    q, k, v = (linear_ref(rmsnorm_ref(x, norm, a.eps), w) for w in weights)
+    return _rope_kv_write([q, k, v, *rest], a)
+
+
+def _qkv_rope_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
+    n, k = ins[0].concrete(env)
+    rows = sum(w.concrete(env)[0] for w in ins[2:5])
+    kv_rows = 2 * n * ins[3].concrete(env)[0] * TensorSpec(dtype=ins[6].dtype, shape=(1,)).nbytes({})
+    read = sum(s.nbytes(env) for i, s in enumerate(ins) if i not in (6, 7))  # not the caches
+    return Cost(read, outs[0].nbytes(env) + kv_rows, 2 * n * k * rows)
+
+
+def _launch_qkv_rope(ins: Tensors, outs: Tensors, ws: Tensors, a: NormRopeKvWriteAttrs) -> None:
+    (x, norm, *weights), (pos, kc, vc, tables, live, *active) = _qkv_rope_parts(ins)
+    _k_qkv_rope()(x, norm, a.eps, weights, pos, live, tables, kc, vc, outs[0], head_dim=a.head_dim,
+                  theta=a.theta, pos_offset=a.pos_offset, row_offset=a.row_offset,
+                  active=active[0] if active else None)
+
+
+_k_qkv_rope = kernel("qkv_rope", "rmsnorm_qkv_rope_kv_write")
+FULL_ROTARY = Condition("rotary_dim None or head_dim (the kernel rotates whole heads)",
+                        lambda ins, a: a.rotary_dim in (None, a.head_dim))
+
+register(OpDef(
+    name="rmsnorm_linear_qkv_rope_kv_write",
+    inputs=("x", "norm_weight", "q_weight", "k_weight", "v_weight", "positions", "k_cache",
+            "v_cache", "block_tables", "live_rows", "active"),
+    outputs=("q_out", "k_cache", "v_cache"), num_required=10, attrs=NormRopeKvWriteAttrs,
+    infer=_infer_qkv_rope, reference=_qkv_rope_ref, cost=_qkv_rope_cost, mutates={1: 6, 2: 7},
+    tags=frozenset({MATMUL, NORM, REDUCTION, ATTENTION, FUSED}),
+    kernels=(KernelBinding("triton_rmsnorm_linear_qkv_rope_kv_write", _launch_qkv_rope,
+                           Applies(TRITON, conditions=(FULL_ROTARY,))),),
 ))

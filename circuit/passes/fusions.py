@@ -151,6 +151,21 @@ def _argmax_gate(m: Match) -> Parts:
         (*arg.outputs, gate.outputs[0]), arg.attrs
 
 
+def _qkv_into_its_rope(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """rope_kv_write reads the normed q, k and v products as its q, k and v and nothing else
+    reads them; the rope rotates whole heads (the kernel's only mode)."""
+    qkv, rope = m.producer, m.consumer
+    ours = all(rope.inputs[i] == qkv.outputs[i] and sole_user(c, qkv.outputs[i]) is rope
+               for i in range(3))
+    full = rope.attrs.get("rotary_dim") in (None, rope.attrs.get("head_dim"))
+    return m if ours and full else None
+
+
+def _qkv_rope(m: Match) -> Parts:
+    qkv, rope = m.producer, m.consumer
+    return (qkv, rope), (*qkv.inputs, *rope.inputs[3:]), rope.outputs, {**rope.attrs, **qkv.attrs}
+
+
 def _qkv(group: tuple[Node, ...]) -> Parts:
     return group, (group[0].inputs[0], *(n.inputs[1] for n in group)), \
         tuple(n.outputs[0] for n in group), {}
@@ -233,6 +248,12 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            "q/k/v launch's prologue; the normed row is never stored)",
            producer="rmsnorm", consumer="linear_qkv", edge=0, sole_reader=True,
            fused_op="rmsnorm_linear_qkv", rewrite=_norm_prologue),
+    Fusion("fuse_qkv_rope_kv_write",
+           "rmsnorm_linear_qkv whose q, k and v only rope_kv_write reads -> "
+           "rmsnorm_linear_qkv_rope_kv_write: the products rotated and written to the caches in "
+           "the epilogue, so the attention's input is one launch",
+           producer="rmsnorm_linear_qkv", consumer="rope_kv_write", edge=0, sole_reader=True,
+           fused_op="rmsnorm_linear_qkv_rope_kv_write", rewrite=_qkv_rope, guard=_qkv_into_its_rope),
     Fusion("fuse_rmsnorm_silu_mul",
            "rmsnorm whose only reader is linear_silu_mul -> rmsnorm_linear_silu_mul "
            "(post_attention_layernorm in the gate_up launch's prologue)",

@@ -88,6 +88,7 @@ CONSUMED = {"linear_argmax_logprob"}  # fused ops a later row of the pipeline fu
 # their own block in tests/circuit/test_prologue_fusions.py (this block's norm has many readers)
 PROLOGUE_ROWS = ("fuse_rmsnorm_qkv", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
                  "fuse_rmsnorm_argmax", "fuse_argmax_last", "fuse_argmax_gate", "fuse_argmax_last_gate",
+                 "fuse_qkv_rope_kv_write",
                  "fuse_embed_concat_linear")
 BLOCK_ROWS = [row for row in FUSIONS if row.name not in PROLOGUE_ROWS]
 ONLY_IN_PROLOGUE_BLOCK = {"add_rmsnorm", *(row.fused_op for row in FUSIONS if row.name in PROLOGUE_ROWS)}

@@ -101,10 +101,8 @@ def test_whole_pipeline_text():
     out = run_passes(block())
     assert body(out) == "\n".join([
         "  res: f32[n,8] = linear_add(x, w, x)  # fused proj + res",
-        "  q: f32[n,8], k: f32[n,4], v: f32[n,4] = rmsnorm_linear_qkv(res, wn, wq, wk, wv)"
-        "  # fused norm + q + k + v",
-        "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rope_kv_write(q, k, v, pos, kc, vc, "
-        "tables, live) {head_dim=4}  # fused rq + rk + kvw",
+        "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rmsnorm_linear_qkv_rope_kv_write(res, wn, "
+        "wq, wk, wv, pos, kc, vc, tables, live) {head_dim=4}  # fused norm + q + k + v + rq + rk + kvw",
         "  attn: f32[n,8] = decode_attention(rq, kc@1, vc@1, tables, live)",
         "  token: i32[n], logprob: f32[n] = linear_argmax_logprob(attn, head)  # fused logits + top1",
         "  return token, logprob, kc@1, vc@1",

@@ -88,7 +88,7 @@ def test_fused_groups_are_recorded(setup):
     ops = {g["op"] for g in report.fused_groups}
     # the residual adds in o_proj's / down_proj's epilogues, every norm in the next linear's
     # prologue, the lm-head argmax with keep_if_active folded in
-    assert ops == {"linear_add", "rope_kv_write", "rmsnorm_linear_silu_mul", "rmsnorm_linear_qkv",
+    assert ops == {"linear_add", "rmsnorm_linear_qkv_rope_kv_write", "rmsnorm_linear_silu_mul",
                    "embed_rmsnorm_linear_concat", "rmsnorm_linear_argmax_keep"}
     assert report.launches < len(setup[0].nodes)
 
@@ -145,10 +145,12 @@ def test_compile_time_and_arena_ratio_default_chain():
     compiled = compile_draft(chain, params, list(range(1, 65)), options=CompileOptions())
     assert compiled.widths == tuple(range(1, 65))
     ratios = [p.arena_bytes / p.lower_bound_bytes for p in compiled.programs.values()]
-    # the prologue fusions lowered the bound (fewer live temps) but not the arena: consecutive
-    # steps' residual streams overlap by one launch, so greedy placement alternates two slots
-    # above the SwiGLU row; the arena never exceeds what the pipeline before them planned
-    assert max(ratios) <= 1.2
+    # the prologue / epilogue fusions lowered the bound (fewer live temps: 79360 -> 62976 B at
+    # n = 64) but not the arena: consecutive steps' residual streams overlap by one launch, so
+    # both greedy orders alternate two slots above the SwiGLU row (a placement that puts the
+    # odd steps' stream at the top would reach the bound); the arena never exceeds what the
+    # pipeline before them planned (checked next), the ratio stays within 1.3
+    assert max(ratios) <= 1.3
     before = compile_draft(chain, params, [1, 64], options=CompileOptions(pipeline=(
         "eliminate_dead_nodes", "fuse_add_rmsnorm", "fuse_lm_head_argmax", "fuse_rope_kv_write",
         "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear", "fuse_argmax_keep")))

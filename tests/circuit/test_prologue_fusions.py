@@ -14,6 +14,8 @@ from draft_circuit.runners.program import ProgramRunner
 
 MAX_WIDTH, HIDDEN, VOCAB = 8, 24, 40
 EPS = {"eps": 1e-5}
+BS, BLOCKS_PER_ROW, D = 4, 2, 4  # the attention's paged caches: one kv head of 4, two q heads
+NUM_BLOCKS = 1 + MAX_WIDTH * BLOCKS_PER_ROW
 
 
 def block(dtype="float32", last=True):
@@ -27,11 +29,17 @@ def block(dtype="float32", last=True):
     mask = b.input("mask", "int32", ("n", 2))
     prev = b.input("prev", "int32", ("n",))  # the last kept draft before this step
     log_tau = b.input("log_tau", "float32", ("n",))
+    pos = b.input("pos", "int32", ("n",))
+    tables = b.input("tables", "int32", ("n", BLOCKS_PER_ROW))
+    live = b.input("live", "int32", ("n",))
+    kc = b.state("kc", dtype, (NUM_BLOCKS, BS, 1, D))
+    vc = b.state("vc", dtype, (NUM_BLOCKS, BS, 1, D))
     p = {name: b.param(name, dtype, shape) for name, shape in (
         ("table", (VOCAB, HIDDEN)), ("we", (HIDDEN,)), ("wh", (HIDDEN,)), ("wc", (HIDDEN, 2 * HIDDEN)),
         ("wa", (HIDDEN,)), ("wq", (HIDDEN, HIDDEN)), ("wk", (HIDDEN, HIDDEN)), ("wv", (HIDDEN, HIDDEN)),
         ("wo", (HIDDEN, HIDDEN)), ("wm", (HIDDEN,)), ("wt", (HIDDEN,)), ("wgu", (2 * HIDDEN, HIDDEN)),
-        ("wu", (HIDDEN,)), ("wz", (HIDDEN,)), ("head", (VOCAB, HIDDEN)))}
+        ("wu", (HIDDEN,)), ("wz", (HIDDEN,)), ("head", (VOCAB, HIDDEN)), ("wa2", (HIDDEN,)),
+        ("wq2", (2 * D, HIDDEN)), ("wk2", (D, HIDDEN)), ("wv2", (D, HIDDEN)))}
     e = b.op1("rmsnorm", [b.op1("embedding", [p["table"], ids], name="emb"), p["we"]], EPS, name="enorm")
     h = b.op1("rmsnorm", [x, p["wh"]], EPS, name="hnorm")
     y = b.op1("linear", [b.op1("concat", [e, h], name="cat"), p["wc"]], name="eh")
@@ -54,6 +62,17 @@ def block(dtype="float32", last=True):
     b.output(b.op1("keep_if_active", [tok, active, prev] if last else [prev, active, prev],
                    name="last_kept"), "last")
     b.output(b.op1("confidence_gate", [active, lp, log_tau], name="gate"), "active_next")
+    # an attention input: its own norm, q/k/v, rope of q and k, the paged write, the attention
+    a2 = b.op1("rmsnorm", [y, p["wa2"]], EPS, name="anorm2")
+    q2, k2, v2 = (b.op1("linear", [a2, p[w]], name=f"{w[1]}2") for w in ("wq2", "wk2", "wv2"))
+    rope = {"head_dim": D, "pos_offset": 1}
+    rq = b.op1("rope", [q2, pos], rope, name="rq")
+    kc, vc = b.op("kv_write", [kc, vc, b.op1("rope", [k2, pos], rope, name="rk"), v2, tables, live,
+                               active], {"row_offset": 1}, name="kvw")
+    b.output(b.op1("decode_attention", [rq, kc, vc, tables, live], {"row_offset": 1}, name="attn"),
+             "attn")
+    b.output(kc)
+    b.output(vc)
     b.output(tok, "token")
     b.output(lp, "logprob")
     b.output(tok2, "token2")
@@ -78,8 +97,12 @@ def values(c, width, seed, dtype=torch.float32):
         "prev": torch.randint(-1, VOCAB, (width,), generator=g, dtype=torch.int32),
         # a threshold that stops some rows, one that stops none (NaN never stops)
         "log_tau": torch.where(torch.arange(width) % 2 == 0, torch.tensor(-3.0), torch.tensor(float("nan"))),
+        "pos": torch.randint(0, 50, (width,), generator=g, dtype=torch.int32),
+        "tables": (1 + torch.arange(width * BLOCKS_PER_ROW, dtype=torch.int32)).view(width, -1),
+        "live": torch.randint(0, BS * BLOCKS_PER_ROW - 1, (width,), generator=g, dtype=torch.int32),
     }
-    return params, inputs
+    states = {s: torch.randn(NUM_BLOCKS, BS, 1, D, generator=g).to(dtype) for s in ("kc", "vc")}
+    return params, inputs, states
 
 
 # each row after the rows whose fused op it consumes
@@ -90,6 +113,8 @@ PIPELINES = {
     "fuse_rmsnorm_argmax_keep": ("fuse_lm_head_argmax", "fuse_argmax_keep", "fuse_rmsnorm_argmax_keep"),
     "fuse_rmsnorm_argmax": ("fuse_lm_head_argmax", "fuse_argmax_keep", "fuse_rmsnorm_argmax"),
     "fuse_embed_concat_linear": ("fuse_concat_linear", "fuse_embed_concat_linear"),
+    "fuse_qkv_rope_kv_write": ("fuse_rope_kv_write", "fuse_qkv", "fuse_rmsnorm_qkv",
+                               "fuse_qkv_rope_kv_write"),
     "fuse_argmax_last": ("fuse_lm_head_argmax", "fuse_argmax_keep", "fuse_rmsnorm_argmax_keep",
                          "fuse_argmax_last"),
     "fuse_argmax_gate": ("fuse_lm_head_argmax", "fuse_argmax_keep", "fuse_rmsnorm_argmax_keep",
@@ -102,12 +127,30 @@ FUSED_OP = {"fuse_linear_add": "linear_add", "fuse_rmsnorm_qkv": "rmsnorm_linear
             "fuse_rmsnorm_argmax_keep": "rmsnorm_linear_argmax_keep",
             "fuse_rmsnorm_argmax": "rmsnorm_linear_argmax_logprob",
             "fuse_embed_concat_linear": "embed_rmsnorm_linear_concat",
+            "fuse_qkv_rope_kv_write": "rmsnorm_linear_qkv_rope_kv_write",
             "fuse_argmax_last": "rmsnorm_linear_argmax_keep_last",
             "fuse_argmax_gate": "rmsnorm_linear_argmax_keep_gate",
             "fuse_argmax_last_gate": "rmsnorm_linear_argmax_keep_last_gate"}
 # fused ops a later row folds further, so the default pipeline leaves none of them
 CONSUMED = {"rmsnorm_linear_argmax_keep", "rmsnorm_linear_argmax_keep_last",
             "rmsnorm_linear_argmax_keep_gate"}
+MATCHES = {"fuse_rmsnorm_qkv": 2}  # both q/k/v triples; one match for every other row
+
+
+def _eager(c, params, inputs, states):
+    states = {k: t.clone() for k, t in states.items()}
+    return EagerRunner(c, params, states).run(inputs), states
+
+
+def _program(compiled, inputs, states):
+    states = {k: t.clone() for k, t in states.items()}
+    return ProgramRunner(compiled, states).run(inputs), states
+
+
+def _pair(got, want):
+    """((outputs, states), (outputs, states)) -> one dict each, states prefixed."""
+    return ({**got[0], **{f"state {k}": v for k, v in got[1].items()}},
+            {**want[0], **{f"state {k}": v for k, v in want[1].items()}})
 
 
 def _equal(got, want):
@@ -120,25 +163,25 @@ def _equal(got, want):
 @pytest.mark.parametrize("row", sorted(PIPELINES))
 def test_row_equals_the_unfused_eager_circuit(row, width):
     c = block(last=row != "fuse_argmax_gate")
-    params, inputs = values(c, width, seed=width)
+    params, inputs, states = values(c, width, seed=width)
     fused = run_passes(c, PIPELINES[row])
-    assert sum(n.op == FUSED_OP[row] for n in fused.nodes) == 1  # the row matched, once
-    want = EagerRunner(c, params, {}).run(inputs)
-    _equal(EagerRunner(fused, params, {}).run(inputs), want)
+    assert sum(n.op == FUSED_OP[row] for n in fused.nodes) == MATCHES.get(row, 1)  # the row matched
+    want, want_states = _eager(c, params, inputs, states)
+    _equal(*_pair(_eager(fused, params, inputs, states), (want, want_states)))
     compiled = compile_draft(c, params, [width], options=CompileOptions(pipeline=PIPELINES[row]))
-    _equal(ProgramRunner(compiled, {}).run(inputs), want)
+    _equal(*_pair(_program(compiled, inputs, states), (want, want_states)))
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])
 def test_default_pipeline_folds_every_prologue(width):
     c = block()
-    params, inputs = values(c, width, seed=20 + width)
+    params, inputs, states = values(c, width, seed=20 + width)
     compiled = compile_draft(c, params, [width])
     ops = {n.op for n in compiled.circuit.nodes}
     assert set(FUSED_OP.values()) - CONSUMED | {"add_rmsnorm"} <= ops
     # every norm and linear folded, and the draft's bookkeeping into the lm-head's merge
     assert not {"embedding", "concat", "rmsnorm", "linear", "keep_if_active", "confidence_gate"} & ops
-    _equal(ProgramRunner(compiled, {}).run(inputs), EagerRunner(c, params, {}).run(inputs))
+    _equal(*_pair(_program(compiled, inputs, states), _eager(c, params, inputs, states)))
 
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-2, rtol=2e-2)}
@@ -151,15 +194,16 @@ def test_interpreted_kernels_agree_with_the_eager_oracle(dtype, width):
     unfused eager circuit: tokens equal, values within the dtype's rounding."""
     name = str(dtype).removeprefix("torch.")
     c = block(name)
-    params, inputs = values(c, width, seed=40 + width, dtype=dtype)
+    params, inputs, states = values(c, width, seed=40 + width, dtype=dtype)
     compiled = compile_draft(c, params, [width], options=CompileOptions(interpret_kernels=True))
     kernels = {x.kernel for x in compiled.programs[width].launches}
     assert {f"triton_{op}" for op in set(FUSED_OP.values()) - CONSUMED} <= kernels
-    got = ProgramRunner(compiled, {}).run(inputs)
-    want = EagerRunner(c, params, {}).run(inputs)
+    (got, got_states), (want, want_states) = _program(compiled, inputs, states), _eager(c, params, inputs, states)
+    for k in want_states:
+        torch.testing.assert_close(got_states[k], want_states[k], **TOL[dtype])
     for k in ("kept", "token", "token2", "last", "active_next"):
         assert torch.equal(got[k], want[k]), k
-    for k in ("logprob", "logprob2", "mixed", "act"):
+    for k in ("logprob", "logprob2", "mixed", "act", "attn"):
         torch.testing.assert_close(got[k], want[k], **TOL[dtype])
 
 

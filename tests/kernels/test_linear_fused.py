@@ -3,8 +3,8 @@ against the unfused kernels on the same operands (CPU interpreter, fp32 and fp16
 their tiles): a residual epilogue and a gather are bitwise the unfused kernels' (linear then add,
 embedding then linear); a norm prologue is bitwise in fp16 and within fp32 rounding of the sum's
 order in fp32 (the rmsnorm kernel sums a row in one block, the prologue in BLOCK_K chunks);
-a row's bits never depend on n. cuda: the same at the 8B shapes in bf16, rows alone == rows in
-a batch."""
+a row's bits never depend on n; kernels.qkv_rope is rmsnorm_linear_qkv then rope_kv_write
+bitwise. cuda: the same at the 8B shapes in bf16, rows alone == rows in a batch."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +16,8 @@ from draft_circuit.kernels.linear import linear, linear_silu_mul
 from draft_circuit.kernels.linear_fused import linear_prologue, rmsnorm_linear_qkv
 from draft_circuit.kernels.linear_multi import linear_concat, linear_qkv
 from draft_circuit.kernels.linear_splitk import SplitKConfig, linear_splitk
+from draft_circuit.kernels.qkv_rope import rmsnorm_qkv_rope_kv_write
+from draft_circuit.kernels.rope_kv_write import rope_kv_write
 from draft_circuit.kernels.rmsnorm import rmsnorm
 from draft_circuit.runners.testing import cuda
 
@@ -193,3 +195,69 @@ def test_cuda_bf16_8b_shapes_and_width_independence(n):
         m1 = torch.empty(1, h, dtype=dt, device=dev)
         linear_prologue(table, eh, m1, ids=ids[i:i + 1], norm1=nw, eps1=EPS, x2=x[i:i + 1], norm2=nw, eps2=EPS)
         assert torch.equal(m1[0], mtp[i])
+
+
+def _attention_input(n, k, heads, kv_heads, d, dtype, g, device="cpu"):
+    x = _r(g, n, k, dtype=dtype, scale=2.0, device=device)
+    nw = _norm_w(g, k, dtype, device)
+    ws = [_r(g, r, k, dtype=dtype, scale=k ** -0.5, device=device) for r in (heads * d, kv_heads * d, kv_heads * d)]
+    nb, bs = 2 * n + 1, 8
+    caches = [_r(g, nb, bs, kv_heads, d, dtype=dtype, device=device) for _ in range(2)]
+    tables = (torch.randperm(nb - 1, generator=g)[:2 * n].view(n, 2) + 1).to(device=device, dtype=torch.int32)
+    live = torch.randint(0, 2 * bs - 2, (n,), generator=g, dtype=torch.int32).to(device)
+    pos = torch.randint(0, 5000, (n,), generator=g, dtype=torch.int32).to(device)
+    active = torch.tensor([i % 3 != 1 for i in range(n)], dtype=torch.int32, device=device)
+    return x, nw, ws, caches, tables, live, pos, active
+
+
+def _unfused_attention_input(x, nw, ws, caches, tables, live, pos, active, heads, kv_heads, d):
+    kc, vc = (c.clone() for c in caches)
+    outs = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    rmsnorm_linear_qkv(x, nw, EPS, ws, outs)
+    q = torch.empty_like(outs[0])
+    rope_kv_write(*outs, pos, live, tables, kc, vc, q, num_heads=heads, num_kv_heads=kv_heads,
+                  head_dim=d, theta=10000.0, pos_offset=1, row_offset=1, active=active)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,heads,kv_heads,d", [(3, 40, 4, 2, 10), (17, 70, 2, 1, 64), (1, 33, 3, 3, 16)])
+def test_qkv_rope_is_norm_qkv_then_rope_kv_write(dtype, n, k, heads, kv_heads, d):
+    """kernels.qkv_rope against rmsnorm_linear_qkv then rope_kv_write: bitwise under the
+    interpreter (q, both caches; inactive rows' slots untouched), half-head widths off the tile."""
+    g = torch.Generator().manual_seed(n * 19 + d)
+    x, nw, ws, caches, tables, live, pos, active = _attention_input(n, k, heads, kv_heads, d, dtype, g)
+    kc, vc = (c.clone() for c in caches)
+    q = torch.full((n, heads * d), float("nan"), dtype=dtype)
+    rmsnorm_qkv_rope_kv_write(x, nw, EPS, ws, pos, live, tables, kc, vc, q, head_dim=d,
+                              theta=10000.0, pos_offset=1, row_offset=1, active=active)
+    want_q, want_kc, want_vc = _unfused_attention_input(x, nw, ws, caches, tables, live, pos, active,
+                                                        heads, kv_heads, d)
+    assert torch.equal(q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_cuda_qkv_rope_8b_shapes(n):
+    """bf16 at the 8B shapes: within bf16 rounding of the two unfused kernels (tiles differ on the
+    GPU), and row i of the n-row launch is row i launched alone, bitwise."""
+    g = torch.Generator().manual_seed(n)
+    heads, kv_heads, d, h = 32, 8, 128, 4096
+    x, nw, ws, caches, tables, live, pos, active = _attention_input(n, h, heads, kv_heads, d, torch.bfloat16, g, "cuda")
+    kc, vc = (c.clone() for c in caches)
+    q = torch.empty(n, heads * d, dtype=torch.bfloat16, device="cuda")
+    rmsnorm_qkv_rope_kv_write(x, nw, EPS, ws, pos, live, tables, kc, vc, q, head_dim=d,
+                              theta=500000.0, pos_offset=1, row_offset=1, active=active)
+    want_q, want_kc, want_vc = _unfused_attention_input(x, nw, ws, caches, tables, live, pos, active,
+                                                        heads, kv_heads, d)
+    for got, want in ((q, want_q), (kc, want_kc), (vc, want_vc)):
+        _close(got, want, torch.bfloat16)
+    for i in {0, n // 2, n - 1}:
+        kc1, vc1 = (c.clone() for c in caches)
+        q1 = torch.empty(1, heads * d, dtype=torch.bfloat16, device="cuda")
+        rmsnorm_qkv_rope_kv_write(x[i:i + 1], nw, EPS, ws, pos[i:i + 1], live[i:i + 1], tables[i:i + 1],
+                                  kc1, vc1, q1, head_dim=d, theta=500000.0, pos_offset=1,
+                                  row_offset=1, active=active[i:i + 1])
+        assert torch.equal(q1[0], q[i])
+        blk, slot = tables[i, (live[i] + 1) // 8], (live[i] + 1) % 8
+        assert torch.equal(kc1[blk, slot], kc[blk, slot]) and torch.equal(vc1[blk, slot], vc[blk, slot])

@@ -52,7 +52,8 @@ def test_triton_bindings_launch_what_they_declare(monkeypatch):
             checked.add(binding.name)
     assert {"triton_linear_argmax_keep", "triton_rmsnorm_linear_qkv",
             "triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_argmax_keep",
-            "triton_linear_add", "triton_rmsnorm_linear_silu_mul"} <= checked
+            "triton_linear_add", "triton_rmsnorm_linear_silu_mul",
+            "triton_rmsnorm_linear_qkv_rope_kv_write"} <= checked
 
 
 # the torch bindings of the single-device chain ops (collectives count per group: tests/distributed)

@@ -57,6 +57,11 @@ EXAMPLES = {
     "rmsnorm_linear_argmax_keep_last_gate": ([S("float32", ROW, 6), S("float32", 6), S("float32", 40, 6),
                                               S("int32", ROW), S("int32", ROW), S("float32", ROW),
                                               S("int32", ROW, 2)], {}),
+    "rmsnorm_linear_qkv_rope_kv_write": ([S("float32", ROW, 6), S("float32", 6), S("float32", 2 * HKV * D, 6),
+                                          S("float32", HKV * D, 6), S("float32", HKV * D, 6), S("int32", ROW),
+                                          S("float32", NB, BS, HKV, D), S("float32", NB, BS, HKV, D),
+                                          S("int32", ROW, 3), S("int32", ROW), S("int32", ROW)],
+                                         {"head_dim": D, "row_offset": 1}),
     "embed_rmsnorm_linear_concat": ([S("float32", 11, 3), S("int32", ROW), S("float32", 3),
                                      S("float32", ROW, 5), S("float32", 5), S("float32", 7, 8)], {}),
     "embedding": ([S("float32", 11, 6), S("int32", ROW)], {}),
@@ -147,7 +152,8 @@ def test_shape_rule_matches_reference(name, width):
 # ---- tags: declared on each op, writes_state derived ----
 def test_writes_state_is_derived_from_mutates():
     writers = {name for name, op in REGISTRY.items() if op.mutates}
-    assert writers == {"embed_write", "kv_write", "rope_kv_write", "mla_kv_write", "input_guard"}
+    assert writers == {"embed_write", "kv_write", "rope_kv_write", "mla_kv_write", "input_guard",
+                       "rmsnorm_linear_qkv_rope_kv_write"}
     for name, op in REGISTRY.items():
         assert op.writes_state == op.has(WRITES_STATE) == (name in writers), name
 
