@@ -176,6 +176,17 @@ class CircuitDraftRunner:
             self.check_faults()
         return out
 
+    def fault_record(self) -> torch.Tensor | None:
+        """The device int32[8] record the backend's input guard keeps its first fault in (word 0
+        nonzero: a fault), None without a guard. A host that copies it beside its own outputs
+        learns of a fault with no read of its own; `check_faults` then reads, clears and raises
+        it (the proposer's staging.read and device-resident batches do so)."""
+        guard = getattr(self.backend, "guard", None)
+        if guard is None:  # a GraphRunner's guard is its program runner's
+            guard = getattr(getattr(self.backend, "program", None), "guard", None)
+        faults = getattr(guard, "faults", None)
+        return faults if isinstance(faults, torch.Tensor) else None
+
     def check_faults(self) -> None:
         """Raise the backend's `RunnerInputError` for the first bad row since the last check
         (cleared). Own and padded plans run the caller's rows at their own indices; a split runs
