@@ -264,11 +264,12 @@ class MtpProposer:
         rows, kind = [s.rows for s in mine], "empty"
         if num_drafts:
             out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
-            drafts, confs = self.staging.read(out["drafts"], out["confidences"])
-            # the host has just synced: the chain's input guard record is read for free-ish
-            # (RunnerInputError for a bad row; our own inputs never make one)
-            check_runner_faults(self.chains.get(num_drafts, mask is not None))
-            kind = self.chains.get(num_drafts, mask is not None).plan(n).kind
+            # one read: drafts, confidences and the input-guard records of this chain and the
+            # catch-up chain (RunnerInputError for a bad row; our own inputs never make one)
+            chain = self.chains.get(num_drafts, mask is not None)
+            drafts, confs = self.staging.read(out["drafts"], out["confidences"],
+                                              (chain, self.chains.kv_only()[0]))
+            kind = chain.plan(n).kind
         self.last_served = Served(kind, n)
         result = []
         for state, row, r, p in zip(mine, drafts, rows, positions):

@@ -14,6 +14,11 @@ latest batch, so a host can launch its verify pass from device tensors with no h
   order (`non_blocking`), with an event recorded after. The states settle on the next call that
   touches one of them; that read waits on the event, which has long passed once the host has
   synced on its verify, so the drafts' read costs no sync of its own. On CPU it is `tolist`.
+- The input guards' fault records of the chain and of the catch-up chain (its runs enqueued
+  before this batch) travel to pinned memory in the same way; once the states are recorded, a
+  record showing a fault raises `RunnerInputError` from that runner's `check_faults` (FAULTS
+  20, 25): a bad row surfaces at the step's read, not never, and costs no sync when there is
+  none.
 
 The buffers are reused by the next device-resident batch, which settles the previous one first.
 """
@@ -23,9 +28,12 @@ from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 
+from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.contract import Served
+from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch, record_drafts
+from draft_circuit.runners.staging import check_copied_faults, fault_record
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
@@ -45,6 +53,9 @@ class DeviceDrafts:
         self._host = torch.zeros((w, k2), dtype=torch.int32, pin_memory=True) if self.cuda \
             else self.packed
         self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._faults = torch.zeros((2, FAULT_WORDS), dtype=torch.int32, pin_memory=True) \
+            if self.cuda else torch.zeros((2, FAULT_WORDS), dtype=torch.int32)
+        self._watched: list[object] = []  # the runners whose records the latest fill copied
         self.batch: PendingBatch | None = None
         self._rows = (0, 0)  # (n, k) of the latest batch
 
@@ -60,18 +71,35 @@ class DeviceDrafts:
         n, k = self._rows
         return self.verify[:n * (k + 1)]
 
-    def fill(self, out: dict[str, torch.Tensor], tokens: torch.Tensor, n: int, k: int) -> None:
-        """Copy a chain's outputs into the buffers and, on CUDA, enqueue their copy to the host."""
+    def fill(self, out: dict[str, torch.Tensor], tokens: torch.Tensor, n: int, k: int,
+             runners: Sequence[object] = ()) -> None:
+        """Copy a chain's outputs into the buffers and, on CUDA, enqueue their copy to the host,
+        with the fault records of `runners` (at most two: the chain's, the catch-up's)."""
         self.drafts(n, k).copy_(out["drafts"])
         self.confidences(n, k).copy_(out["confidences"])
         rows = self.verify[:n * (k + 1)].view(n, k + 1)
         rows[:, 0].copy_(tokens)
         torch.clamp(out["drafts"], min=0, out=rows[:, 1:])
         self._rows = (n, k)
+        self._watched = [r for i, r in enumerate(runners[:2])
+                         if not any(r is q for q in runners[:i])]
         if self.cuda:
             self._host[:n].copy_(self.packed[:n], non_blocking=True)
+            records = [rec for rec in (fault_record(r) for r in self._watched) if rec is not None]
+            for i, rec in enumerate(records):
+                self._faults[i].copy_(rec, non_blocking=True)
             assert self._copied is not None
             self._copied.record()
+
+    def check_faults(self) -> None:
+        """After the latest batch's read: raise a bad row its runners' records showed (CUDA: the
+        copies made behind the chain; CPU: a runner raised in its run already, nothing to read)."""
+        if self.cuda:
+            check_copied_faults(self._watched, self._faults)
+        else:
+            for r in self._watched:
+                if fault_record(r) is None:
+                    check_runner_faults(r)
 
     def read(self, drafts: torch.Tensor) -> list[list[int]]:
         """The latest batch's drafts as host rows (`drafts` is its view of `packed`): on CUDA
@@ -108,10 +136,12 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     if dev.batch is not None:
         dev.batch.settle()  # its drafts live in the buffers this batch overwrites
     out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
-    dev.fill(out, p.staging.tokens(n), n, num_drafts)
-    batch = PendingBatch(drafts, rows, list(positions), mine, read=dev.read)
+    chain = p.chains.get(num_drafts, mask is not None)
+    dev.fill(out, p.staging.tokens(n), n, num_drafts, (chain, p.chains.kv_only()[0]))
+    batch = PendingBatch(drafts, rows, list(positions), mine, read=dev.read,
+                         check=dev.check_faults)
     for state in mine:
         state.pending = batch
     dev.batch = batch
-    p.last_served = Served(p.chains.get(num_drafts, mask is not None).plan(n).kind, n)
+    p.last_served = Served(chain.plan(n).kind, n)
     return drafts, confs

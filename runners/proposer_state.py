@@ -81,6 +81,9 @@ class PendingBatch:
     states: list[MtpProposerState]
     read: Callable[[torch.Tensor], list[list[int]]]
     done: bool = False
+    #: called once the states are recorded: raises a bad input row the read brought back
+    #: (the input guards' records, copied beside the drafts)
+    check: Callable[[], None] | None = None
 
     def settle(self) -> None:
         if self.done:
@@ -90,6 +93,8 @@ class PendingBatch:
             if s.pending is self:  # a state freed or handed over since has nothing to record
                 s.pending = None
                 record_drafts(s, kept_drafts(row), r, p)
+        if self.check is not None:
+            self.check()
 
 
 def settle(state: MtpProposerState) -> None:

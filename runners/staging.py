@@ -37,12 +37,38 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from draft_circuit.ops.input_guard import FAULT_WORDS
+from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.padding import neutral_value
 from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: the chain inputs a region stages, in the circuit's order (and the region's layout)
 INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
 _ROWS = ("tokens", "positions", "live_rows", "active")  # one int a row
+
+
+def fault_record(runner: object) -> torch.Tensor | None:
+    """A runner's device fault record (`CircuitDraftRunner.fault_record`), None for a runner
+    that keeps none (the eager oracle raises in its run; a host's own runner is asked with
+    `check_faults` instead)."""
+    get = getattr(runner, "fault_record", None)
+    record = get() if callable(get) else None
+    return record if isinstance(record, torch.Tensor) else None
+
+
+def check_copied_faults(runners: Sequence[object], host: torch.Tensor) -> None:
+    """After a read that brought each runner's fault record to `host` (row i runner i's, for
+    the runners with a record, in order): a runner whose copy shows a fault raises it through
+    its own `check_faults` (which reads, clears and names it); a runner without a record is
+    asked directly."""
+    i = 0
+    for r in runners:
+        if fault_record(r) is None:
+            check_runner_faults(r)
+            continue
+        if int(host[i, 0]):
+            check_runner_faults(r)
+        i += 1
 
 
 class _Mirror:
@@ -168,9 +194,11 @@ class ChainStaging:
         self._cached: list[tuple[int, ...] | None] = [None] * slots
         self._free: list[int] = list(range(slots - 1, -1, -1))
         k2 = 2 * self.max_drafts
-        self._out_dev = torch.zeros(w * k2, dtype=torch.int32, device=self.device)
-        self._out_host = torch.zeros(w * k2, dtype=torch.int32, pin_memory=self.cuda) \
-            if self.cuda else self._out_dev
+        # drafts and confidences, then up to two runners' fault records (chain and catch-up)
+        self._out_dev = torch.zeros(w * k2 + 2 * FAULT_WORDS, dtype=torch.int32,
+                                    device=self.device)
+        self._out_host = torch.zeros(w * k2 + 2 * FAULT_WORDS, dtype=torch.int32,
+                                     pin_memory=self.cuda) if self.cuda else self._out_dev
         self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
 
     # ---- slots: one host table row per state ----
@@ -305,19 +333,33 @@ class ChainStaging:
         return self._last["tokens"]
 
     # ---- outputs ----
-    def read(self, drafts: torch.Tensor, confidences: torch.Tensor) -> tuple[list[list[int]],
-                                                                             list[list[float]]]:
-        """Drafts [n, k] and confidences [n, k] as lists: one device-to-host copy, one sync."""
+    def read(self, drafts: torch.Tensor, confidences: torch.Tensor,
+             runners: Sequence[object] = ()) -> tuple[list[list[int]], list[list[float]]]:
+        """Drafts [n, k] and confidences [n, k] as lists: one device-to-host copy, one sync.
+        `runners` (at most two: the chain's, the catch-up's) have their input-guard records
+        read in the same copy, and a fault raises `RunnerInputError` (FAULTS 20, 25) once the
+        drafts are read: a bad row surfaces at this sync, with no read of its own."""
         if not self.cuda:
-            return drafts.tolist(), confidences.tolist()
+            rows = drafts.tolist(), confidences.tolist()
+            for r in runners:  # a CPU runner raised in its run; nothing pending, no sync
+                check_runner_faults(r)
+            return rows
         n, k = drafts.shape
-        packed = self._out_dev[:n * 2 * k].view(n, 2 * k)
+        end = n * 2 * k
+        packed = self._out_dev[:end].view(n, 2 * k)
         packed[:, :k].copy_(drafts)
         packed[:, k:].copy_(confidences.view(torch.int32))
-        host = self._out_host[:n * 2 * k]
-        host.copy_(self._out_dev[:n * 2 * k], non_blocking=True)
+        runners = [r for i, r in enumerate(runners[:2]) if not any(r is q for q in runners[:i])]
+        records = [rec for rec in (fault_record(r) for r in runners) if rec is not None]
+        for i, rec in enumerate(records):
+            self._out_dev[end + i * FAULT_WORDS:end + (i + 1) * FAULT_WORDS].copy_(rec)
+        size = end + len(records) * FAULT_WORDS
+        host = self._out_host[:size]
+        host.copy_(self._out_dev[:size], non_blocking=True)
         assert self._read is not None
         self._read.record()
         self._read.synchronize()  # the one sync of the call
-        both = host.view(n, 2 * k)
-        return both[:, :k].tolist(), both[:, k:].view(torch.float32).tolist()
+        both = host[:end].view(n, 2 * k)
+        out = both[:, :k].tolist(), both[:, k:].view(torch.float32).tolist()
+        check_copied_faults(runners, host[end:].view(-1, FAULT_WORDS))
+        return out

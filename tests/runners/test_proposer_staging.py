@@ -367,3 +367,82 @@ def test_steady_state_stages_in_one_host_to_device_copy_on_cuda(monkeypatch):
         counts[n] = len(propose)
         assert len(h2d) == 6, h2d  # steady_ops' three proposes and three catch-ups: one each
     assert len(set(counts.values())) == 1, counts
+
+
+class PendingFault:
+    """A runner that runs the real one and then holds a fault, as a GPU runner whose guard fired
+    would until the host reads its record (it keeps no device record: it is asked)."""
+
+    def __init__(self, runner):
+        self.runner, self.pending, self.checks = runner, False, 0
+        self.widths, self.max_width = runner.widths, runner.max_width
+        self.serves, self.plan = runner.serves, runner.plan
+
+    def run(self, n, inputs):
+        self.pending = True
+        return self.runner.run(n, inputs)
+
+    def check_faults(self):
+        self.checks += 1
+        if self.pending:
+            self.pending = False
+            raise RunnerInputError("row 1: token 999 is outside the vocabulary", row=1,
+                                   input="tokens", value=999)
+
+
+def test_a_device_batch_raises_its_chains_fault_when_it_settles():
+    """The device-resident path checks its chain's (and the catch-up chain's) input-guard
+    records at the batch's one read, after recording every state: the step's read raises the
+    bad row, the states are settled all the same."""
+    p = make("eager", num_blocks=80, max_blocks_per_seq=12)
+    states = [prefilled(p, 95 + i, length=9)[0] for i in range(2)]
+    fake = PendingFault(p.chain_runner())
+    p.set_circuit_draft(fake)
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    assert p.propose_batch_on_device([5, 6], hidden(96, 2), pos, K, states) is not None
+    assert fake.checks == 0  # nothing read yet: nothing checked
+    with pytest.raises(RunnerInputError, match="row 1: token 999") as e:
+        p.last_drafts(states)
+    assert (e.value.row, e.value.input, e.value.value) == (1, "tokens", 999)
+    assert all(s.pending is None and len(s.last_drafts) == K for s in states)
+    assert p.last_drafts(states) == [s.last_drafts for s in states]  # settled once, no re-raise
+
+
+def corrupting(p, value=10 ** 6):
+    real = p.staging.inputs
+
+    def corrupt(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["tokens"][1] = value
+        return out
+    return corrupt
+
+
+@cuda
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_bad_row_is_named_at_the_proposers_read_on_cuda(monkeypatch, device_path):
+    """On a GPU the staged path is guarded only in the graph: a bad row runs inert and its
+    record, copied beside the drafts, raises RunnerInputError naming row, input and value at
+    the call's read (propose_batch) or the batch's settle (propose_batch_on_device); a bad
+    catch-up row at the next propose's read."""
+    p = make("circuit", device="cuda", num_blocks=80, max_blocks_per_seq=12)
+    states = [prefilled(p, 90 + i, length=9)[0] for i in range(3)]
+    hid = hidden(91, 3).cuda()
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    monkeypatch.setattr(p.staging, "inputs", corrupting(p))
+    with pytest.raises(RunnerInputError, match="row 1: token 1000000") as e:
+        if device_path:
+            p.propose_batch_on_device([5] * 3, hid, pos, K, states)
+            p.last_drafts(states)
+        else:
+            p.propose_batch([5] * 3, hid, pos, K, states)
+    assert (e.value.row, e.value.input, e.value.value) == (1, "tokens", 10 ** 6)
+    monkeypatch.undo()
+    for s in states:
+        p.after_verify(0, s)
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    monkeypatch.setattr(p.staging, "inputs", corrupting(p, -5))
+    p.catchup_batch([[1], [2], [3]], [hidden(92, 1).cuda() for _ in states], pos, states)
+    monkeypatch.undo()
+    with pytest.raises(RunnerInputError, match="row 1: token -5"):
+        p.propose_batch([5] * 3, hid, [q + 1 for q in pos], K, states)
