@@ -10,6 +10,9 @@ GPU in a CUDA graph once, cache the microseconds on disk, and let the planner bi
   the least total time over the compiled widths (its bits never depend on n; split-K and the
   single pass round differently, so choosing per width would make them). Without it, each
   width takes its own fastest.
+- Only sample widths are timed (1, the powers of two, the largest: `sample_widths`); a width
+  between them uses the nearest sample's times (the report says which), so a 64-width plan costs
+  7 measurements a node shape and candidate, not 64.
 - Every choice is plain data (`KernelChoice`: node, kernel, why, measured us per candidate) for
   the plan report and page.
 
@@ -111,6 +114,16 @@ def candidates(op: OpDef, ins: Sequence[TensorSpec], attrs: Any, device: str,
             and (k.width_independent or not width_independent) and k.applies(device, ins, attrs)]
 
 
+def sample_widths(widths: Sequence[int]) -> list[int]:
+    """The widths a tuning pass times: the smallest, every power of two between, the largest."""
+    ws = sorted(set(widths))
+    return sorted({ws[0], ws[-1], *(w for w in ws if w & (w - 1) == 0)})
+
+
+def _nearest(w: int, sample: Sequence[int]) -> int:
+    return min(sample, key=lambda s: (abs(s - w), s))
+
+
 def choose(c: Circuit, widths: Sequence[int], device: str, *, cache: TuningCache | None,
            measure: Measure | None, allowed: set[str] | None, width_independent: bool
            ) -> tuple[dict[int, dict[str, str]], dict[int, list[KernelChoice]]]:
@@ -126,8 +139,9 @@ def choose(c: Circuit, widths: Sequence[int], device: str, *, cache: TuningCache
         cands = candidates(op, symbolic, attrs, device, allowed, width_independent)
         if len(cands) < 2:
             continue
-        times = {w: _times(node, op, attrs, symbolic, cands, w, device, cache, measure) for w in widths}
-        _decide(node, cands, times, width_independent, overrides, choices)
+        sample = sample_widths(widths)
+        timed = {s: _times(node, op, attrs, symbolic, cands, s, device, cache, measure) for s in sample}
+        _decide(node, cands, timed, list(widths), width_independent, overrides, choices)
     return overrides, choices
 
 
@@ -148,11 +162,15 @@ def _times(node: Node, op: OpDef, attrs: Any, symbolic: Sequence[TensorSpec],
 
 
 def _decide(node: Node, cands: Sequence[KernelBinding], times: Mapping[int, Mapping[str, float | None]],
-            width_independent: bool, overrides: dict[int, dict[str, str]],
+            widths: Sequence[int], width_independent: bool, overrides: dict[int, dict[str, str]],
             choices: dict[int, list[KernelChoice]]) -> None:
+    """`times`: the sample widths' us per candidate; every width in `widths` gets a choice."""
     first = cands[0].name
     complete = all(us is not None for t in times.values() for us in t.values())
-    for w, t in times.items():
+    for w in widths:
+        at = _nearest(w, list(times))
+        t = times[at]
+        where = "" if at == w else f" (times measured at n={at})"
         measured = {k: round(float(us), 3) for k, us in t.items() if us is not None}
         if not complete:
             why = "not measured (no tuning cache entry and no GPU pass): the first applicable binding"
@@ -161,11 +179,12 @@ def _decide(node: Node, cands: Sequence[KernelBinding], times: Mapping[int, Mapp
         if width_independent:
             total = {k.name: sum(float(times[x][k.name] or 0.0) for x in times) for k in cands}
             best = min(total, key=lambda k: (total[k], k))
-            why = (f"least total time over the {len(times)} compiled widths "
-                   f"({total[best]:.1f} us): one kernel at every width keeps a row's bits independent of n")
+            why = (f"least total time over the sample widths {sorted(times)} "
+                   f"({total[best]:.1f} us): one kernel at every width keeps a row's bits "
+                   f"independent of n{where}")
         else:
             best = min(measured, key=lambda k: (measured[k], k))
-            why = f"fastest measured at n={w} (width independence off)"
+            why = f"fastest measured at n={at} (width independence off){where}"
         overrides[w][node.name] = best
         choices[w].append(KernelChoice(node=node.name, kernel=best, why=why, us=measured))
 

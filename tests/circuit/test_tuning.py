@@ -88,7 +88,7 @@ def test_width_independent_choice_is_one_kernel_for_every_width(tmp_path):
         (choice,) = compiled.report().width(w).kernel_choices
         assert choice.node == "wide" and choice.kernel == "triton_linear_splitk"
         assert choice.us == {"triton_linear_splitk": 9.0 if w == 1 else 4.0, "triton_linear": 7.0}
-        assert "every width" in choice.why
+        assert "every width" in choice.why and "sample widths [1, 8]" in choice.why
     assert sorted(calls) == sorted([("triton_linear_splitk", 1), ("triton_linear", 1),
                                     ("triton_linear_splitk", 8), ("triton_linear", 8)])
     back = PlanReport.from_json(compiled.report().to_json())
@@ -158,3 +158,20 @@ def test_measuring_pass_on_the_small_chain(tmp_path):
     for w in (1, 8, 64):
         assert ([x.kernel for x in cached.programs[w].launches]
                 == [x.kernel for x in compiled.programs[w].launches])
+
+
+def test_only_sample_widths_are_measured(tmp_path):
+    """1, the powers of two and the largest are timed; a width between takes its nearest
+    sample's times and says so."""
+    from draft_circuit.circuit.tuning import sample_widths
+    assert sample_widths(range(1, 65)) == [1, 2, 4, 8, 16, 32, 64]
+    assert sample_widths([3, 5, 6]) == [3, 6]
+    c, params = circuit()
+    calls = []
+    compiled = compile_draft(c, params, [1, 2, 3, 6, 8], options=_options(tmp_path, tuning="measure"),
+                             measure=fake_measure(calls))
+    assert sorted({n for _, n in calls}) == [1, 2, 8]
+    (choice,) = compiled.report().width(6).kernel_choices
+    assert "measured at n=8" in choice.why and choice.us["triton_linear_splitk"] == 4.0
+    (choice3,) = compiled.report().width(3).kernel_choices
+    assert "measured at n=2" in choice3.why
