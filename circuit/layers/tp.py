@@ -36,7 +36,8 @@ from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import MtpHead
 
 __all__ = ["TpConfigError", "TpPlan", "TpMtpHead", "TpMoeMtpHead", "Slice", "tp_plan", "shard_head",
-           "shard_weights", "shard_kv", "vocab_shard"]
+           "shard_weights", "shard_kv", "vocab_shard", "row_sum", "vocab_argmax", "target_slice_of",
+           "shard_target_weights"]
 
 
 class TpConfigError(ConfigError):
@@ -173,6 +174,46 @@ def tp_plan(config: MtpConfig, rank: int, world_size: int) -> TpPlan:
     return TpPlan(config, rank, w)
 
 
+# ---- what a layer emits for a shard (None: the single-device circuit, unchanged) ----
+def row_sum(b: CircuitBuilder, x: str, plan: TpPlan | None) -> str:
+    """A row-parallel projection's output: x itself, or its all-reduced partial sum."""
+    if plan is None:
+        return x
+    return b.op1("all_reduce", [x], {"world_size": plan.world_size}, name=f"{x.rsplit('.', 1)[-1]}_sum")
+
+
+def vocab_argmax(b: CircuitBuilder, logits: str, bitmask: str | None, plan: TpPlan | None) -> tuple[str, str]:
+    """(token, logprob) of the lm-head's logits: argmax_logprob, or over a shard's vocabulary rows
+    vocab_parallel_argmax (the whole vocabulary's tie rule and log-probability)."""
+    if plan is None:
+        tok, lp = b.op("argmax_logprob", [logits, bitmask])
+        return tok, lp
+    offset, rows = plan.vocab
+    if b.spec(logits).shape[1] != rows:  # the lm-head's rows were replaced (a draft vocabulary)
+        raise TpConfigError(f"tensor parallelism: the lm-head gives {b.spec(logits).shape[1]} logits a "
+                            f"row, the shard holds vocabulary rows {rows}; a reduced draft vocabulary "
+                            "does not shard yet")
+    tok, lp = b.op("vocab_parallel_argmax", [logits, bitmask],
+                   {"world_size": plan.world_size, "vocab_size": plan.config.vocab_size,
+                    "vocab_offset": offset}, name="argmax")
+    return tok, lp
+
+
+def target_slice_of(plan: TpPlan, name: str) -> Slice | None:
+    """A Llama target's HF-named tensor: a layer's as the MTP layer's of the same name, the
+    lm-head by vocabulary rows, the embedding and norms whole."""
+    if name == "lm_head.weight":
+        return plan.slice_of("shared_head.head.weight")
+    if name.startswith("model.layers."):
+        return plan.slice_of(name.split(".", 3)[3])
+    return None
+
+
+def shard_target_weights(weights: dict[str, torch.Tensor], plan: TpPlan) -> dict[str, torch.Tensor]:
+    """Whole HF-named target weights -> the slices `plan`'s rank holds."""
+    return {name: _take(t, target_slice_of(plan, name)).contiguous() for name, t in weights.items()}
+
+
 class _TpShard:
     """What a shard changes in a head: the lm-head's rows, all_reduce after the row-parallel
     projections, the vocabulary-parallel argmax. Mixed in before the head's class."""
@@ -193,19 +234,10 @@ class _TpShard:
         return specs
 
     def row_parallel_sum(self, b: CircuitBuilder, x: str) -> str:
-        return b.op1("all_reduce", [x], {"world_size": self.tp.world_size},
-                     name=f"{x.rsplit('.', 1)[-1]}_sum")
+        return row_sum(b, x, self.tp)
 
     def emit_argmax(self, b: CircuitBuilder, logits: str, bitmask: str | None) -> tuple[str, str]:
-        offset, rows = self.tp.vocab
-        if b.spec(logits).shape[1] != rows:  # the lm-head's rows were replaced (a draft vocabulary)
-            raise TpConfigError(f"tensor parallelism: the lm-head gives {b.spec(logits).shape[1]} logits a "
-                                f"row, the shard holds vocabulary rows {rows}; a reduced draft vocabulary "
-                                "does not shard yet")
-        tok, lp = b.op("vocab_parallel_argmax", [logits, bitmask],
-                       {"world_size": self.tp.world_size, "vocab_size": self.tp.config.vocab_size,
-                        "vocab_offset": offset}, name="argmax")
-        return tok, lp
+        return vocab_argmax(b, logits, bitmask, self.tp)
 
     def plan_notes(self) -> dict[str, Any]:
         notes = dict(super().plan_notes())  # type: ignore[misc]

@@ -25,6 +25,7 @@ from examples.engine.engine import Engine, EngineConfig
 from examples.engine.runner import NonFiniteLogitsError
 from examples.engine.report import ProgressBar, baseline_fields, format_summary, summary
 from examples.engine.sequence import Request
+from examples.engine.tp import start as start_tp
 
 
 # the engine drafts at most --max-batch sequences at once, and every width is a compiled program
@@ -101,6 +102,8 @@ def parser() -> argparse.ArgumentParser:
                     help="after a speculative run, run target-only greedy on the same prompts in "
                          "this process, check the outputs are identical (exit 1 if not) and report "
                          "both tokens/s and the speedup (default: on; --no-compare skips it)")
+    ap.add_argument("--tp", type=int_in(1, None, "--tp"), default=1,
+                    help="tensor-parallel ranks: run under torchrun --nproc-per-node N (rank 0 prints)")
     ap.add_argument("--summary-json", type=writable_file, help="write the summary and every request's ids here")
     ap.add_argument("--quiet", action="store_true", help="no progress bar and no per-request text")
     ap.add_argument("--progress", action="store_true",
@@ -109,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
+    silent = args.tp > 1 and start_tp(args.tp, args.device) != 0  # under torchrun rank 0 reports
+    if silent:
+        args.quiet, args.summary_json, args.progress = True, None, False
     checkpoint = load_checkpoint(args.checkpoint, draft_path=args.draft_checkpoint,
                                  with_mtp=not args.no_speculation)
     items = read_prompts(args.prompts) if args.prompts else default_prompts(checkpoint)
@@ -128,7 +134,8 @@ def run(args: argparse.Namespace) -> dict:
                           num_drafts=args.num_drafts, draft_confidence_stop=args.draft_confidence_stop,
                           widths=args.widths, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
                           max_rows=args.max_rows,
-                          dtype=getattr(torch, args.dtype), device=args.device, draft_vocab=vocab)
+                          dtype=getattr(torch, args.dtype), device=args.device, draft_vocab=vocab,
+                          tp=args.tp)
     engine = Engine(checkpoint, config)
     requests = [Request(p, args.max_new_tokens) for p in prompts]
     show_bar = not args.quiet and (args.progress or sys.stderr.isatty())
@@ -155,7 +162,8 @@ def run(args: argparse.Namespace) -> dict:
         saved = {**info, "requests_ids": [{"prompt": r.prompt, "generated": o}
                                           for r, o in zip(requests, result.outputs)]}
         args.summary_json.write_text(json.dumps(saved, indent=1) + "\n")
-    print(format_summary(info))
+    if not silent:
+        print(format_summary(info))
     return info
 
 

@@ -25,6 +25,7 @@ from examples.engine.runner import _check_finite as check_finite
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
+from examples.engine.tp import plan_for as tp_plan_for, shard_drafter
 from draft_circuit.circuit.layers.draft_vocab import DraftVocab, DraftVocabError, bind_draft_vocab, over_subset
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config
 from draft_circuit.circuit.layers.heads import head_for
@@ -52,6 +53,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     draft_vocab: DraftVocab | None = None  # draft over these target ids only (subset lm-head)
+    tp: int = 1                       # tensor-parallel ranks (examples/engine/tp.py: under torchrun)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Engine:
         if config.speculate and not 1 <= config.num_drafts:
             raise EngineError(f"--num-drafts must be >= 1, got {config.num_drafts}")
         self.max_seq_len = config.max_seq_len or min(c.max_position_embeddings, 4096)
+        self.tp = tp_plan_for(c, config.tp)  # this rank's shard of the target (None: one process)
         # a table covers the longest sequence plus the drafts its last verify writes
         max_blocks = -(-(self.max_seq_len + self.k) // config.block_size)
         kv = KvLayout(config.kv_blocks, config.block_size, max_blocks)
@@ -97,7 +100,8 @@ class Engine:
         try:
             model = target_for(c, checkpoint.target, kv, max_rows=config.max_rows, dtype=config.dtype,
                                device=config.device, forward=config.target_forward,
-                               **({"tap_layers": taps} if taps is not None else {}))
+                               **({"tap_layers": taps} if taps is not None else {}),
+                               **({"tp": self.tp} if self.tp is not None else {}))
         except ValueError as e:  # a tap the target cannot give (named by the model)
             raise EngineError(f"EAGLE-3 drafter over this target: {e}") from None
         self.target = TargetRunner(model)
@@ -113,7 +117,7 @@ class Engine:
         cfg = self.config
         assert checkpoint.mtp is not None and checkpoint.mtp_config is not None
         head = head_for(checkpoint.mtp_config, str(cfg.dtype).removeprefix("torch."), checkpoint.mtp)
-        params = head.bind(checkpoint.mtp)
+        head, params = shard_drafter(head, checkpoint.mtp, self.tp, cfg.draft_vocab)
         if cfg.draft_vocab is not None:
             try:  # the lm-head's rows of the subset, gathered now; drafts mapped back on the device
                 params = bind_draft_vocab(params, head, cfg.draft_vocab)

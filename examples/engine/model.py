@@ -19,6 +19,7 @@ from draft_circuit.circuit.ir import ROW, SCRATCH_BLOCK, Circuit
 from draft_circuit.circuit.layers.config import TARGET_PARAM_SHAPES, MtpConfig
 from draft_circuit.circuit.layers.mtp import (KvLayout, emit_qk_norm, qkv_params, rope_op, rotary_attrs,
                                               yarn_param_specs, yarn_params)
+from draft_circuit.circuit.layers.tp import TpPlan, row_sum, shard_target_weights, vocab_argmax
 from draft_circuit.runners.eager import EagerDraftRunner
 from draft_circuit.runners.protocol import DraftRunner
 from examples.engine.capture import GRAPH_ROWS, TargetPasses
@@ -63,7 +64,8 @@ def check_tap_layers(config: MtpConfig, tap_layers: tuple[int, ...]) -> tuple[in
 
 
 def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = "float32",
-                name: str = "llama_target", tap_layers: tuple[int, ...] | None = None) -> Circuit:
+                name: str = "llama_target", tap_layers: tuple[int, ...] | None = None,
+                tp: TpPlan | None = None) -> Circuit:
     """The target's forward over n query rows.
 
     Inputs: tokens i32[n], positions i32[n], block_tables i32[n, M] (a row's sequence's table),
@@ -73,8 +75,11 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
     Outputs: token i32[n] (argmax), logprob f32[n], hidden [n, H] (after the final norm);
     with tap_layers also taps [n, len(tap_layers) * H]: the residual stream after each tapped
     layer (before the next layer's norm), ascending layer order (`check_tap_layers`).
+    `tp`: rank tp.rank's shard (circuit/layers/tp.py, as the MTP head shards): its heads and
+    intermediate rows, all_reduce after o_proj and down_proj, the lm-head's vocabulary rows and
+    vocab_parallel_argmax; outputs as above, replicated on every rank.
     """
-    c = config
+    c = config if tp is None else tp.local_config
     taps = check_tap_layers(c, tap_layers) if tap_layers is not None else ()
     tapped: list[str] = []
     b = CircuitBuilder(name, max_width=max_rows)
@@ -84,7 +89,7 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
     live = b.input("live_rows", "int32", (ROW,))
     active = b.input("active", "int32", (ROW,), neutral=0)  # inert rows write no KV
     for pname, shape in target_param_shapes(c).items():
-        b.param(pname, dtype, shape)
+        b.param(pname, dtype, (tp.vocab[1], shape[1]) if tp is not None and pname == "lm_head.weight" else shape)
     for pname, (pdtype, shape) in yarn_param_specs(c).items():  # rope_scaling yarn: rope_freqs' table
         b.param(pname, pdtype, shape)
     cache_shape = (kv.num_blocks, kv.block_size, c.num_key_value_heads, c.head_dim)
@@ -104,20 +109,20 @@ def emit_target(config: MtpConfig, *, kv: KvLayout, max_rows: int, dtype: str = 
             k = b.op1(*rope_op(b, c, k, positions, rope), name="rope_k")
             k_cache, v_cache = b.op("kv_write", [k_cache, v_cache, k, v, tables, live, active])
             o = b.op1("decode_attention", [q, k_cache, v_cache, tables, live], name="attention")
-            o = b.op1("linear", [o, p + "self_attn.o_proj.weight"], name="o_proj")
+            o = row_sum(b, b.op1("linear", [o, p + "self_attn.o_proj.weight"], name="o_proj"), tp)
             x = b.op1("add", [x, o], name="attn_residual")
             m = b.op1("rmsnorm", [x, p + "post_attention_layernorm.weight"], eps,
                       name="post_attention_layernorm")
             g = b.op1("silu_mul", [b.op1("linear", [m, p + GATE_UP], name="gate_up_proj")])
-            x = b.op1("add", [x, b.op1("linear", [g, p + "mlp.down_proj.weight"],
-                                       name="down_proj")], name="mlp_residual")
+            x = b.op1("add", [x, row_sum(b, b.op1("linear", [g, p + "mlp.down_proj.weight"],
+                                               name="down_proj"), tp)], name="mlp_residual")
         if layer in taps:
             tapped.append(x)
         b.output(k_cache)
         b.output(v_cache)
     h = b.op1("rmsnorm", [x, "model.norm.weight"], eps, name="norm")
     logits = b.op1("linear", [h, "lm_head.weight"], {"out_dtype": "float32"}, name="lm_head")
-    token, logprob = b.op("argmax_logprob", [logits])
+    token, logprob = vocab_argmax(b, logits, None, tp)
     b.output(token, "token")
     b.output(logprob, "logprob")
     b.output(h, "hidden")
@@ -153,15 +158,19 @@ class TargetModel:
     def __init__(self, config: MtpConfig, weights: dict[str, torch.Tensor], kv: KvLayout, *,
                  max_rows: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  forward: str = "eager", tap_layers: tuple[int, ...] | None = None,
-                 graph_rows: int = GRAPH_ROWS) -> None:
+                 graph_rows: int = GRAPH_ROWS, tp: TpPlan | None = None) -> None:
+        """`tp`: this rank's shard (whole `weights` in; its slices are bound, its KV heads pooled)."""
         self.config, self.kv, self.device, self.max_rows = config, kv, torch.device(device), max_rows
         dtype_name = str(dtype).removeprefix("torch.")
-        self.circuit = emit_target(config, kv=kv, max_rows=max_rows, dtype=dtype_name, tap_layers=tap_layers)
+        self.circuit = emit_target(config, kv=kv, max_rows=max_rows, dtype=dtype_name, tap_layers=tap_layers, tp=tp)
         # the hidden handed to the drafter: the tapped layers' outputs (EAGLE-3) or the last one
         self.hidden_output = "taps" if tap_layers else "hidden"
         self.hidden_size = config.hidden_size * (len(tap_layers) if tap_layers else 1)
+        if tp is not None:
+            weights = shard_target_weights(weights, tp)
         params = {k: w.to(self.device) for k, w in bind_target(config, weights, dtype).items()}
-        shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
+        kv_heads = (config if tp is None else tp.local_config).num_key_value_heads
+        shape = (kv.num_blocks, kv.block_size, kv_heads, config.head_dim)
         states = {f"{kind}_cache_{layer}": torch.zeros(shape, dtype=dtype, device=self.device)
                   for layer in range(config.num_hidden_layers) for kind in ("k", "v")}
         self.runner: DraftRunner
