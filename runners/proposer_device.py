@@ -58,33 +58,45 @@ class DeviceDrafts:
         self._watched: list[object] = []  # the runners whose records the latest fill copied
         self.batch: PendingBatch | None = None
         self._rows = (0, 0)  # (n, k) of the latest batch
+        self._shapes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def _views(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
+        """(drafts, confidences, verify, its token column, its draft columns, packed rows,
+        their host copy) of an (n, k) batch: views made once per shape (per-step host work)."""
+        views = self._shapes.get((n, k))
+        if views is None:
+            rows = self.verify[:n * (k + 1)].view(n, k + 1)
+            views = self._shapes[(n, k)] = (
+                self.packed[:n, :k], self.packed[:n, self.k:self.k + k].view(torch.float32),
+                self.verify[:n * (k + 1)], rows[:, 0], rows[:, 1:], self.packed[:n],
+                self._host[:n])
+        return views
 
     def drafts(self, n: int, k: int) -> torch.Tensor:
-        return self.packed[:n, :k]
+        return self._views(n, k)[0]
 
     def confidences(self, n: int, k: int) -> torch.Tensor:
-        return self.packed[:n, self.k:self.k + k].view(torch.float32)
+        return self._views(n, k)[1]
 
     def verify_tokens(self) -> torch.Tensor:
         """The latest batch's verify input: i32[n * (k + 1)], row i's last token then its k
         drafts (-1 as 0). Valid until the next device-resident batch."""
-        n, k = self._rows
-        return self.verify[:n * (k + 1)]
+        return self._views(*self._rows)[2]
 
     def fill(self, out: dict[str, torch.Tensor], tokens: torch.Tensor, n: int, k: int,
              runners: Sequence[object] = ()) -> None:
         """Copy a chain's outputs into the buffers and, on CUDA, enqueue their copy to the host,
         with the fault records of `runners` (at most two: the chain's, the catch-up's)."""
-        self.drafts(n, k).copy_(out["drafts"])
-        self.confidences(n, k).copy_(out["confidences"])
-        rows = self.verify[:n * (k + 1)].view(n, k + 1)
-        rows[:, 0].copy_(tokens)
-        torch.clamp(out["drafts"], min=0, out=rows[:, 1:])
+        drafts, confs, _, first, rest, packed, host = self._views(n, k)
+        drafts.copy_(out["drafts"])
+        confs.copy_(out["confidences"])
+        first.copy_(tokens)
+        torch.clamp(out["drafts"], min=0, out=rest)
         self._rows = (n, k)
         self._watched = [r for i, r in enumerate(runners[:2])
                          if not any(r is q for q in runners[:i])]
         if self.cuda:
-            self._host[:n].copy_(self.packed[:n], non_blocking=True)
+            host.copy_(packed, non_blocking=True)
             records = [rec for rec in (fault_record(r) for r in self._watched) if rec is not None]
             for i, rec in enumerate(records):
                 self._faults[i].copy_(rec, non_blocking=True)
