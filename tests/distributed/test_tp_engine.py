@@ -25,7 +25,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(tmp: Path, *argv: str, timeout_s: float = 100.0) -> subprocess.CompletedProcess[str]:
+def _torchrun(tmp: Path, *argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "examples.engine", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
