@@ -38,8 +38,9 @@ def test_json_round_trip_and_schema_version():
 
 
 def test_fingerprint_is_stable_across_processes():
-    code = ("from circuit.layers.config import DEFAULT_CONFIG as C;"
-            "from circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain;"
+    # the package's own import root (draft_circuit.*): the bare `circuit` root is gone
+    code = ("from draft_circuit.circuit.layers.config import DEFAULT_CONFIG as C;"
+            "from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain;"
             "print(emit_draft_chain(MtpHead(C), 2, max_width=8, kv=KvLayout(32, 16, 4)).fingerprint())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".")
