@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
 
 
 # ---- gloo groups: one spawn per world size runs every check (tp_workers.suite_worker) ----
-SUITES = {2: ("dense_chain", "moe_chain", "argmax_ties"), 4: ("dense_chain", "argmax_ties")}
+SUITES = {2: ("dense_chain", "moe_chain", "family_chain", "argmax_ties"), 4: ("dense_chain", "argmax_ties")}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,10 @@ def test_sharded_chains_equal_the_whole_chain(world, suite):
 
 def test_moe_head_sharded_within_each_expert(suite):
     _passed(suite(2), "moe_chain", 2)
+
+
+def test_family_attention_options_shard(suite):
+    _passed(suite(2), "family_chain", 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -203,6 +207,21 @@ def test_a_rank_reads_only_its_slices(checkpoint, monkeypatch):
         for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
             assert counts[layer + name] == whole[name].numel() * 4 // world, name
         assert counts[layer + "embed_tokens.weight"] == whole["embed_tokens.weight"].numel() * 4  # replicated
+
+
+def test_a_moe_ranks_slices_load_from_its_checkpoint(tmp_path):
+    """Per-expert tensors (routed and shared) load as their intermediate-dim slices; the router whole."""
+    moe = MoeConfig(**{**dataclasses.asdict(CFG), "n_routed_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 16, "n_shared_experts": 1})
+    path = write_random_checkpoint(tmp_path / "moe", moe, seed=1)
+    _, whole = load_mtp_weights(path)
+    for rank in range(2):
+        config, shard = load_mtp_shard(path, rank, 2)
+        want = shard_weights(whole, tp_plan(config, rank, 2))
+        assert shard.keys() == want.keys() and all(torch.equal(shard[k], want[k]) for k in want)
+        assert shard["mlp.experts.3.down_proj.weight"].shape == (CFG.hidden_size, 8)
+        assert shard["mlp.shared_experts.up_proj.weight"].shape == (8, CFG.hidden_size)
+        assert shard["mlp.gate.weight"].shape == (4, CFG.hidden_size)
 
 
 def test_fp8_block_scaled_checkpoints_are_refused_for_sharded_loading(tmp_path):

@@ -20,7 +20,7 @@ from draft_circuit.ops.sampling import argmax_logprob_ref, mask_words
 from draft_circuit.runners.distributed import GroupTimeoutError, ShardLoadError, agree, load_sharded_head
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import compare_drafts, random_draft_batch
+from draft_circuit.runners.testing import compare_drafts, random_draft_batch, random_mtp_weights
 
 KV = KvLayout(num_blocks=40, block_size=4, max_blocks_per_seq=8)
 K = 3
@@ -107,6 +107,22 @@ def moe_chain_worker(rank: int, world: int, group) -> None:
                                bitmask=False, seed=5)
 
 
+def family_chain_worker(rank: int, world: int, group) -> None:
+    """The attention's family options shard too: q/k/v biases with their rows (Qwen2, GLM-4.5),
+    per-head q/k norms and partial rotary replicated (Qwen3, GLM-4.5)."""
+    config = MtpConfig(vocab_size=77, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512,
+                       qkv_bias=True, qk_norm=True, partial_rotary_factor=0.5)
+    whole = MtpHead(config)
+    weights = random_mtp_weights(config, seed=6)
+    assert "self_attn.q_proj.bias" in weights and "self_attn.k_norm.weight" in weights
+    tp_head = shard_head(whole, rank, world)
+    tp_params = tp_head.bind(shard_weights(weights, tp_head.tp))
+    _check_shard_against_whole(rank, group, whole, whole.bind(weights), tp_head, tp_params,
+                               bitmask=True, seed=8)
+
+
 def argmax_ties_worker(rank: int, world: int, group) -> None:
     """vocab_parallel_argmax across ranks == argmax_logprob over the whole vocabulary: ties across
     and within ranks go to the lowest global id, the mask is the whole vocabulary's, non-finite
@@ -165,7 +181,8 @@ def refusal_worker(rank: int, world: int, group, good: str, bad: str, out: str) 
         Path(out, f"gone_{rank}.txt").write_text(f"{type(e).__name__}: {e}")
 
 
-CHECKS = {"dense_chain": dense_chain_worker, "moe_chain": moe_chain_worker, "argmax_ties": argmax_ties_worker}
+CHECKS = {"dense_chain": dense_chain_worker, "moe_chain": moe_chain_worker, "family_chain": family_chain_worker,
+          "argmax_ties": argmax_ties_worker}
 
 
 def suite_worker(rank: int, world: int, group, out: str, ckpt: str, names: tuple[str, ...]) -> None:
