@@ -446,3 +446,24 @@ def test_a_bad_row_is_named_at_the_proposers_read_on_cuda(monkeypatch, device_pa
     monkeypatch.undo()
     with pytest.raises(RunnerInputError, match="row 1: token -5"):
         p.propose_batch([5] * 3, hid, [q + 1 for q in pos], K, states)
+
+
+def test_catch_up_checks_name_the_same_faults_after_their_fast_pass():
+    """catchup_batch's checks pass in one fast pass when all is well and otherwise name the
+    first bad sequence as the row-by-row loop always did; what the loop admits (a bool token,
+    a tensor subclass) the fast pass hands to it and it still admits."""
+    from draft_circuit.ops.tokens import TokenError
+    from draft_circuit.runners.proposer_inputs import HiddenWidthError, check_catchup_counts
+    from draft_circuit.runners.proposer_state import ProposerError
+    states = [object(), object()]
+    ok = dict(hidden_size=4, vocab=10)
+    check_catchup_counts([[1, 2], [True]], [torch.zeros(2, 4), torch.nn.Parameter(torch.zeros(1, 4))],
+                         [1, 3], states, **ok)
+    with pytest.raises(TokenError, match="token 10 at row 1 of sequence 1"):
+        check_catchup_counts([[1], [2, 10]], [torch.zeros(1, 4), torch.zeros(2, 4)], [1, 1], states, **ok)
+    with pytest.raises(ProposerError, match="sequence 0: 2 tokens but 1 hiddens"):
+        check_catchup_counts([[1, 2], [3]], [torch.zeros(1, 4), torch.zeros(1, 4)], [1, 1], states, **ok)
+    with pytest.raises(HiddenWidthError, match="sequence 1"):
+        check_catchup_counts([[1], [3]], [torch.zeros(1, 4), torch.zeros(1, 5)], [1, 1], states, **ok)
+    with pytest.raises(ProposerError, match="sequence 1: first position 0"):
+        check_catchup_counts([[1], [3]], [torch.zeros(1, 4), torch.zeros(1, 4)], [1, 0], states, **ok)
