@@ -1,0 +1,123 @@
+"""Benchmark: the proposer's own host work per decode step (issue 14 item 2), on the CPU.
+
+A simulated decode loop as benchmarks/decode_step.py's (n sequences, propose k=4, seeded random
+acceptance, after_verify, catch-up of the accepted tokens), with every compiled program's launch
+list skipped (`backend.execute` a no-op; the chain's drafts buffer preset to a valid id), so what
+is timed is what the host does around the programs: checks, staging, the runner's input
+handling, the read-back and the states' bookkeeping. `--path host` drafts with propose_batch,
+`--path device` with propose_batch_on_device and one last_drafts read. Prints the median per
+step and per propose, microseconds; `--out` writes them as JSON.
+
+This is a CPU measurement of Python and torch-dispatch overhead, not the H200 number (there a
+launch and a copy cost more host time than a CPU op does; decode_step.py measures that). The
+issue's target is <= 50 us of host overhead a decode step at every n <= 64.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draft_circuit.circuit.layers.config import MtpConfig
+from draft_circuit.circuit.layers.mtp import MtpHead
+from draft_circuit.runners.draft import CircuitDraftRunner
+from draft_circuit.runners.proposer import MtpProposer
+from draft_circuit.runners.testing import random_mtp_weights
+
+CFG = MtpConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=4096)
+K = 4
+
+
+def _proposer() -> MtpProposer:
+    head = MtpHead(CFG)
+    p = MtpProposer(head, head.bind(random_mtp_weights(CFG, seed=11)), num_drafts=K,
+                    num_blocks=64 * 40 + 8, block_size=16, max_blocks_per_seq=40, max_width=64,
+                    widths=(1, 2, 4, 8, 16, 32, 64), forward="circuit")
+    for r in p.chains.runners():
+        if isinstance(r, CircuitDraftRunner):
+            b = r.backend
+            if "drafts" in b.output_buffers(1):
+                b.static_outputs["drafts"].fill_(3)  # type: ignore[attr-defined]
+            b.execute = lambda n: None  # type: ignore[method-assign]
+    return p
+
+
+def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float]:
+    """Median host us per decode step and per propose at width n."""
+    p, rng = _proposer(), random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+
+    def fresh() -> list:
+        states = []
+        for _ in range(n):
+            s = p.alloc_state()
+            p.prefill_drafter([1 + j % 80 for j in range(20)], torch.randn(20, CFG.hidden_size,
+                                                                         generator=g), s)
+            states.append(s)
+        return states
+    states = fresh()
+    hid = torch.randn(n, CFG.hidden_size, generator=g)
+    catch = [torch.randn(K, CFG.hidden_size, generator=g) for _ in range(n)]
+    views = {a: [c[:a] for c in catch] for a in range(K + 1)}
+    fixed = {a: [7] * a for a in range(K + 1)}
+    step_us, propose_us = [], []
+
+    def step() -> None:
+        pos = [p.last_pair_key(s) + 2 for s in states]
+        t0 = time.perf_counter()
+        if path == "device":
+            p.propose_batch_on_device([5] * n, hid, pos, K, states)
+            drafts = p.last_drafts(states)
+        else:
+            drafts = p.propose_batch([5] * n, hid, pos, K, states)  # type: ignore[assignment]
+        t1 = time.perf_counter()
+        acc = [rng.randint(0, len(d)) for d in drafts]
+        for s, a in zip(states, acc):
+            p.after_verify(a, s)
+        keep = [i for i, a in enumerate(acc) if a]
+        if keep:
+            p.catchup_batch([fixed[acc[i]] for i in keep], [views[acc[i]][i] for i in keep],
+                            [pos[i] + 1 for i in keep], [states[i] for i in keep])
+        t2 = time.perf_counter()
+        step_us.append((t2 - t0) * 1e6)
+        propose_us.append((t1 - t0) * 1e6)
+    left = steps
+    while left > 0:  # tables hold 40 blocks: fresh states every 60 steps (outside the timing)
+        for _ in range(3):
+            step()
+        del step_us[-3:], propose_us[-3:]  # warm
+        for _ in range(min(60, left)):
+            step()
+        left -= 60
+        for s in states:
+            p.free_state(s)
+        states[:] = fresh()
+    return {"step_us": statistics.median(step_us), "propose_us": statistics.median(propose_us)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--path", choices=("host", "device"), default="host")
+    ap.add_argument("--steps", type=int, default=360)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    result = {str(n): measure(n, args.path, args.steps) for n in args.n}
+    for n, r in result.items():
+        print(f"{args.path} n={n}: {r['step_us']:.0f} us a step, {r['propose_us']:.0f} us a propose")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"path": args.path, "widths": result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
