@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import statistics
@@ -40,6 +41,7 @@ from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.bindings import KernelBinding
 from draft_circuit.ops.registry import OpDef, get_op, torch_dtype
 
+log = logging.getLogger(__name__)
 TUNING_SCHEMA = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "draft_circuit" / "tuning.json"
 ROTATE_BYTES = 128 << 20  # > 2x the H200's 50 MB L2
@@ -154,7 +156,13 @@ def _times(node: Node, op: OpDef, attrs: Any, symbolic: Sequence[TensorSpec],
         key = entry_key(op.name, node.attrs, k.name, specs)
         us = cache.get(key) if cache is not None else None
         if us is None and measure is not None:
-            us = measure(op, k, specs, attrs, device)
+            try:
+                us = measure(op, k, specs, attrs, device)
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot run is never chosen
+                log.warning("tuning: %s for %s at n=%d failed to run (%s: %s); not a candidate",
+                            k.name, node.name, width, type(e).__name__, str(e)[:200])
+                out[k.name] = math.inf  # not cached: the failure may be this run's alone
+                continue
             if cache is not None:
                 cache.put(key, us)
         out[k.name] = us
@@ -171,7 +179,13 @@ def _decide(node: Node, cands: Sequence[KernelBinding], times: Mapping[int, Mapp
         at = _nearest(w, list(times))
         t = times[at]
         where = "" if at == w else f" (times measured at n={at})"
-        measured = {k: round(float(us), 3) for k, us in t.items() if us is not None}
+        measured = {k: round(float(us), 3) for k, us in t.items()
+                    if us is not None and math.isfinite(us)}
+        failed = sorted(k for k, us in t.items() if us is not None and not math.isfinite(us))
+        if failed and not measured:
+            why = f"every candidate failed to run when measured ({', '.join(failed)}): the first applicable binding"
+            choices[w].append(KernelChoice(node=node.name, kernel=first, why=why, us={}))
+            continue
         if not complete:
             why = "not measured (no tuning cache entry and no GPU pass): the first applicable binding"
             choices[w].append(KernelChoice(node=node.name, kernel=first, why=why, us=measured))
@@ -182,9 +196,13 @@ def _decide(node: Node, cands: Sequence[KernelBinding], times: Mapping[int, Mapp
             why = (f"least total time over the sample widths {sorted(times)} "
                    f"({total[best]:.1f} us): one kernel at every width keeps a row's bits "
                    f"independent of n{where}")
+            if failed:
+                why += f"; failed to run: {', '.join(failed)}"
         else:
             best = min(measured, key=lambda k: (measured[k], k))
             why = f"fastest measured at n={at} (width independence off){where}"
+            if failed:
+                why += f"; failed to run: {', '.join(failed)}"
         overrides[w][node.name] = best
         choices[w].append(KernelChoice(node=node.name, kernel=best, why=why, us=measured))
 

@@ -175,3 +175,20 @@ def test_only_sample_widths_are_measured(tmp_path):
     assert "measured at n=8" in choice.why and choice.us["triton_linear_splitk"] == 4.0
     (choice3,) = compiled.report().width(3).kernel_choices
     assert "measured at n=2" in choice3.why
+
+
+def test_a_candidate_that_fails_to_run_is_never_chosen(tmp_path):
+    """A kernel that raises when measured (a compile error on this GPU) loses, is named in the
+    why, is not cached, and the report's JSON stays finite."""
+    c, params = circuit()
+
+    def measure(op, binding, specs, attrs, device):
+        if binding.name == "triton_linear_splitk":
+            raise RuntimeError("no such instruction on this device")
+        return 7.0
+    compiled = compile_draft(c, params, [1, 8], options=_options(tmp_path, tuning="measure"), measure=measure)
+    (choice,) = compiled.report().width(8).kernel_choices
+    assert choice.kernel == "triton_linear" and "failed to run: triton_linear_splitk" in choice.why
+    assert choice.us == {"triton_linear": 7.0}
+    assert "Infinity" not in compiled.report().to_json()
+    assert len(json.loads((tmp_path / "tuning.json").read_text())["entries"]) == 2  # single pass only
