@@ -20,7 +20,8 @@ so a fused circuit's eager run is the unfused one's, bitwise; each has one Trito
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import torch
 from pydantic import BaseModel
@@ -30,7 +31,7 @@ from draft_circuit.ops.basic import (EpsAttrs, LinearAttrs, _infer_add, _infer_l
                                      _infer_linear_silu_mul, _infer_rmsnorm, _linear_cost,
                                      _many_splits, _silu_mul, _splitk_workspace, linear_ref,
                                      rmsnorm_ref)
-from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
 from draft_circuit.ops.attention import RopeKvWriteAttrs, _infer_rope_kv_write, _rope_kv_write
 from draft_circuit.ops.fused_linear import _infer_linear_concat, _infer_qkv
 from draft_circuit.ops.registry import (ATTENTION, FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, SAMPLING, Cost,
@@ -44,6 +45,14 @@ _k_prologue = kernel("linear_fused", "linear_prologue")
 _k_norm_qkv = kernel("linear_fused", "rmsnorm_linear_qkv")
 _k_splitk = kernel("linear_splitk", "linear_splitk")
 _k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
+# PDL weight prefetch (issue 15 item 2): each kernels.linear_fused binding has a variant that
+# loads its first weight tile before the PDL wait and releases its dependents after the first K
+# step. The same bits, so it is bound last: only a tuning pass that measures it faster (or
+# CompileOptions.kernels) binds it. CUDA only: the interpreter has no PDL.
+def _prefetch_variant(name: str, launch: Callable[..., None]) -> KernelBinding:
+    return KernelBinding(f"{name}_pdl_prefetch", partial(launch, prefetch=True), Applies(CUDA))
+
+
 VOCAB_FITS = Condition(f"vocab < {MAX_FUSED_VOCAB}",
                        lambda ins, a: isinstance(v := ins[2].shape[0], int) and v < MAX_FUSED_VOCAB)
 
@@ -60,6 +69,9 @@ def _weight_cost(ins: Specs, outs: Specs, env: Env, x: TensorSpec, weights: Sequ
 
 
 # ---- linear_add: the residual add in the linear's epilogue ----
+def _launch_linear_add(i: Tensors, o: Tensors, w: Tensors, a: Any, prefetch: bool = False) -> None:
+    _k_prologue()(i[0], i[1], o[0], residual=i[2], prefetch=prefetch)
+
 def _infer_linear_add(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
     (out,) = _infer_linear(ins[:2], a)
     return _infer_add([ins[2], out], a)
@@ -77,8 +89,8 @@ register(OpDef(
                       lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], residual=i[2]),
                       Applies(TRITON, conditions=(Condition("K in >= 2 splits", _many_splits),)),
                       workspace=_splitk_workspace, launches=2),
-        KernelBinding("triton_linear_add", lambda i, o, w, a: _k_prologue()(i[0], i[1], o[0], residual=i[2]),
-                      Applies(TRITON)),
+        KernelBinding("triton_linear_add", _launch_linear_add, Applies(TRITON)),
+        _prefetch_variant("triton_linear_add", _launch_linear_add),
     ),
 ))
 
@@ -103,6 +115,10 @@ register(OpDef(
 ))
 
 
+def _launch_norm_silu(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefetch: bool = False) -> None:
+    _k_prologue()(i[0], i[2], o[0], norm1=i[1], eps1=a.eps, silu_mul=True, prefetch=prefetch)
+
+
 def _infer_norm_silu(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
     return _infer_linear_silu_mul([_norm_then(ins, a), ins[2]], a)
 
@@ -113,10 +129,8 @@ register(OpDef(
     cost=lambda ins, outs, a, ctx, env: _weight_cost(ins, outs, env, ins[0], ins[2:]),
     reference=lambda t, a: _silu_mul([linear_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2])], a),
     tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
-    kernels=(KernelBinding("triton_rmsnorm_linear_silu_mul",
-                           lambda i, o, w, a: _k_prologue()(i[0], i[2], o[0], norm1=i[1], eps1=a.eps,
-                                                            silu_mul=True),
-                           Applies(TRITON)),),
+    kernels=(KernelBinding("triton_rmsnorm_linear_silu_mul", _launch_norm_silu, Applies(TRITON)),
+             _prefetch_variant("triton_rmsnorm_linear_silu_mul", _launch_norm_silu)),
 ))
 
 
@@ -243,6 +257,11 @@ def _embed_concat_ref(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor]
     return (linear_ref(torch.cat([x1, rmsnorm_ref(x2, norm2, a.eps)], dim=-1), w),)
 
 
+def _launch_embed_concat(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefetch: bool = False) -> None:
+    _k_prologue()(i[0], i[5], o[0], ids=i[1], norm1=i[2], eps1=a.eps, x2=i[3], norm2=i[4], eps2=a.eps,
+                  prefetch=prefetch)
+
+
 def _embed_concat_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     table, ids, norm1, x2, norm2, w = ins
     rows = outs[0].concrete(env)[0]
@@ -260,10 +279,8 @@ register(OpDef(
     tags=frozenset({GATHER, NORM, REDUCTION, LAYOUT, MATMUL, FUSED}),
     # an id outside the table reads a zero row on the device (the reference raises TokenError):
     # the GPU cannot raise, and the input checks refuse such ids before a run (FAULTS 25)
-    kernels=(KernelBinding("triton_embed_rmsnorm_linear_concat",
-                           lambda i, o, w, a: _k_prologue()(i[0], i[5], o[0], ids=i[1], norm1=i[2],
-                                                            eps1=a.eps, x2=i[3], norm2=i[4], eps2=a.eps),
-                           Applies(TRITON)),),
+    kernels=(KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON)),
+             _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat)),
 ))
 
 

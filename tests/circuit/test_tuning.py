@@ -192,3 +192,27 @@ def test_a_candidate_that_fails_to_run_is_never_chosen(tmp_path):
     assert choice.us == {"triton_linear": 7.0}
     assert "Infinity" not in compiled.report().to_json()
     assert len(json.loads((tmp_path / "tuning.json").read_text())["entries"]) == 2  # single pass only
+
+
+def test_pdl_prefetch_variants_are_bound_only_when_measured_faster(tmp_path, monkeypatch):
+    """The *_pdl_prefetch bindings (CUDA only) are never the default on a CUDA plan; a tuning
+    pass that measures one faster binds it."""
+    import draft_circuit.circuit.planner as planner
+    from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+    from tests.circuit.test_chain_launches import CFG
+
+    head = MtpHead(CFG, "bfloat16")
+    params = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, (_, s) in head.param_specs().items()}
+    chain = emit_draft_chain(head, 2, max_width=8, kv=KvLayout(60, 8, 5))
+    plain = compile_draft(chain, params, [1], device="cuda")
+    assert not any(x.kernel.endswith("_pdl_prefetch") for x in plain.programs[1].launches)
+    monkeypatch.setattr(planner, "environment", lambda device: ENV)  # no GPU to name here
+
+    def measure(op, binding, specs, attrs, device):
+        return 3.0 if binding.name.endswith("_pdl_prefetch") else 5.0
+    tuned = compile_draft(chain, params, [1, 8], device="cuda", measure=measure,
+                          options=CompileOptions(tuning="measure", tuning_cache=str(tmp_path / "t.json")))
+    kernels = {x.op: x.kernel for x in tuned.programs[8].launches}
+    assert kernels["linear_add"] == "triton_linear_add_pdl_prefetch"
+    assert kernels["rmsnorm_linear_silu_mul"] == "triton_rmsnorm_linear_silu_mul_pdl_prefetch"
+    assert kernels["embed_rmsnorm_linear_concat"] == "triton_embed_rmsnorm_linear_concat_pdl_prefetch"

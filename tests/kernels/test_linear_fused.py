@@ -261,3 +261,30 @@ def test_cuda_qkv_rope_8b_shapes(n):
         assert torch.equal(q1[0], q[i])
         blk, slot = tables[i, (live[i] + 1) // 8], (live[i] + 1) % 8
         assert torch.equal(kc1[blk, slot], kc[blk, slot]) and torch.equal(vc1[blk, slot], vc[blk, slot])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pdl_prefetch_variant_has_the_same_bits(dtype):
+    """prefetch=True (the first weight tile before the PDL wait, the first K step peeled) gives
+    every mode's bits unchanged: plain, norm, SwiGLU, residual, gather + concat (one K tile and
+    several)."""
+    g = torch.Generator().manual_seed(23)
+    n, k1, k2, rows = 5, 150, 70, 40
+    table, x2 = _r(g, 30, k1, dtype=dtype), _r(g, n, k2, dtype=dtype)
+    ids = torch.tensor([3, -1, 29, 0, 7], dtype=torch.int32)
+    n1, n2 = _norm_w(g, k1, dtype), _norm_w(g, k2, dtype)
+    w = _r(g, 2 * rows, k1 + k2, dtype=dtype, scale=0.1)
+    w_small = _r(g, rows, 64, dtype=dtype, scale=0.1)  # K within one tile: no loop after the peel
+    x, res = _r(g, n, 64, dtype=dtype), _r(g, n, rows, dtype=dtype)
+    cases = [
+        dict(x1=table, weight=w, out=(n, 2 * rows), ids=ids, norm1=n1, x2=x2, norm2=n2),
+        dict(x1=table, weight=w, out=(n, rows), ids=ids, norm1=n1, x2=x2, norm2=n2, silu_mul=True),
+        dict(x1=x, weight=w_small, out=(n, rows), residual=res),
+        dict(x1=x, weight=w_small, out=(n, rows), norm1=_norm_w(g, 64, dtype)),
+    ]
+    for case in cases:
+        shape = case.pop("out")
+        got, want = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        linear_prologue(out=got, prefetch=True, **case)
+        linear_prologue(out=want, **case)
+        assert torch.equal(got, want), sorted(case)
