@@ -265,16 +265,19 @@ class ChainStaging:
         slots: list[int] = []
         prev: MtpProposerState | None = None
         slot = -1
+        cached, append = self._cached, slots.append
         for s in states:  # a catch-up's rows of one sequence are consecutive: one check a run
             if s is not prev:
-                prev, slot = s, self._slot(s)
+                prev, held = s, s.slot
+                slot = held[1] if held is not None and held[0] is self else self._slot(s)
                 blocks = s.blocks.blocks
-                if self._cached[slot] != blocks:  # gained, lost or handed over a block
-                    table = self._slot_np  # read after _slot: a grow replaces it
-                    self._cached[slot] = blocks
+                if cached[slot] != blocks:  # gained, lost or handed over a block
+                    cached = self._cached  # read after _slot: a grow replaces both
+                    table = self._slot_np
+                    cached[slot] = blocks
                     table[slot, :len(blocks)] = blocks
                     table[slot, len(blocks):] = self.scratch
-            slots.append(slot)
+            append(slot)
         np.take(self._slot_np, slots, axis=0, out=mirror.tables[:n])
         mirror.tables[n:] = nz["block_tables"]
         if region.copies:
