@@ -72,6 +72,12 @@ def _weight_cost(ins: Specs, outs: Specs, env: Env, x: TensorSpec, weights: Sequ
 def _launch_linear_add(i: Tensors, o: Tensors, w: Tensors, a: Any, prefetch: bool = False) -> None:
     _k_prologue()(i[0], i[1], o[0], residual=i[2], prefetch=prefetch)
 
+
+def _cublas_linear_add(i: Tensors, o: Tensors, w: Tensors, a: Any) -> None:
+    # residual + x @ w^T rounded once (cuBLAS's beta = 1): not linear-then-add's two roundings,
+    # and its kernel depends on n, so only a plan without width independence binds it
+    torch.addmm(i[2], i[0], i[1].t(), out=o[0])
+
 def _infer_linear_add(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
     (out,) = _infer_linear(ins[:2], a)
     return _infer_add([ins[2], out], a)
@@ -91,6 +97,8 @@ register(OpDef(
                       workspace=_splitk_workspace, launches=2),
         KernelBinding("triton_linear_add", _launch_linear_add, Applies(TRITON)),
         _prefetch_variant("triton_linear_add", _launch_linear_add),
+        # circuit_fast's o_proj / down_proj (what cublas_linear was before the add folded in)
+        KernelBinding("cublas_linear_add", _cublas_linear_add, Applies(CUDA), width_independent=False),
     ),
 ))
 

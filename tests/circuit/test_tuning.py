@@ -216,3 +216,18 @@ def test_pdl_prefetch_variants_are_bound_only_when_measured_faster(tmp_path, mon
     assert kernels["linear_add"] == "triton_linear_add_pdl_prefetch"
     assert kernels["rmsnorm_linear_silu_mul"] == "triton_rmsnorm_linear_silu_mul_pdl_prefetch"
     assert kernels["embed_rmsnorm_linear_concat"] == "triton_embed_rmsnorm_linear_concat_pdl_prefetch"
+
+
+def test_without_width_independence_the_residual_linears_take_cublas():
+    """circuit_fast (width_independent=False) binds cuBLAS for o_proj / down_proj + residual
+    (cublas_linear_add), as it bound cublas_linear before the add folded in; the default never."""
+    from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+    from tests.circuit.test_chain_launches import CFG
+
+    head = MtpHead(CFG, "bfloat16")
+    params = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, (_, s) in head.param_specs().items()}
+    chain = emit_draft_chain(head, 2, max_width=8, kv=KvLayout(60, 8, 5))
+    fast = compile_draft(chain, params, [4], device="cuda", options=CompileOptions(width_independent=False))
+    default = compile_draft(chain, params, [4], device="cuda")
+    assert {x.kernel for x in fast.programs[4].launches if x.op == "linear_add"} == {"cublas_linear_add"}
+    assert "cublas_linear_add" not in {x.kernel for x in default.programs[4].launches}

@@ -288,3 +288,25 @@ def test_pdl_prefetch_variant_has_the_same_bits(dtype):
         linear_prologue(out=got, prefetch=True, **case)
         linear_prologue(out=want, **case)
         assert torch.equal(got, want), sorted(case)
+
+
+@cuda
+def test_cuda_cublas_linear_add_binding():
+    """The width-dependent cuBLAS binding of linear_add (circuit_fast): within bf16 rounding of
+    linear then add, also with its output aliasing the residual (the op's in-place reuse)."""
+    from draft_circuit.ops.registry import get_op
+    op = get_op("linear_add")
+    binding = next(k for k in op.kernels if k.name == "cublas_linear_add")
+    g = torch.Generator().manual_seed(5)
+    x = _r(g, 8, 4096, dtype=torch.bfloat16, device="cuda")
+    w = _r(g, 4096, 4096, dtype=torch.bfloat16, scale=4096 ** -0.5, device="cuda")
+    res = _r(g, 8, 4096, dtype=torch.bfloat16, device="cuda")
+    want = torch.empty_like(res)
+    linear(x, w, want)
+    want = want + res
+    out = torch.empty_like(res)
+    binding.launch([x, w, res], [out], [], op.parse_attrs({}))
+    _close(out, want, torch.bfloat16)
+    aliased = res.clone()
+    binding.launch([x, w, aliased], [aliased], [], op.parse_attrs({}))
+    _close(aliased, want, torch.bfloat16)
