@@ -214,6 +214,13 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     segments: list[torch.Tensor] = []
     for ts, h, p, b, s in zip(tokens, hiddens, first_pos, bases, states):
         done, m = 0, len(ts)
+        if 0 < m and len(toks) + m < width:  # the common case: the sequence fits, the chunk
+            toks += ts                       # stays open (fewer list operations a sequence)
+            pos += range(p, p + m)
+            live += range(b, b + m)
+            owners += [s] * m
+            segments.append(h if m == h.shape[0] else h[:m])
+            continue
         while done < m:  # the sequence's rows, split where a chunk fills up
             take = min(m - done, width - len(toks))
             toks.extend(ts[done:done + take])

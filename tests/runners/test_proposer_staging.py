@@ -467,3 +467,28 @@ def test_catch_up_checks_name_the_same_faults_after_their_fast_pass():
         check_catchup_counts([[1], [3]], [torch.zeros(1, 4), torch.zeros(1, 5)], [1, 1], states, **ok)
     with pytest.raises(ProposerError, match="sequence 1: first position 0"):
         check_catchup_counts([[1], [3]], [torch.zeros(1, 4), torch.zeros(1, 4)], [1, 0], states, **ok)
+
+
+@pytest.mark.parametrize("width", [1, 3, 4, 8])
+def test_catch_up_chunks_are_the_rows_in_order_cut_at_the_width(width):
+    """catchup_chunks (its whole-sequence fast path and its split path) gives, chunk by chunk,
+    exactly the rows a row-by-row construction gives: token, position, live row, owner and
+    hidden, cut every `width` rows."""
+    from draft_circuit.runners.proposer_inputs import catchup_chunks
+    rng = random.Random(width)
+    lengths = [rng.randint(0, 5) for _ in range(9)]
+    tokens = [[rng.randrange(90) for _ in range(m)] for m in lengths]
+    hiddens = [torch.randn(m + rng.randint(0, 1), 4) for m in lengths]  # a spare row at times
+    first, bases, owners = [rng.randint(1, 50) for _ in lengths], \
+        [rng.randint(0, 30) for _ in lengths], [object() for _ in lengths]
+    rows = [(t, f + k, b + k, s, h[k]) for ts, h, f, b, s in zip(tokens, hiddens, first, bases, owners)
+            for k, t in enumerate(ts)]
+    chunks = catchup_chunks(tokens, hiddens, first, owners, bases, width)
+    assert [len(c.tokens) for c in chunks] == \
+        [min(width, len(rows) - i) for i in range(0, len(rows), width)]
+    got = [(t, p, lv, s, h) for c in chunks
+           for t, p, lv, s, h in zip(c.tokens, c.positions, c.live, c.states, torch.cat(list(c.hiddens)))]
+    assert len(got) == len(rows)
+    for (t, p, lv, s, h), (wt, wp, wl, ws, wh) in zip(got, rows):
+        assert (t, p, lv) == (wt, wp, wl) and s is ws and torch.equal(h, wh)
+    assert all(c.kv_only for c in chunks)
