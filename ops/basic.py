@@ -14,6 +14,7 @@ from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelB
 from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, LAYOUT, MATMUL, NORM, REDUCTION, Cost, CostContext,
                                         Env, OpDef, Specs, check, default_cost, dim_eq, rank, register, same_dtype,
                                         torch_dtype)
+from draft_circuit.ops.row_invariant import row_invariant_linear
 
 _k_rmsnorm, _k_add_rmsnorm = kernel("rmsnorm", "rmsnorm"), kernel("rmsnorm", "add_rmsnorm")
 _k_silu = kernel("silu_mul", "silu_mul")
@@ -203,16 +204,13 @@ def _linear_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) ->
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ w^T one row at a time: a BLAS picks its kernel by the row count, so a batched product
-    would give a row different bits at different widths. Row by row, a sequence drafts the same
-    alone as inside any batch (what padding, splitting and per-sequence fallback rely on).
+    """x @ w^T with each row's bits independent of the rows beside it (`row_invariant_linear`:
+    fixed-shape GEMM tiles on CPU), so a sequence drafts the same alone as inside any batch (what
+    padding, splitting and per-sequence fallback rely on) and a verify row equals its decode row.
     A wider out_dtype computes in it (fp32 logits from bf16 weights are fp32 products)."""
     if out_dtype is not None and out_dtype != x.dtype:
         return linear_ref(x.to(out_dtype), w.to(out_dtype))
-    out = x.new_empty(x.shape[0], w.shape[0])
-    for i in range(x.shape[0]):
-        torch.mv(w, x[i], out=out[i])
-    return out
+    return row_invariant_linear(x, w)
 
 
 def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:

@@ -2,7 +2,7 @@
 (`row_scale` [N, ceil(K / 128)]: DeepSeek-V3's 128x128 `weight_scale_inv` expanded to its rows, so
 a bound weight's rows may be split or permuted). Activations stay in x's dtype (weight-only fp8;
 DeepSeek's reference engines also quantise activations per 128-group, which this does not).
-The reference dequantises to fp32 and multiplies one row at a time; the kernel scales each
+The reference dequantises to fp32 and multiplies row-invariantly; the kernel scales each
 128-column partial product, so the two agree to rounding, not bitwise.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.bindings import KERNEL_FLOATS, TRITON, Applies, KernelBinding, kernel
 from draft_circuit.ops.moe import FP8, SCALE_BLOCK
 from draft_circuit.ops.registry import MATMUL, OpDef, check, default_cost, dim_eq, rank, register
+from draft_circuit.ops.row_invariant import row_invariant_linear
 
 FLOATS = tuple(sorted(KERNEL_FLOATS))
 
@@ -27,12 +28,10 @@ def expand_row_scales(row_scale: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def linear_fp8_ref(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """x @ (weight * scale)^T in fp32, one row at a time (width independent), rounded once."""
+    """x @ (weight * scale)^T in fp32, each row's bits those it gets alone (width independent:
+    `row_invariant_linear`), rounded once."""
     w = weight.float() * expand_row_scales(row_scale.float(), weight.shape[1])
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    for i in range(x.shape[0]):
-        torch.mv(w, x[i].float(), out=out[i])
-    return out.to(x.dtype)
+    return row_invariant_linear(x.float(), w).to(x.dtype)
 
 
 def _infer(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
