@@ -113,7 +113,7 @@ def route_select(logits: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _route(t: list[torch.Tensor], a: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    # fp32 logits row by row (linear_ref), from an fp32 gate when routing is configured in fp32
+    # fp32 logits, row-invariant (linear_ref), from an fp32 gate when routing is configured in fp32
     logits = linear_ref(t[0].to(t[1].dtype), t[1], torch.float32)
     return route_select(logits, t[2] if len(t) > 2 else None, a)
 
