@@ -112,10 +112,12 @@ def qkv_rope_kernel(
             x_ptr, row_off, m_mask, K, inv, nw_ptr, wq_ptr, stride_wq, tile // num_m, offs_m,
             pos_ptr, pos_offset, theta, log2_theta_hi, log2_theta_lo, HEAD_DIM, BLOCK_M,
             BLOCK_HALF, BLOCK_K, LIBDEVICE)
-        dst = q_out_ptr + offs_m[:, None].to(tl.int64) * stride_q_out + (head * HEAD_DIM + d)[None, :]
+        # one name per branch for each pointer: Triton merges a name assigned in every branch,
+        # and q_out and the caches may differ in dtype
+        q_dst = q_out_ptr + offs_m[:, None].to(tl.int64) * stride_q_out + (head * HEAD_DIM + d)[None, :]
         mask = m_mask[:, None] & d_mask[None, :]
-        tl.store(dst, lo.to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_dst, lo.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_dst + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=mask)
     elif pid < t_q + t_k:  # of k, to each active row's cache slot
         head, d, d_mask, lo, hi = _rope_pair(
             x_ptr, row_off, m_mask, K, inv, nw_ptr, wk_ptr, stride_wk, tile // num_m, offs_m,
@@ -123,11 +125,11 @@ def qkv_rope_kernel(
             BLOCK_HALF, BLOCK_K, LIBDEVICE)
         blk, slot, write = _slots(offs_m, m_mask, live_ptr, tables_ptr, active_ptr,
                                   stride_tables, row_offset, block_size, HAS_ACTIVE)
-        dst = (k_cache_ptr + (blk * stride_kc_blk + slot * stride_kc_slot)[:, None]
-               + head * stride_kc_head + d[None, :])
+        k_dst = (k_cache_ptr + (blk * stride_kc_blk + slot * stride_kc_slot)[:, None]
+                 + head * stride_kc_head + d[None, :])
         kmask = write[:, None] & d_mask[None, :]
-        tl.store(dst, lo.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-        tl.store(dst + HALF, hi.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+        tl.store(k_dst, lo.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+        tl.store(k_dst + HALF, hi.to(k_cache_ptr.dtype.element_ty), mask=kmask)
     else:  # a v program: kernels.linear's tile, its rows written to their cache slots
         n_v = NUM_KV_HEADS * HEAD_DIM
         cols = (tile // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,10 +143,10 @@ def qkv_rope_kernel(
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         blk, slot, write = _slots(offs_m, m_mask, live_ptr, tables_ptr, active_ptr, stride_tables,
                                   row_offset, block_size, HAS_ACTIVE)
-        dst = (v_cache_ptr + (blk * stride_vc_blk + slot * stride_vc_slot)[:, None]
-               + (cols // HEAD_DIM)[None, :] * stride_vc_head + (cols % HEAD_DIM)[None, :])
+        v_dst = (v_cache_ptr + (blk * stride_vc_blk + slot * stride_vc_slot)[:, None]
+                 + (cols // HEAD_DIM)[None, :] * stride_vc_head + (cols % HEAD_DIM)[None, :])
         v = acc.to(x_ptr.dtype.element_ty)  # the linear's rounding, then the cache's dtype
-        tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=write[:, None] & c_mask[None, :])
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=write[:, None] & c_mask[None, :])
 
 
 def rmsnorm_qkv_rope_kv_write(

@@ -21,9 +21,16 @@ PASSES: dict[str, Pass] = {"eliminate_dead_nodes": eliminate_dead_nodes,
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "eliminate_dead_nodes", "fuse_linear_add", "fuse_add_rmsnorm", "fuse_lm_head_argmax",
     "fuse_rope_kv_write", "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear",
-    "fuse_argmax_keep", "fuse_rmsnorm_qkv", "fuse_qkv_rope_kv_write", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
+    "fuse_argmax_keep", "fuse_rmsnorm_qkv", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
     "fuse_rmsnorm_argmax", "fuse_argmax_last", "fuse_argmax_gate", "fuse_argmax_last_gate",
     "fuse_embed_concat_linear")
+
+# rows of the table that are passes but not in the default pipeline; a plan opts in by naming
+# them in CompileOptions.pipeline. fuse_qkv_rope_kv_write: kernels.qkv_rope is bitwise equal to
+# the two launches it replaces under the interpreter, but on the H200 (Triton 3.6) it failed to
+# compile when q_out and the caches differ in dtype and gave wrong values at 8B shapes (GPU run of
+# 2026-12-02), so the default keeps rmsnorm_linear_qkv + rope_kv_write until it is fixed there.
+OPT_IN: tuple[str, ...] = ("fuse_qkv_rope_kv_write",)
 
 
 class PassError(CircuitError):

@@ -27,11 +27,12 @@ CFG = MtpConfig(vocab_size=133, hidden_size=40, intermediate_size=72, num_attent
 KV = KvLayout(num_blocks=60, block_size=8, max_blocks_per_seq=5)
 K, MAX_WIDTH = 3, 8
 # per step, as the GPU runs it: eh_proj with the embedding and both norms in its prologue (1),
-# q/k/v with input_layernorm in its prologue and rope + the paged KV write in its epilogue (1),
-# decode attention's splits and merge (2), o_proj + residual (1), gate_up + SwiGLU with
+# q/k/v with input_layernorm in its prologue (1), rope + the paged KV write (1; the opt-in
+# fuse_qkv_rope_kv_write folds it into q/k/v, see circuit.passes.OPT_IN), decode attention's
+# splits and merge (2), o_proj + residual (1), gate_up + SwiGLU with
 # post_attention_layernorm in its prologue (1), down_proj + residual (1), the lm-head's argmax
 # partials with the final norm in their prologue, then the merge with keep_if_active (2)
-NODES_PER_STEP, GPU_LAUNCHES_PER_STEP, MAX_GPU_LAUNCHES_PER_STEP = 7, 9, 10
+NODES_PER_STEP, GPU_LAUNCHES_PER_STEP, MAX_GPU_LAUNCHES_PER_STEP = 8, 10, 10
 PER_CHAIN = 2  # the two stacks, once a chain (references)
 
 
@@ -171,8 +172,8 @@ def test_interpreted_kernels_of_the_fused_chain(width):
     compiled = compile_draft(c, params, [width], options=CompileOptions(interpret_kernels=True))
     kernels = {x.kernel for x in compiled.programs[width].launches}
     # step 0 gates its rows; middle steps also keep the last draft; the last step only keeps it
-    assert {"triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_qkv_rope_kv_write", "triton_linear_add",
-            "triton_rmsnorm_linear_silu_mul", "triton_rmsnorm_linear_argmax_keep_gate",
+    assert {"triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_qkv", "triton_rope_kv_write",
+            "triton_linear_add", "triton_rmsnorm_linear_silu_mul", "triton_rmsnorm_linear_argmax_keep_gate",
             "triton_rmsnorm_linear_argmax_keep_last_gate", "triton_rmsnorm_linear_argmax_keep_last"} <= kernels
     assert compiled.report().width(width).gpu_launches_per_step == GPU_LAUNCHES_PER_STEP
     got, want, got_states, want_states = _run(c, compiled, width, params, seed=width)

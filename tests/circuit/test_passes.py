@@ -3,7 +3,7 @@ The fusion rows' eager-equality and regression tests are in test_fusions.py."""
 import pytest
 
 from draft_circuit.circuit import CircuitBuilder, CircuitError
-from draft_circuit.circuit.passes import DEFAULT_PIPELINE, PASSES, PassError, run_passes
+from draft_circuit.circuit.passes import DEFAULT_PIPELINE, OPT_IN, PASSES, PassError, run_passes
 from draft_circuit.circuit.passes.eliminate_dead_nodes import eliminate_dead_nodes
 
 fuse_add_rmsnorm, fuse_lm_head_argmax = PASSES["fuse_add_rmsnorm"], PASSES["fuse_lm_head_argmax"]
@@ -101,12 +101,18 @@ def test_whole_pipeline_text():
     out = run_passes(block())
     assert body(out) == "\n".join([
         "  res: f32[n,8] = linear_add(x, w, x)  # fused proj + res",
-        "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rmsnorm_linear_qkv_rope_kv_write(res, wn, "
-        "wq, wk, wv, pos, kc, vc, tables, live) {head_dim=4}  # fused norm + q + k + v + rq + rk + kvw",
+        "  q: f32[n,8], k: f32[n,4], v: f32[n,4] = rmsnorm_linear_qkv(res, wn, wq, wk, wv)  # fused norm + q + k + v",
+        "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rope_kv_write(q, k, v, pos, kc, vc, tables, "
+        "live) {head_dim=4}  # fused rq + rk + kvw",
         "  attn: f32[n,8] = decode_attention(rq, kc@1, vc@1, tables, live)",
         "  token: i32[n], logprob: f32[n] = linear_argmax_logprob(attn, head)  # fused logits + top1",
         "  return token, logprob, kc@1, vc@1",
     ])
+    # the opt-in row (circuit.passes.OPT_IN) folds the rope and the paged write into q/k/v
+    opted = run_passes(block(), (*DEFAULT_PIPELINE, *OPT_IN))
+    assert body(opted).splitlines()[1] == (
+        "  rq: f32[n,8], kc@1: f32[4,4,1,4], vc@1: f32[4,4,1,4] = rmsnorm_linear_qkv_rope_kv_write(res, wn, "
+        "wq, wk, wv, pos, kc, vc, tables, live) {head_dim=4}  # fused norm + q + k + v + rq + rk + kvw")
 
 
 def test_pipeline_names_the_failing_pass(monkeypatch):

@@ -237,6 +237,9 @@ def test_qkv_rope_is_norm_qkv_then_rope_kv_write(dtype, n, k, heads, kv_heads, d
 
 
 @cuda
+@pytest.mark.xfail(strict=True, reason="kernels.qkv_rope is wrong on the H200 at these shapes "
+                   "(2026-12-02: ~92% of elements off by up to 9.6), though bitwise right under "
+                   "the interpreter; its fusion row is opt-in (circuit.passes.OPT_IN) until fixed")
 @pytest.mark.parametrize("n", [1, 8, 64])
 def test_cuda_qkv_rope_8b_shapes(n):
     """bf16 at the 8B shapes: within bf16 rounding of the two unfused kernels (tiles differ on the

@@ -35,7 +35,7 @@ def test_triton_chain_matches_eager(width):
     kernels = {x.kernel for x in compiled.programs[width].launches}
     # issue 15: the norms ride in the next linear's prologue and the residual adds in o_proj's
     # and down_proj's epilogues, so no plain linear or add_rmsnorm is left in a step
-    assert {"triton_rmsnorm_linear_qkv_rope_kv_write", "triton_decode_attention", "triton_linear_add",
+    assert {"triton_rmsnorm_linear_qkv", "triton_rope_kv_write", "triton_decode_attention", "triton_linear_add",
             "triton_rmsnorm_linear_silu_mul", "triton_embed_rmsnorm_linear_concat"} <= kernels, kernels
     # the lm-head argmax with the final norm, keep_if_active, last_kept and the confidence gate
     # folded in (the merge's epilogue writes them)
@@ -84,8 +84,8 @@ def test_moe_fp8_experts_bind_only_on_cuda():
     (4, "reference"), (12, "reference"), (8, "triton_decode_attention"),
     (32, "triton_decode_attention")])
 def test_attention_kernel_is_planned_only_for_block_sizes_it_takes(block_size, attention_kernel):
-    """kernels.decode_attention takes power-of-two block sizes >= 8; the q/k/v kernel with rope
-    and the paged write in its epilogue (kernels.qkv_rope) takes any.
+    """kernels.decode_attention takes power-of-two block sizes >= 8; rope_kv_write's kernel takes
+    any.
     Planned for 4 or 12, the program used to pick the Triton attention and fail at run time
     (issue 19 item 9): now the plan picks the reference and the program runs."""
     kv = KvLayout(num_blocks=60, block_size=block_size, max_blocks_per_seq=-(-40 // block_size))
@@ -98,8 +98,8 @@ def test_attention_kernel_is_planned_only_for_block_sizes_it_takes(block_size, a
     kernels = {(x.op, x.kernel) for x in launches}
     assert sum(x.op == "decode_attention" for x in launches) == K
     assert {kernel for op, kernel in kernels if op == "decode_attention"} == {attention_kernel}
-    assert ({kernel for op, kernel in kernels if op == "rmsnorm_linear_qkv_rope_kv_write"}
-            == {"triton_rmsnorm_linear_qkv_rope_kv_write"})
+    assert ({kernel for op, kernel in kernels if op == "rope_kv_write"}
+            == {"triton_rope_kv_write"})
     why = get_op("decode_attention").kernels[0].applies.why_not(
         "interpret", [chain.value(v).spec for v in chain.node("s0.attention").inputs],
         get_op("decode_attention").parse_attrs({}))
