@@ -22,6 +22,9 @@ held-out split is whole files (HELD_OUT); the held-out teacher-forced acceptance
 fp32 on the bf16-rounded weights, i.e. on the checkpoint as written. On CPU with a large cap the
 run is deterministic for a seed and thread count (the tests rely on it). Nothing imports this
 script at run time.
+
+One script, over 400 lines: the model, the two training phases and the export read as one
+recipe a user runs from top to bottom; nothing else imports its parts.
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Load and write Hugging Face-layout checkpoints (config.json + safetensors) of an MTP draft head
 and its Llama target. Only the tensors needed are read; every failure is a `CheckpointError`
 subclass whose message names the tensor and the file (config faults are `ConfigError`).
+
+One module, over 400 lines: reading, the read plan and the random writer share one table of
+names per head, and the families' and DeepSeek's loaders call into it (split next: the writer).
 """
 from __future__ import annotations
 
