@@ -3,19 +3,35 @@
 # suite, the draft-chain benchmark, and the engine table: tokens/s with circuit / eager drafting
 # and target-only, the speedup and mean accepted, on the embedded default and on a random 8B-class
 # checkpoint, with the transformers MTP peer row beside the default (engine_table.md).
-# Usage (repo root, on the GPU machine): OUT=dir [PARTS="tests bench engine"] [TESTS=tests] bash benchmarks/run_h200.sh
+# The decode-step benchmark (issue 14) and the input guard's cost (issue 19) are parts too.
+# Usage (repo root, on the GPU machine): OUT=dir [PARTS="tests bench decode guard engine"] [TESTS=tests]
+#   [TEST_TIMEOUT=s] bash benchmarks/run_h200.sh
 set -u
-PARTS=${PARTS:-tests bench engine}
+PARTS=${PARTS:-tests bench decode guard engine}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
+export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 mkdir -p "$OUT"
 if has tests; then
-  timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -rf ${TESTS:-tests} > "$OUT/cuda_tests.log" 2>&1
-  tail -4 "$OUT/cuda_tests.log"
+  # -v writes a line per test as it ends, so a run cut by the timeout still names what failed
+  # and how far it got (the whole GPU suite took ~300 s on 2026-12-02)
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -v -p no:cacheprovider -rf ${TESTS:-tests} \
+    > "$OUT/cuda_tests.log" 2>&1
+  echo "== cuda tests (rc $?): $(grep -c ' PASSED' "$OUT/cuda_tests.log") passed, last: $(grep -E ' (PASSED|FAILED|ERROR|XFAIL|SKIPPED)' "$OUT/cuda_tests.log" | tail -1)"
+  grep -E ' (FAILED|ERROR)' "$OUT/cuda_tests.log" | grep -v '^FAILED\|^ERROR' | head -40
+  tail -3 "$OUT/cuda_tests.log"
 fi
 if has bench; then
   timeout 160 python3 benchmarks/draft_chain.py --out "$OUT" --results-md "$OUT/RESULTS.md" > "$OUT/draft_chain.log" 2>&1
   tail -20 "$OUT/draft_chain.log"
+fi
+if has decode; then
+  timeout 240 python3 -m benchmarks.decode_step --device cuda --configs small,8b,moe --widths 1,8,32,64 \
+    --out "$OUT/decode_step.json" --results-md "$OUT/decode_step.md" > "$OUT/decode_step.log" 2>&1
+  echo "== decode_step (rc $?)"; cat "$OUT/decode_step.md" 2>/dev/null
+fi
+if has guard; then
+  timeout 150 python3 -m benchmarks.guard_cost --out "$OUT/guard.json" > "$OUT/guard.log" 2>&1
+  echo "== guard_cost (rc $?)"; tail -4 "$OUT/guard.log"
 fi
 has engine || exit 0
 # The engine table (issue 20 item 5): per checkpoint, speculation with circuit drafting (its
