@@ -329,6 +329,15 @@ def load_target_weights(
     if isinstance(config, MlaConfig):  # DeepSeek-V3's layers (deepseek_checkpoint.py)
         from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_target_weights
         return load_deepseek_target_weights(root, config, dtype, device, strict=strict)
+    inv, shapes, plan = target_read_plan(root, config, strict)
+    return _read(inv, plan, shapes, dtype, device)
+
+
+def target_read_plan(root: Path, config: MtpConfig, strict: bool
+                     ) -> tuple[_Inventory, dict[str, tuple[int, ...]], dict[str, str]]:
+    """What `load_target_weights` reads of a Llama-family dense target, every refusal applied,
+    before any data is read: (inventory, HF shapes, HF name -> stored name). The tensor-parallel
+    loader reads slices of the same plan (tp_checkpoint.py)."""
     inv = _inventory(root)
     for layer in range(config.num_hidden_layers):
         if (marker := f"model.layers.{layer}.eh_proj.weight") in inv.where:
@@ -346,7 +355,7 @@ def load_target_weights(
         mtp = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(config.num_nextn_predict_layers))
         _reject_extras(inv, sorted(k for k in inv.where if k not in shapes and not k.startswith(mtp)),
                        "outside the target and MTP layers")
-    return _read(inv, plan, shapes, dtype, device)
+    return inv, shapes, plan
 
 
 def _checkpoint_shapes(config: MtpConfig, mtp_at_layer0: bool, include_target: bool,
