@@ -35,8 +35,8 @@ from draft_circuit.circuit.layers.config import ConfigError, MtpConfig
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import MtpHead
 
-__all__ = ["TpConfigError", "TpPlan", "TpMtpHead", "TpMoeMtpHead", "Slice", "tp_plan", "shard_head",
-           "shard_weights", "shard_kv", "vocab_shard", "row_sum", "vocab_argmax", "target_slice_of",
+__all__ = ["TpConfigError", "TpPlan", "TpMtpHead", "TpMoeMtpHead", "Slice", "ShardWeights", "tp_plan",
+           "shard_head", "shard_weights", "shard_kv", "vocab_shard", "row_sum", "vocab_argmax", "target_slice_of",
            "shard_target_weights"]
 
 
@@ -209,8 +209,30 @@ def target_slice_of(plan: TpPlan, name: str) -> Slice | None:
     return None
 
 
+class ShardWeights(dict[str, torch.Tensor]):
+    """Weights that already are `plan`'s slices: what the shard-by-shard loaders return
+    (tp_checkpoint.py). `shard_weights` / `shard_target_weights` hand them back unchanged, so a
+    caller written for whole weights (the engine's target and drafter) binds a sliced load
+    without narrowing it twice; asked for another plan's slices, they refuse (TpConfigError)."""
+
+    def __init__(self, plan: TpPlan, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.plan = plan
+
+    def of(self, plan: TpPlan) -> "ShardWeights":
+        if plan != self.plan:
+            mine = self.plan
+            raise TpConfigError(f"tensor parallelism: these weights are rank {mine.rank} of {mine.world_size}'s "
+                                f"slices, asked for rank {plan.rank} of {plan.world_size}'s"
+                                + ("" if plan.config == mine.config else " of another config"))
+        return self
+
+
 def shard_target_weights(weights: dict[str, torch.Tensor], plan: TpPlan) -> dict[str, torch.Tensor]:
-    """Whole HF-named target weights -> the slices `plan`'s rank holds."""
+    """Whole HF-named target weights -> the slices `plan`'s rank holds (a `ShardWeights` of
+    `plan`, already sliced, as it is)."""
+    if isinstance(weights, ShardWeights):
+        return weights.of(plan)
     return {name: _take(t, target_slice_of(plan, name)).contiguous() for name, t in weights.items()}
 
 
@@ -294,7 +316,10 @@ def _take(t: torch.Tensor, s: Slice | None) -> torch.Tensor:
 
 
 def shard_weights(weights: dict[str, torch.Tensor], plan: TpPlan) -> dict[str, torch.Tensor]:
-    """Whole canonical weights -> the slices `plan`'s rank holds (what load_mtp_shard reads)."""
+    """Whole canonical weights -> the slices `plan`'s rank holds (what load_mtp_shard reads; its
+    `ShardWeights` of `plan`, already sliced, as it is)."""
+    if isinstance(weights, ShardWeights):
+        return weights.of(plan)
     return {name: _take(t, plan.slice_of(name)).contiguous() for name, t in weights.items()}
 
 

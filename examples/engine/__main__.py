@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     if silent:
         args.quiet, args.summary_json, args.progress = True, None, False
     checkpoint = load_checkpoint(args.checkpoint, draft_path=args.draft_checkpoint,
-                                 with_mtp=not args.no_speculation)
+                                 with_mtp=not args.no_speculation, tp=args.tp)  # --tp: its slices alone
     items = read_prompts(args.prompts) if args.prompts else default_prompts(checkpoint)
     prompts = encode_prompts(items, checkpoint)
     if args.max_new_tokens < 1:

@@ -7,6 +7,7 @@ an exported MTP layer (model.layers.0) or an EAGLE-3 drafter, told apart by its 
 architectures (LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM). fp8 e4m3 weights stay fp8 beside
 their block scales where the head chosen for them runs fp8 (heads.head_for), else are dequantised.
 
+Under `--tp N` each rank loads its shards of both, reading only its slices (tp_checkpoint.py).
 Every problem is an `EngineError` raised before anything is generated; its message says what
 to change.
 """
@@ -30,6 +31,8 @@ from draft_circuit.circuit.layers.eagle3_checkpoint import is_eagle3_checkpoint,
 from draft_circuit.circuit.layers.heads import head_for
 from draft_circuit.circuit.layers.mla import MlaConfig
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
+from draft_circuit.circuit.layers.tp import TpPlan
+from draft_circuit.circuit.layers.tp_checkpoint import load_mtp_shard, load_target_shard
 
 # the embedded default (examples/train_tiny.py trains it; its log and held-out prompts beside it)
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "pystdlib_12l"
@@ -67,10 +70,22 @@ def _raw_config(path: Path) -> dict:
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | os.PathLike | None = None,
-                    with_mtp: bool = True) -> Checkpoint:
+                    with_mtp: bool = True, tp: int = 1) -> Checkpoint:
     """The target from `path` (the embedded default if None) and, with_mtp, its drafter: the MTP
     layer of `path` (at model.layers.{num_hidden_layers}), or `draft_path`'s (an exported layer 0,
-    or an EAGLE-3 drafter, which borrows the target's embedding when it stores none)."""
+    or an EAGLE-3 drafter, which borrows the target's embedding when it stores none).
+
+    `tp` > 1 (under torchrun, its group joined: tp.start): this rank's shards of the target and
+    the drafter, each rank reading only its slices (circuit/layers/tp_checkpoint.py); the engine
+    binds them as they are. A failure on any rank is an EngineError on every rank (tp.agreed)."""
+    if tp > 1:
+        from examples.engine.tp import agreed  # tp.py imports EngineError from here
+        return agreed(tp, lambda: _load(path, draft_path, with_mtp, tp))
+    return _load(path, draft_path, with_mtp, tp)
+
+
+def _load(path: str | os.PathLike | None, draft_path: str | os.PathLike | None, with_mtp: bool,
+          tp: int) -> Checkpoint:
     root = Path(path) if path is not None else EMBEDDED
     _require_dir(root, "--checkpoint")
     if draft_path is not None and with_mtp:
@@ -82,12 +97,18 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, draft_path: str | 
                           f"dense Llama-like decoder, DeepSeek-V3's or GLM-4.5's ({', '.join(TARGET_ARCHITECTURES)})")
     try:
         config = read_config(root)
-        # DeepSeek-V3: fp8 projections and experts kept as stored (its target model runs them fp8)
-        target = (load_deepseek_target_weights(root, config, keep_fp8=True) if isinstance(config, MlaConfig)
-                  else load_target_weights(root, config))
+        shard = None
+        if tp > 1:  # this rank's slices alone; MoE / MLA targets refused by plan_for
+            from examples.engine.tp import plan_for
+            shard = plan_for(config, tp)
+            assert shard is not None  # tp > 1
+            target: dict[str, torch.Tensor] = load_target_shard(root, shard.rank, tp, config)
+        else:  # DeepSeek-V3: fp8 projections and experts kept as stored (its target model runs them fp8)
+            target = (load_deepseek_target_weights(root, config, keep_fp8=True) if isinstance(config, MlaConfig)
+                      else load_target_weights(root, config))
     except (CheckpointError, ConfigError) as e:
         raise EngineError(f"target checkpoint {root}: {e}") from None
-    mtp_config, mtp = _load_mtp(root, config, target, draft_path) if with_mtp else (None, None)
+    mtp_config, mtp = _load_mtp(root, config, target, draft_path, shard) if with_mtp else (None, None)
     eos = raw.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and len(eos) == 1 else eos
     return Checkpoint(root, config, target, mtp, mtp_config,
@@ -108,10 +129,14 @@ def _require_dir(path: Path, flag: str) -> None:
 
 
 def _load_mtp(root: Path, config: MtpConfig, target: dict[str, torch.Tensor],
-              draft_path) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
+              draft_path, shard: TpPlan | None = None) -> tuple[MtpConfig, dict[str, torch.Tensor]]:
+    """The drafter's config and weights: whole, or (`shard`: the target's plan) its rank's slices."""
     where = Path(draft_path) if draft_path is not None else root
     try:
         if draft_path is not None and is_eagle3_checkpoint(where):
+            if shard is not None:
+                raise EngineError(f"--tp {shard.world_size}: the EAGLE-3 drafter {where} does not shard yet; the dense "
+                                  "and MoE MTP layers do")
             return _load_eagle3(where, config, target)
         draft_config = read_config(where) if draft_path is not None else config
         for field in ("vocab_size", "hidden_size"):
@@ -121,6 +146,8 @@ def _load_mtp(root: Path, config: MtpConfig, target: dict[str, torch.Tensor],
         if isinstance(draft_config, MoeConfig) and draft_config.rope_scaling is not None:
             raise EngineError(f"MTP layer from {where}: rope_scaling yarn with a MoE MLP: YaRN runs in "
                               "the dense MTP head only (MoeMtpHead declares no frequency table)")
+        if shard is not None:  # this rank's slices alone (fp8 block-scaled layers refused: a slice splits blocks)
+            return draft_config, load_mtp_shard(where, shard.rank, shard.world_size, draft_config)[1]
         _, weights = load_mtp_weights(where, draft_config, keep_fp8=True)
         if not isinstance(head_for(draft_config, "float32", weights), MoeMtpHead) and \
                 any(w.dtype == torch.float8_e4m3fn for w in weights.values()):
