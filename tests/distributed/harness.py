@@ -55,3 +55,43 @@ def spawn(fn: Callable[..., None], world_size: int, tmp: Path, *args: Any, timeo
                 p.kill()
                 p.join(5)
         _spent[0] += time.monotonic() - start
+
+
+class ReadSpy:
+    """Stands in for tp_checkpoint._open_file (monkeypatch it): counts, per stored name, the bytes
+    each get_slice read returns; get_tensor (a whole read) is absent, so using it fails."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def __call__(self, path):
+        from draft_circuit.circuit.layers.checkpoint import _open
+
+        counts, handle = self.counts, _open(path)
+
+        class Slice:
+            def __init__(self, key):
+                self.sl, self.key = handle.get_slice(key), key
+
+            def get_shape(self):
+                return self.sl.get_shape()
+
+            def get_dtype(self):
+                return self.sl.get_dtype()
+
+            def __getitem__(self, index):
+                t = self.sl[index]
+                counts[self.key] = counts.get(self.key, 0) + t.numel() * t.element_size()
+                return t
+
+        class Handle:
+            def __enter__(self):
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def get_slice(self, key):
+                return Slice(key)
+        return Handle()

@@ -22,7 +22,7 @@ from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
 from tests.distributed import tp_workers
-from tests.distributed.harness import spawn
+from tests.distributed.harness import ReadSpy, spawn
 
 # 4 query heads, 2 KV heads: split over 2 ranks, replicated over 4; a vocabulary no world divides
 CFG = MtpConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -148,44 +148,6 @@ def test_shard_plans_and_refusals():
         shard_head(MoeMtpHead(dataclasses.replace(moe, expert_parallel_size=1), fp8_experts=True), 0, 2)
 
 
-class _Spy:
-    """Wraps safetensors handles: counts the bytes each get_slice read returns; get_tensor (a whole
-    read) is absent, so using it fails."""
-
-    def __init__(self, counts):
-        self.counts = counts
-
-    def __call__(self, path):
-        counts, handle = self.counts, tp_checkpoint._ckpt._open(path)
-
-        class Slice:
-            def __init__(self, key):
-                self.sl, self.key = handle.get_slice(key), key
-
-            def get_shape(self):
-                return self.sl.get_shape()
-
-            def get_dtype(self):
-                return self.sl.get_dtype()
-
-            def __getitem__(self, index):
-                t = self.sl[index]
-                counts[self.key] = counts.get(self.key, 0) + t.numel() * t.element_size()
-                return t
-
-        class Handle:
-            def __enter__(self):
-                handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def get_slice(self, key):
-                return Slice(key)
-        return Handle()
-
-
 def test_a_rank_reads_only_its_slices(checkpoint, monkeypatch):
     """Bytes read per rank == its slices' bytes (the sharded tensors' 1/world, replicated ones
     whole); the slices equal the whole load's, narrowed; never a get_tensor."""
@@ -193,7 +155,7 @@ def test_a_rank_reads_only_its_slices(checkpoint, monkeypatch):
     world = 4
     for rank in range(world):
         counts: dict[str, int] = {}
-        monkeypatch.setattr(tp_checkpoint, "_open_file", _Spy(counts))
+        monkeypatch.setattr(tp_checkpoint, "_open_file", ReadSpy(counts))
         config, shard = load_mtp_shard(checkpoint, rank, world)
         plan = tp_plan(config, rank, world)
         want = shard_weights(whole, plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from examples.engine.__main__ import main
+from examples.engine.checkpoints import EMBEDDED
 
 PROMPTS = ["def main(", "import os\nimport ", "class Foo:\n    def "]
 ARGS = ["--max-new-tokens", "16", "--no-compare", "--quiet"]
@@ -52,3 +54,17 @@ def test_engine_tp2_under_torchrun_is_token_exact_with_tp1(tmp_path):
 def test_tp_outside_torchrun_is_refused(capsys):
     assert main(["--tp", "2", *ARGS]) == 2
     assert "error: --tp 2: run under torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+def test_a_checkpoint_no_rank_can_load_is_refused_on_every_rank(tmp_path):
+    """Each rank reads only its slices (load_checkpoint(tp=2)); a truncated safetensors file makes
+    both ranks fail, and each reports the agreement's refusal as its one error line."""
+    bad = tmp_path / "truncated"
+    shutil.copytree(EMBEDDED, bad)
+    data = bad / "model.safetensors"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    done = _torchrun(tmp_path, "--tp", "2", "--checkpoint", str(bad), *ARGS)
+    assert done.returncode != 0
+    line = "error: --tp 2: loading this rank's shards of the checkpoint failed on 2 of 2 ranks: rank 0: "
+    assert done.stderr.count(line) == 2, done.stderr[-3000:]  # both ranks, each naming both
+    assert done.stderr.count("rank 1: EngineError: target checkpoint") == 2 and "truncated or corrupt" in done.stderr
