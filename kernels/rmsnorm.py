@@ -1,7 +1,9 @@
-"""RMSNorm over the rows of a [n, hidden] matrix, HF Llama order, optionally fused with a residual add.
+"""RMSNorm over the rows of a [n, hidden] matrix, HF Llama order, optionally fused with a residual add;
+and the zero-centred RMSNorm of Qwen3-Next, (1 + weight) * x in transformers' Qwen3NextRMSNorm order.
 
 `rmsnorm(x, weight, out, eps)`; `add_rmsnorm(x, residual, weight, sum_out, norm_out, eps)` with
-sum_out = x + residual (may alias x or residual). One program per row; any hidden size.
+sum_out = x + residual (may alias x or residual); `zero_centred_rmsnorm(x, weight, out, eps)`.
+One program per row; any hidden size.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ def rmsnorm_kernel(
     stride_x, stride_res, stride_sum, stride_out,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -38,15 +41,21 @@ def rmsnorm_kernel(
         # Stored after the reduction (a block-wide barrier): sum_out may alias x or residual,
         # and every element of the row must be read before any is overwritten.
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
-    # HF order: normalise in fp32, round to x's dtype, then scale by weight in x's dtype. The
-    # product of two 16-bit floats is exact in fp32, so multiplying there and rounding once is
-    # bit-identical to a native 16-bit multiply (and the interpreter has no bf16 arithmetic).
-    y = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:
+        # Qwen3NextRMSNorm: the normalised row and the gain 1 + weight both in fp32, one rounding
+        # at the end (a gain 1 + w formed in bf16 keeps ~8 bits: w in steps of 1/128)
+        tl.store(out_ptr + row * stride_out + cols, (xf * inv_rms * (1.0 + w)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        # HF order: normalise in fp32, round to x's dtype, then scale by weight in x's dtype. The
+        # product of two 16-bit floats is exact in fp32, so multiplying there and rounding once is
+        # bit-identical to a native 16-bit multiply (and the interpreter has no bf16 arithmetic).
+        y = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, sum_out, norm_out, weight, eps: float) -> None:
+def _launch(x, residual, sum_out, norm_out, weight, eps: float, zero_centred: bool = False) -> None:
     check(x.dim() == 2, lambda: f"{describe('x', x)}: expected [n, hidden]")
     n, hidden = x.shape
     check_operand("x", x, (n, hidden), FLOAT_DTYPES, x.device)
@@ -66,7 +75,7 @@ def _launch(x, residual, sum_out, norm_out, weight, eps: float) -> None:
         x.stride(0), residual.stride(0) if has_residual else 0,
         sum_out.stride(0) if has_residual else 0, norm_out.stride(0),
         hidden, float(eps),  # an int eps would reach the kernel as i32
-        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=bool(pdl),
+        HAS_RESIDUAL=has_residual, ZERO_CENTRED=zero_centred, BLOCK=block, USE_PDL=bool(pdl),
         num_warps=min(max(block // 512, 1), 16),
         **pdl,
     )
@@ -75,6 +84,13 @@ def _launch(x, residual, sum_out, norm_out, weight, eps: float) -> None:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
     """out[n, hidden] = rmsnorm(x) * weight. x, out, weight share one float dtype; rows unit-stride."""
     _launch(x, None, None, out, weight, eps)
+
+
+def zero_centred_rmsnorm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """out[n, hidden] = (rmsnorm(x) * (1 + weight)) computed in fp32 and rounded once to x's dtype:
+    transformers' Qwen3NextRMSNorm (`weight` is the stored zero-centred weight, not the gain).
+    x, out, weight share one float dtype; rows unit-stride."""
+    _launch(x, None, None, out, weight, eps, zero_centred=True)
 
 
 def add_rmsnorm(

@@ -212,7 +212,7 @@ FAMILIES: tuple[Family, ...] = (
         loads="the `mtp.*` layer, the target's embedding and lm-head (circuit/layers/qwen3_next_checkpoint.py); "
               "every other `mtp.*` tensor is refused by name",
         target="no: its linear-attention (Gated DeltaNet) layers are out of scope",
-        runs="yes: `Qwen3NextMtpHead` (zero-centred norms as the gain 1 + weight, sigmoid attention "
+        runs="yes: `Qwen3NextMtpHead` (zero-centred norms, 1 + weight in fp32 in the norm, sigmoid attention "
              "gate, partial rotary from `partial_rotary_factor`, 0.25 absent, softmax top-k routing, "
              "sigmoid-gated shared expert; the hidden handed on is after `mtp.norm`)",
         rules=_COMMON + (

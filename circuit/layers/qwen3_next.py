@@ -12,10 +12,13 @@ head_dim query columns then head_dim gate columns; q and k are normed per head b
 rotary (int(head_dim * partial_rotary_factor) dims, rotate-half); the MoE's shared expert output is
 scaled by sigmoid(shared_expert_gate(x)) ([1, H]). Every RMSNorm is zero-centred: (1 + weight) * x.
 
-How it is emitted from the layer library (no new op but `sigmoid_mul`, ops/family_ops.py, with its
-Triton kernel): each zero-centred norm is `rmsnorm` / `head_rmsnorm` over the gain 1 + weight,
-formed once at bind (in fp32, then the head's dtype: exact in fp32; in bf16 the gain is rounded
-once where transformers multiplies by 1 + weight in fp32, a departure of one rounding); q_proj is
+How it is emitted from the layer library (new ops `sigmoid_mul`, `zero_centred_rmsnorm` and
+`zero_centred_head_rmsnorm`, ops/family_ops.py, with their Triton kernels): each zero-centred norm
+runs over the stored weight and forms 1 + weight in fp32 inside the norm, rounding once at the end,
+as transformers' Qwen3NextRMSNorm. (A gain 1 + weight formed at bind and stored in bf16 keeps w only
+to steps of 1/128, and `rmsnorm`'s Llama order rounds the normalised row before the gain: on CPU the
+bf16 chain's first-step hidden was 0.0080 (relative) off transformers' bf16 layer that way, 0.0034
+now; tests/layers/test_qwen3_next_bf16.py.) q_proj is
 split at bind into its query rows and its gate rows (two `linear`s, no split op); routing is
 `moe_route` with softmax scoring (normalised at top-1 too when norm_topk_prob, as transformers'
 Qwen3NextTopKRouter), routed experts `moe_experts`, the shared expert a dense SwiGLU gated by
@@ -37,11 +40,11 @@ from draft_circuit.ops import moe as moe_ops  # registers the MoE ops
 from draft_circuit.ops.moe import KILL_SWITCH
 
 __all__ = ["Qwen3NextMtpConfig", "Qwen3NextMtpHead", "qwen3_next_mtp_shapes", "MTP_PREFIX", "LAYER",
-           "ZERO_CENTRED_NORMS"]
+           "ZERO_CENTRED_NORMS", "ROUTER"]
 
 MTP_PREFIX = "mtp."   # where the drafter's tensors are stored
 LAYER = "layers.0."   # its one decoder layer, under MTP_PREFIX
-# the zero-centred RMSNorms (Qwen3NextRMSNorm): stored `weight`, run as the gain 1 + weight
+# the zero-centred RMSNorms (Qwen3NextRMSNorm): stored `weight`, run by the zero_centred_* norm ops
 ZERO_CENTRED_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
                       f"{LAYER}input_layernorm.weight", f"{LAYER}post_attention_layernorm.weight",
                       f"{LAYER}self_attn.q_norm.weight", f"{LAYER}self_attn.k_norm.weight", "norm.weight")
@@ -53,11 +56,7 @@ SHARED_GATE_UP, SHARED_DOWN = f"{LAYER}mlp.shared_expert.gate_up_proj.weight", f
 SHARED_GATE = f"{LAYER}mlp.shared_expert_gate.weight"
 EMBED, LM_HEAD = "embed_tokens.weight", "lm_head.weight"
 _MTP_LAYERS_ALIASES = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
-
-
-def gain(name: str) -> str:
-    """The param a zero-centred norm runs on: `x.weight` -> `x.gain` (1 + weight)."""
-    return name.removesuffix(".weight") + ".gain"
+NORM, HEAD_NORM = "zero_centred_rmsnorm", "zero_centred_head_rmsnorm"  # ops/family_ops.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,9 +165,7 @@ class Qwen3NextMtpHead(MtpHead):
         h, e, i = c.hidden_size, c.num_experts, c.moe_intermediate_size
         specs: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, shape in qwen3_next_mtp_shapes(c).items():
-            if name in ZERO_CENTRED_NORMS:
-                specs[gain(name)] = (dt, shape)
-            elif name == Q_PROJ:
+            if name == Q_PROJ:
                 specs[QUERY] = specs[GATE] = (dt, (shape[0] // 2, h))
             elif ".experts." in name or ".shared_expert." in name:
                 continue  # stacked below
@@ -187,9 +184,9 @@ class Qwen3NextMtpHead(MtpHead):
             b.param(name, dtype, shape)
 
     def bind(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stored tensors (`qwen3_next_mtp_shapes`' names) -> params: each zero-centred norm's
-        gain 1 + weight (formed in fp32), q_proj's query and gate rows apart, experts stacked,
-        the shared expert's gate and up rows stacked."""
+        """Stored tensors (`qwen3_next_mtp_shapes`' names) -> params: the zero-centred norms'
+        weights as stored (the norm ops add the 1), q_proj's query and gate rows apart, experts
+        stacked, the shared expert's gate and up rows stacked."""
         c, dt = self.config, getattr(torch, self.dtype)
         missing = sorted(set(qwen3_next_mtp_shapes(c)) - set(weights))
         if missing:
@@ -197,9 +194,7 @@ class Qwen3NextMtpHead(MtpHead):
         params: dict[str, torch.Tensor] = {}
         for name in qwen3_next_mtp_shapes(c):
             w = weights[name]
-            if name in ZERO_CENTRED_NORMS:
-                params[gain(name)] = 1.0 + w.float()
-            elif name == Q_PROJ:
+            if name == Q_PROJ:
                 # q_proj's output viewed [.., heads, 2 * head_dim] and chunked: per head, query then gate
                 rows = w.view(c.num_attention_heads, 2, c.head_dim, c.hidden_size)
                 params[QUERY] = rows[:, 0].reshape(-1, c.hidden_size)
@@ -237,16 +232,14 @@ class Qwen3NextMtpHead(MtpHead):
         rope = {"head_dim": c.head_dim, "theta": c.rope_theta, "pos_offset": step, **rotary_attrs(c)}
         attn = f"{LAYER}self_attn."
         emb = b.op1("embedding", [EMBED, token])
-        x = b.op1("concat", [b.op1("rmsnorm", [emb, gain("pre_fc_norm_embedding.weight")], eps,
-                                   name="pre_fc_norm_embedding"),
-                             b.op1("rmsnorm", [hidden, gain("pre_fc_norm_hidden.weight")], eps,
-                                   name="pre_fc_norm_hidden")])
+        x = b.op1("concat", [b.op1(NORM, [emb, "pre_fc_norm_embedding.weight"], eps, name="pre_fc_norm_embedding"),
+                             b.op1(NORM, [hidden, "pre_fc_norm_hidden.weight"], eps, name="pre_fc_norm_hidden")])
         x = b.op1("linear", [x, "fc.weight"], name="fc")
-        a = b.op1("rmsnorm", [x, gain(f"{LAYER}input_layernorm.weight")], eps, name="input_layernorm")
-        q = b.op1("head_rmsnorm", [b.op1("linear", [a, QUERY], name="q_proj"), gain(f"{attn}q_norm.weight")],
+        a = b.op1(NORM, [x, f"{LAYER}input_layernorm.weight"], eps, name="input_layernorm")
+        q = b.op1(HEAD_NORM, [b.op1("linear", [a, QUERY], name="q_proj"), f"{attn}q_norm.weight"],
                   eps, name="q_norm")
-        k = b.op1("head_rmsnorm", [b.op1("linear", [a, f"{attn}k_proj.weight"], name="k_proj"),
-                                   gain(f"{attn}k_norm.weight")], eps, name="k_norm")
+        k = b.op1(HEAD_NORM, [b.op1("linear", [a, f"{attn}k_proj.weight"], name="k_proj"),
+                              f"{attn}k_norm.weight"], eps, name="k_norm")
         v = b.op1("linear", [a, f"{attn}v_proj.weight"], name="v_proj")
         gate = b.op1("linear", [a, GATE], name="q_gate_proj")
         q = b.op1("rope", [q, positions], rope, name="rope_q")
@@ -259,10 +252,9 @@ class Qwen3NextMtpHead(MtpHead):
         o = b.op1("sigmoid_mul", [o, gate], name="attention_gate")
         x = b.op1("add", [x, b.op1("linear", [o, f"{attn}o_proj.weight"], name="o_proj")],
                   name="attn_residual")
-        m = b.op1("rmsnorm", [x, gain(f"{LAYER}post_attention_layernorm.weight")], eps,
-                  name="post_attention_layernorm")
+        m = b.op1(NORM, [x, f"{LAYER}post_attention_layernorm.weight"], eps, name="post_attention_layernorm")
         x = b.op1("add", [x, self.emit_mlp(b, m)], name="mlp_residual")
-        y = b.op1("rmsnorm", [x, gain("norm.weight")], eps, name="norm")  # also the hidden handed on
+        y = b.op1(NORM, [x, "norm.weight"], eps, name="norm")  # also the hidden handed on
         # fp32 logits: bf16 logits would tie neighbouring tokens
         logits = b.op1("linear", [y, LM_HEAD], {"out_dtype": "float32"}, name="lm_head")
         tok, lp = b.op("argmax_logprob", [logits, bitmask])
@@ -279,5 +271,5 @@ class Qwen3NextMtpHead(MtpHead):
         return {"qwen3_next": {"num_experts": c.num_experts, "top_k": c.num_experts_per_tok,
                                "routing": "softmax", "shared_expert": "gated by sigmoid(shared_expert_gate)",
                                "attention_gate": "sigmoid(q_proj gate half)", "rotary_dim": c.rotary_dim,
-                               "norms": "zero-centred (1 + weight), folded into the gain at bind",
+                               "norms": "zero-centred (1 + weight), the gain formed in fp32 in the norm",
                                "hidden_handed_on": "after mtp.norm"}}

@@ -1,4 +1,6 @@
-"""rmsnorm / add_rmsnorm kernels against a straightforward HF-order torch reference.
+"""rmsnorm / add_rmsnorm kernels against a straightforward HF-order torch reference; the zero-centred
+rmsnorm (Qwen3-Next) against transformers' Qwen3NextRMSNorm arithmetic, directly and through the
+zero_centred_rmsnorm / zero_centred_head_rmsnorm op bindings.
 
 CPU: fp32 and fp16 under the Triton interpreter. cuda: bf16 and width independence.
 """
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from draft_circuit.kernels._common import KernelInputError
-from draft_circuit.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from draft_circuit.kernels.rmsnorm import add_rmsnorm, rmsnorm, zero_centred_rmsnorm
+from draft_circuit.ops.registry import get_op
 
 from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
@@ -20,6 +23,12 @@ def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight
+
+
+def reference_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3NextRMSNorm.forward: fp32 norm times 1.0 + weight.float(), one rounding to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def _poisoned(like: torch.Tensor) -> torch.Tensor:
@@ -79,6 +88,74 @@ def test_rejects_bad_inputs():
         rmsnorm(torch.randn(72, 3).t(), torch.randn(72), torch.empty(3, 72), 1e-6)
     with pytest.raises(KernelInputError, match="residual"):
         add_rmsnorm(x, torch.randn(3, 71), torch.randn(72), torch.empty_like(x), torch.empty_like(x), 1e-6)
+
+
+# one rounding in fp16 (half an ulp, 2^-11 relative) plus fp32 sums in another order
+ZC_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,hidden", [(1, 72), (3, 200), (5, 64)])
+def test_zero_centred_rmsnorm_matches_qwen3_next_order(dtype, n, hidden):
+    gen = torch.Generator().manual_seed(n * 1000 + hidden)
+    x = (3 * torch.randn(n, hidden, generator=gen)).to(dtype)
+    weight = (0.1 * torch.randn(hidden, generator=gen)).to(dtype)  # stored: the gain is 1 + weight
+    out = _poisoned(x)
+    zero_centred_rmsnorm(x, weight, out, 1e-6)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference_zero_centred(x, weight, 1e-6), **ZC_TOL[dtype])
+    in_place = x.clone()  # the op's inplace={0: 0}: out may alias x
+    zero_centred_rmsnorm(in_place, weight, in_place, 1e-6)
+    assert torch.equal(in_place, out)
+
+
+@pytest.mark.parametrize("op_name, width", [("zero_centred_rmsnorm", 72), ("zero_centred_head_rmsnorm", 3 * 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_zero_centred_bindings_match_their_references(op_name, width, dtype):
+    """The op bindings (head: each head_dim group of a row normalised alone) against the op
+    references, which the eager chain runs."""
+    op = get_op(op_name)
+    (binding,) = op.kernels
+    assert binding.name == f"triton_{op_name}"
+    g = torch.Generator().manual_seed(0)
+    d = 24 if "head" in op_name else width
+    x = (3 * torch.randn(5, width, generator=g)).to(dtype)
+    w = (0.1 * torch.randn(d, generator=g)).to(dtype)
+    attrs = op.parse_attrs({"eps": 1e-6})
+    out = _poisoned(x)
+    binding.launch([x, w], [out], [], attrs)
+    (want,) = op.reference([x, w], attrs)
+    torch.testing.assert_close(out, want, **ZC_TOL[dtype])
+    heads = x.view(-1, d)  # per head: the norm of that head alone, times 1 + weight
+    torch.testing.assert_close(out.view(-1, d), reference_zero_centred(heads, w, 1e-6), **ZC_TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("hidden", [64, 256, 2048])
+def test_cuda_bf16_zero_centred_rounds_once(hidden):
+    """bf16 rows, bf16 stored weight: within one rounding of the fp32 product (2^-8 relative),
+    where a gain 1 + weight stored in bf16 would already be off by up to 2^-8 before the norm;
+    bitwise width-independent; the head binding equals the kernel on per-head views."""
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x = (3 * torch.randn(37, hidden, device="cuda", generator=gen)).bfloat16()
+    weight = (0.1 * torch.randn(hidden, device="cuda", generator=gen)).bfloat16()
+    out = _poisoned(x)
+    zero_centred_rmsnorm(x, weight, out, 1e-6)
+    exact = reference_zero_centred(x.float(), weight.float(), 1e-6)
+    torch.testing.assert_close(out.float(), exact, atol=1e-6, rtol=2 ** -8)
+    for n in (1, 2, 5, 64):
+        rows = torch.randn(n, hidden, device="cuda", generator=gen).bfloat16()
+        rows[0] = x[0]
+        got = _poisoned(rows)
+        zero_centred_rmsnorm(rows, weight, got, 1e-6)
+        assert torch.equal(got[0], out[0]), n
+    op = get_op("zero_centred_head_rmsnorm")
+    d = 64
+    head_w = weight[:d].contiguous()
+    per_head, via_op = _poisoned(x), _poisoned(x)
+    zero_centred_rmsnorm(x.view(-1, d), head_w, per_head.view(-1, d), 1e-6)
+    op.kernels[0].launch([x, head_w], [via_op], [], op.parse_attrs({"eps": 1e-6}))
+    assert torch.equal(via_op, per_head)
 
 
 @cuda

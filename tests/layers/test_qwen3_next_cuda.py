@@ -1,6 +1,7 @@
-"""On the GPU (`-m cuda`): the Qwen3-Next MTP chain in bf16 (gated attention, zero-centred norms as
-gains, partial rotary 0.25, softmax top-2 MoE, sigmoid-gated shared expert), planned with the
-Triton kernels (sigmoid_mul, head_rmsnorm, rope_kv_write, the grouped MoE) and captured into CUDA
+"""On the GPU (`-m cuda`): the Qwen3-Next MTP chain in bf16 (gated attention, zero-centred norms with
+the gain 1 + weight formed in fp32, partial rotary 0.25, softmax top-2 MoE, sigmoid-gated shared
+expert), planned with the Triton kernels (sigmoid_mul, zero_centred_rmsnorm and
+zero_centred_head_rmsnorm, rope_kv_write, the grouped MoE) and captured into CUDA
 graphs: each replay equals the program run uncaptured bitwise and the fp32 eager oracle under the
 near-tie rule, and replay allocates nothing.
 
@@ -51,7 +52,8 @@ def oracle_gaps(want: dict[str, torch.Tensor], fp32_params: dict[str, torch.Tens
 
 
 def random_weights(c: Qwen3NextMtpConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Stored-name weights: zero-centred norms 0.1 N (gains near 1), embeddings N, the rest N / sqrt(fan-in)."""
+    """Stored-name weights: zero-centred norms 0.1 N (gains 1 + weight near 1), embeddings N, the rest
+    N / sqrt(fan-in)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in qwen3_next_mtp_shapes(c).items():
@@ -70,8 +72,9 @@ def test_captured_qwen3_next_chain_equals_program_and_eager():
     fp32_params = {k: v.cuda() for k, v in oracle.bind(weights).items()}
     compiled = compile_draft(chain, params, WIDTHS, device="cuda")
     kernels = {(x.op, x.kernel) for x in compiled.programs[4].launches}
-    assert {("sigmoid_mul", "triton_sigmoid_mul"), ("head_rmsnorm", "triton_head_rmsnorm"),
-            ("rope_kv_write", "triton_rope_kv_write"), ("moe_experts", "triton_moe_grouped")} <= kernels
+    assert {("sigmoid_mul", "triton_sigmoid_mul"), ("zero_centred_head_rmsnorm", "triton_zero_centred_head_rmsnorm"),
+            ("zero_centred_rmsnorm", "triton_zero_centred_rmsnorm"), ("rope_kv_write", "triton_rope_kv_write"),
+            ("moe_experts", "triton_moe_grouped")} <= kernels
     batch0 = random_draft_batch(CONFIG, KV, 1, seed=0, num_drafts=K, device="cuda", dtype=torch.bfloat16)
     runner = GraphRunner(compiled, batch0.clone_states())
     assert runner.widths == tuple(WIDTHS), runner.stats.failures

@@ -28,8 +28,8 @@ from draft_circuit.circuit.layers.checkpoint import (ConfigError, MissingMtpLaye
                                                      load_target_weights, read_config)
 from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.mtp import emit_draft_chain
-from draft_circuit.circuit.layers.qwen3_next import (GATE, QUERY, Qwen3NextMtpConfig, Qwen3NextMtpHead,
-                                                     gain, qwen3_next_mtp_shapes)
+from draft_circuit.circuit.layers.qwen3_next import (GATE, QUERY, ZERO_CENTRED_NORMS, Qwen3NextMtpConfig,
+                                                     Qwen3NextMtpHead, qwen3_next_mtp_shapes)
 from draft_circuit.circuit.planner import CompileOptions, compile_draft, kv_only_circuit
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
@@ -143,7 +143,8 @@ def test_real_names_load_strict_and_bind(checkpoint) -> None:
     assert torch.equal(w["embed_tokens.weight"], stored["model.embed_tokens.weight"])
     assert torch.equal(w["lm_head.weight"], stored["lm_head.weight"])
     params = Qwen3NextMtpHead(config).bind(w)
-    assert torch.equal(params[gain("norm.weight")], 1 + stored["mtp.norm.weight"])
+    for name in ZERO_CENTRED_NORMS:  # as stored: the zero-centred norm ops add the 1
+        assert torch.equal(params[name], stored[f"mtp.{name}"]), name
     # q_proj's rows per head: head_dim query rows, then head_dim gate rows
     q = stored["mtp.layers.0.self_attn.q_proj.weight"].view(4, 2, 8, 32)
     assert torch.equal(params[QUERY][8:16], q[1, 0]) and torch.equal(params[GATE][8:16], q[1, 1])
@@ -232,8 +233,9 @@ def test_interpreted_kernels_match_eager(checkpoint) -> None:
     chain = emit_draft_chain(head, DRAFTS, max_width=4, kv=KV)
     compiled = compile_draft(chain, params, [3], options=CompileOptions(interpret_kernels=True))
     kernels = {(x.op, x.kernel) for x in compiled.programs[3].launches}
-    assert {("sigmoid_mul", "triton_sigmoid_mul"), ("head_rmsnorm", "triton_head_rmsnorm"),
-            ("rope_kv_write", "triton_rope_kv_write"), ("moe_experts", "triton_moe_grouped")} <= kernels
+    assert {("sigmoid_mul", "triton_sigmoid_mul"), ("zero_centred_head_rmsnorm", "triton_zero_centred_head_rmsnorm"),
+            ("zero_centred_rmsnorm", "triton_zero_centred_rmsnorm"), ("rope_kv_write", "triton_rope_kv_write"),
+            ("moe_experts", "triton_moe_grouped")} <= kernels
     b = random_draft_batch(head.config, KV, 3, seed=9, num_drafts=DRAFTS)
     want = EagerRunner(chain, params, b.clone_states()).run(b.inputs)
     got = ProgramRunner(compiled, b.clone_states()).run(b.inputs)
@@ -250,7 +252,7 @@ def test_plan_checkpoint_reports_the_qwen3_next_head(checkpoint, tmp_path, capsy
     assert report["notes"]["head"].startswith("Qwen3NextMtpHead: gated attention")
     assert report["notes"]["qwen3_next"]["hidden_handed_on"] == "after mtp.norm"
     ops = {n["op"] for n in report["nodes"]}
-    assert {"sigmoid_mul", "moe_route", "moe_experts", "head_rmsnorm"} <= ops
+    assert {"sigmoid_mul", "moe_route", "moe_experts", "zero_centred_rmsnorm", "zero_centred_head_rmsnorm"} <= ops
     # the routed experts, the shared expert and its gate are all in the bytes moved
     assert all(w["bytes_moved"] > 0 for w in report["widths"])
 

@@ -34,6 +34,8 @@ EXAMPLES = {
     "stack": ([S("int32", ROW), S("int32", ROW), S("int32", ROW)], {}),
     "rmsnorm": ([S("float32", ROW, 6), S("float32", 6)], {"eps": 1e-5}),
     "head_rmsnorm": ([S("float32", ROW, 3 * D), S("float32", D)], {"eps": 1e-5}),
+    "zero_centred_rmsnorm": ([S("float32", ROW, 6), S("float32", 6)], {"eps": 1e-5}),
+    "zero_centred_head_rmsnorm": ([S("float32", ROW, 3 * D), S("float32", D)], {"eps": 1e-5}),
     "sigmoid_mul": ([S("float32", ROW, 6), S("float32", ROW, 1)], {}),
     "add_rmsnorm": ([S("float32", ROW, 6), S("float32", ROW, 6), S("float32", 6)], {}),
     "linear": ([S("float32", ROW, 6), S("float32", 5, 6)], {}),
@@ -233,4 +235,5 @@ def test_interpretable_bindings_match_their_references():
             "triton_linear_argmax_logprob", "triton_moe_route", "triton_moe_grouped",
             "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode",
             "triton_linear_fp8", "triton_linear_qkv", "triton_linear_concat",
-            "triton_linear_argmax_keep", "triton_input_guard"} <= ran
+            "triton_linear_argmax_keep", "triton_input_guard", "triton_zero_centred_rmsnorm",
+            "triton_zero_centred_head_rmsnorm"} <= ran
