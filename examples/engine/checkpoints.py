@@ -146,7 +146,7 @@ def _load_mtp(root: Path, config: MtpConfig, target: dict[str, torch.Tensor],
         if isinstance(draft_config, MoeConfig) and draft_config.rope_scaling is not None:
             raise EngineError(f"MTP layer from {where}: rope_scaling yarn with a MoE MLP: YaRN runs in "
                               "the dense MTP head only (MoeMtpHead declares no frequency table)")
-        if shard is not None:  # this rank's slices alone (fp8 block-scaled layers refused: a slice splits blocks)
+        if shard is not None:  # this rank's slices alone; fp8 block-scaled weights come dequantised
             return draft_config, load_mtp_shard(where, shard.rank, shard.world_size, draft_config)[1]
         _, weights = load_mtp_weights(where, draft_config, keep_fp8=True)
         if not isinstance(head_for(draft_config, "float32", weights), MoeMtpHead) and \

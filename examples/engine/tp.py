@@ -9,7 +9,7 @@ TP = 1 run's, token for token (tests/distributed/test_tp_engine.py). Rank 0 prin
 
 Shards: Llama-family dense targets (Qwen2/3 attention options included) and the dense or MoE MTP
 head; refused by name (EngineError): MoE and MLA targets, EAGLE-3 drafters, reduced draft
-vocabularies, world sizes the config does not divide, fp8 block-scaled drafters. Each rank reads only
+vocabularies, world sizes the config does not divide. Each rank reads only
 its slices of the target and the drafter (checkpoints.load_checkpoint(tp=N): tp_checkpoint.py's
 loaders over the whole loaders' read plans); the weights come back as `ShardWeights`, which the
 target and `shard_drafter` bind as they are. A rank that cannot load makes every rank refuse

@@ -15,7 +15,7 @@ from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.layers.tp import TpConfigError, shard_head, shard_kv, shard_weights, tp_plan, vocab_shard
-from draft_circuit.circuit.layers.tp_checkpoint import TpShardError, load_mtp_shard
+from draft_circuit.circuit.layers.tp_checkpoint import load_mtp_shard
 from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.ops.collectives import CollectiveError
 from draft_circuit.runners.eager import EagerRunner
@@ -186,12 +186,32 @@ def test_a_moe_ranks_slices_load_from_its_checkpoint(tmp_path):
         assert shard["mlp.gate.weight"].shape == (4, CFG.hidden_size)
 
 
-def test_fp8_block_scaled_checkpoints_are_refused_for_sharded_loading(tmp_path):
+@pytest.mark.parametrize("dtype,inter,world", [(torch.float32, 16, 2), (torch.bfloat16, 16, 2),
+                                               (torch.float32, 384, 4)])
+def test_fp8_block_scaled_experts_load_dequantised_as_their_slices(tmp_path, monkeypatch, dtype, inter, world):
+    """Each fp8 expert weight is read as its slice (gate/up rows, down_proj columns; starting
+    mid-block, or at 384 over 4 ranks spanning two 128-blocks) with the scale blocks covering it,
+    and dequantised: bitwise the whole dequantised load's, narrowed; the bytes read are the fp8
+    slices and the covering scales alone."""
     moe = MoeConfig(**{**dataclasses.asdict(CFG), "n_routed_experts": 4, "num_experts_per_tok": 2,
-                       "moe_intermediate_size": 16})
+                       "moe_intermediate_size": inter})
     path = write_random_checkpoint(tmp_path / "fp8", moe, seed=1, fp8_experts=True)
-    with pytest.raises(TpShardError, match="block-scales an fp8 tensor"):
-        load_mtp_shard(path, 0, 2)
+    _, whole = load_mtp_weights(path, dtype=dtype)  # dequantised into dtype
+    layer, per = f"model.layers.{CFG.num_hidden_layers}.", inter // world
+    for rank in range(world):
+        counts: dict[str, int] = {}
+        monkeypatch.setattr(tp_checkpoint, "_open_file", ReadSpy(counts))
+        config, shard = load_mtp_shard(path, rank, world, dtype=dtype)
+        want = shard_weights(whole, tp_plan(config, rank, world))
+        assert shard.keys() == want.keys()
+        for name, t in want.items():
+            assert shard[name].dtype == t.dtype and torch.equal(shard[name], t), name
+        assert all(t.dtype != torch.float8_e4m3fn for t in shard.values())  # a shard binds unquantised
+        up, down = layer + "mlp.experts.2.up_proj.weight", layer + "mlp.experts.2.down_proj.weight"
+        assert counts[up] == counts[down] == per * CFG.hidden_size  # fp8: a byte a weight
+        blocks = (rank + 1) * per // 128 - rank * per // 128 + (((rank + 1) * per) % 128 > 0)
+        assert counts[up + "_scale_inv"] == counts[down + "_scale_inv"] == blocks * 4  # H is one block
+        assert shard["mlp.experts.2.down_proj.weight"].shape == (CFG.hidden_size, per)
 
 
 def test_collective_bindings_declare_the_kernels_they_run():
