@@ -80,8 +80,7 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float]:
             drafts = p.propose_batch([5] * n, hid, pos, K, states)  # type: ignore[assignment]
         t1 = time.perf_counter()
         acc = [rng.randint(0, len(d)) for d in drafts]
-        for s, a in zip(states, acc):
-            p.after_verify(a, s)
+        p.after_verify_batch(acc, states)
         keep = [i for i, a in enumerate(acc) if a]
         if keep:
             p.catchup_batch([fixed[acc[i]] for i in keep], [views[acc[i]][i] for i in keep],

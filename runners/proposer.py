@@ -5,8 +5,10 @@ run, or None before anything runs, recording how in `last_served`. Chains run on
 a factory builds at construction (compiled for "circuit", the oracle for "eager") and a host may
 replace (`set_circuit_draft`): one code path whatever runs them. This module is the contract
 only: rules in proposer_state.py, checks and inputs in proposer_inputs.py, all-or-nothing runs
-in proposer_rows.py, runners and factories in chains.py. Drafter KV lives in a paged pool whose
-block 0 is the scratch block inert rows point at.
+in proposer_rows.py, runners and factories in chains.py. A state is a handle to a slot of
+`self.slots` (proposer_slots.py: every state's rows, key, drafts and block table in columns),
+so the batch calls (proposer_batch.py) work on slot arrays. Drafter KV lives in a paged pool
+whose block 0 is the scratch block inert rows point at.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import logging
 from collections import defaultdict
 from typing import Literal, Mapping, Sequence, cast
 
+import numpy as np
 import torch
 
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
@@ -22,21 +25,25 @@ from draft_circuit.runners.chains import (KV_ONLY_KEY, ChainRunners, DraftBindin
                                           RunnerFactory, compiled_runners, eager_runner)
 from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.input_guard import check_runner_faults
-from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
+from draft_circuit.runners.kv_cache import BlockPool
 from draft_circuit.runners.protocol import DraftRunner
 from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
                                                    check_catchup_counts, check_drafter_pairs,
-                                                   check_num_drafts, check_propose,
-                                                   confidence_log_tau, drafter_pools)
+                                                   check_propose, confidence_log_tau,
+                                                   drafter_pools)
 from draft_circuit.runners.proposer_args import check_proposer_args
+from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal,
+                                                  last_drafts_of, last_pair_keys_of,
+                                                  settled_slots)
 from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_device
-from draft_circuit.runners.proposer_rows import run_chain, write_rows
+from draft_circuit.runners.proposer_rows import record_batch, run_chain, write_rows
+from draft_circuit.runners.proposer_slots import SlotTable
 from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError,
-                                                  free_all,
-                                                  install_kv, kept_drafts, record_drafts, settle,
-                                                  take_kv, trim_after_verify)
+                                                  free_all, install_kv, kept_drafts,
+                                                  record_drafts, settle, take_kv,
+                                                  trim_after_verify)
 
 __all__ = ["DraftBinding", "MtpProposer", "SCRATCH_BLOCK", "Served"]
 
@@ -53,6 +60,7 @@ def warn_once(key: str, message: str) -> None:
 # single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
 @single_caller("propose", "propose_batch", "propose_batch_on_device", "verify_tokens",
                "last_drafts", "prefill_drafter", "catchup_drafter", "catchup_batch", "after_verify",
+               "after_verify_batch", "last_pair_keys",
                "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
                "free_drafter_kv", "read_deferred_draft_token", "set_circuit_draft")
 class MtpProposer:
@@ -83,6 +91,9 @@ class MtpProposer:
         self.kv_exact, self.refeed, self.forward = kv_exact, refeed, forward
         self.pool = BlockPool(num_blocks, reserved=1)  # block 0: the scratch block
         self.states = drafter_pools(head, self.kv, max_width, device)
+        # every state's rows, key, drafts and host block table, in columns by slot
+        self.slots = SlotTable(max_blocks=max_blocks_per_seq, max_drafts=num_drafts,
+                               scratch_block=SCRATCH_BLOCK)
         # persistent input/output buffers: a steady-state run builds no tensor of its own
         self.staging = ChainStaging(max_width=max_width, max_blocks=max_blocks_per_seq,
                                     hidden_size=head.hidden_in_size,
@@ -157,8 +168,8 @@ class MtpProposer:
         # a masked draft's confidence is not measured in the reference: a masked chain never stops
         log_tau = float("-inf") if bitmask is not None else self.log_tau
         # the runner's own input buffers, filled in place (it then skips its checks and copies)
-        inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.states,
-                                     rows.hiddens, log_tau, runner)
+        inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.slots,
+                                     rows.hiddens, log_tau, runner, tables=self.slots.tables)
         if bitmask is not None:  # a masked chain stages in the staging's own (read-only) views
             inputs = {**inputs, "bitmask": bitmask}
         return runner.run(n, inputs)
@@ -168,22 +179,25 @@ class MtpProposer:
         host's installed one-step chain."""
         (runner, kv_only), n = self.chains.kv_only(), len(rows.tokens)
         self.stats[runner.plan(n).kind][n] += 1
-        inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.states,
-                                     rows.hiddens, None if kv_only else self.log_tau, runner)
+        inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.slots,
+                                     rows.hiddens, None if kv_only else self.log_tau, runner,
+                                     tables=self.slots.tables)
         return runner.run(n, inputs)
 
     # ---- states ----
     def alloc_state(self) -> MtpProposerState:
-        return MtpProposerState(owner=id(self),
-                                blocks=SequenceBlocks(self.pool, self.kv.block_size,
-                                                      self.kv.max_blocks_per_seq))
+        return MtpProposerState(id(self), self.slots, self.pool, self.kv.block_size,
+                                self.kv.max_blocks_per_seq)
 
     def _mine(self, state: object) -> MtpProposerState | None:
         """The state, settled, if this proposer allocated it; None for any other object."""
-        if not isinstance(state, MtpProposerState) or state.owner != id(self):
+        if type(state) is not MtpProposerState or state.table is not self.slots:
             return None
         settle(state)
         return state
+
+    def _slots(self, states: Sequence[object]) -> np.ndarray | None:
+        return settled_slots(self, states)  # every state this proposer's, settled, or None
 
     def _own(self, state: object) -> MtpProposerState:
         mine = self._mine(state)
@@ -228,10 +242,10 @@ class MtpProposer:
         if embed_target is not None:
             embed_target.copy_(self.states["embed_target"][0].view_as(embed_target))
             drafts = out["drafts"][0].clone()
-            state.pending = (drafts, rows[0], position)
+            state.pending = (drafts, int(rows[0]), position)
             self._deferred = drafts
             return drafts
-        record_drafts(state, kept_drafts(out["drafts"][0].tolist()), rows[0], position)
+        record_drafts(state, kept_drafts(out["drafts"][0].tolist()), int(rows[0]), position)
         check_runner_faults(self.chains.get(num_drafts, mask is not None))  # synced just above
         return state.last_drafts
 
@@ -250,7 +264,7 @@ class MtpProposer:
         alone). `last_served` says which, and why when refused; `out_conf` receives each kept
         draft's confidence (its top-1 log-probability)."""
         n = len(last_tokens)
-        reason = self._batch_refusal(n, num_drafts, states, bitmask is not None)
+        reason, slots = self._batch_refusal(n, num_drafts, states, bitmask is not None)
         if reason is not None:
             self.last_served = Served("refused", n, reason)
             return None
@@ -258,25 +272,23 @@ class MtpProposer:
         mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                              num_drafts_max=self.num_drafts, config=self.head.config,
                              device=self.device, hidden_size=self.head.hidden_in_size)
-        kind: ServedKind
-        drafts: list[list[int]] = [[] for _ in mine]  # zero drafts: nothing runs
-        confs: list[list[float]] = [[] for _ in mine]
-        rows, kind = [s.rows for s in mine], "empty"
+        kind: ServedKind = "empty"
         if num_drafts:
-            out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
+            out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine,
+                                        mask, slots)
             # one read: drafts, confidences and the input-guard records of this chain and the
             # catch-up chain (RunnerInputError for a bad row; our own inputs never make one)
             chain = self.chains.get(num_drafts, mask is not None)
             drafts, confs = self.staging.read(out["drafts"], out["confidences"],
                                               (chain, self.chains.kv_only()[0]))
             kind = chain.plan(n).kind
+        else:  # zero drafts: nothing runs, every row drafts nothing
+            rows = self.slots.rows[slots]
+            drafts, confs = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
         self.last_served = Served(kind, n)
-        result = []
-        for state, row, r, p in zip(mine, drafts, rows, positions):
-            record_drafts(state, kept_drafts(row), r, p)
-            result.append(state.last_drafts)
+        result, counts = record_batch(self.slots, slots, mine, drafts, rows, positions)
         if out_conf is not None:
-            out_conf[:] = [c[:len(d)] for c, d in zip(confs, result)]
+            out_conf[:] = [c[:d] for c, d in zip(confs.tolist(), counts)]
         return result
 
     def propose_batch_on_device(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
@@ -301,32 +313,24 @@ class MtpProposer:
     def last_drafts(self, states: Sequence[object]) -> list[list[int]]:
         """Each state's kept drafts of its latest propose (settling a device-resident batch:
         its one read); [] for a state of another proposer."""
-        return [m.last_drafts if (m := self._mine(s)) is not None else [] for s in states]
+        return last_drafts_of(self, states)
 
-    def _batch_refusal(self, n: int, k: int, states: Sequence[object], masked: bool) -> str | None:
-        """Why n states cannot draft in one run (None: they can, and every state is this
-        proposer's, settled: the caller may take them as its own without a second pass)."""
-        if n == 0:
-            return "an empty batch (width 0)"
-        if not all(self._mine(s) is not None for s in states):
-            return "a state of another proposer"  # the caller drafts each alone
-        check_num_drafts(k, self.num_drafts)
-        if k == 0:
-            return None  # nothing runs: every row drafts nothing
-        runner = self.chains.get(k, masked)
-        if not runner.serves(n):
-            return f"width {n} is not served (the {k}-step chain serves up to {runner.max_width})"
-        reason = self.refusal(n)
-        if reason is not None:
-            warn_once(f"refuse:{reason}", f"propose_batch refused ({reason}); drafting each "
-                                          "sequence alone")
-        return reason
+    def last_pair_keys(self, states: Sequence[object]) -> list[int | None]:
+        """`last_pair_key` of each state (None: no key, or a state of another proposer)."""
+        return last_pair_keys_of(self, states)
+
+    def _batch_refusal(self, n: int, k: int, states: Sequence[object],
+                       masked: bool) -> tuple[str | None, np.ndarray]:
+        return batch_refusal(self, n, k, states, masked)  # and the states' slots
 
     def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
-                   k: int, states: list[MtpProposerState],
-                   bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], list[int]]:
-        return run_chain(self._execute, ChainRows(list(tokens), (hiddens,), list(positions), states,
-                                                  [s.rows for s in states]), k, bitmask)
+                   k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None,
+                   slots: np.ndarray | None = None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        if slots is None:
+            slots = np.fromiter((s.slot for s in states), dtype=np.intp, count=len(states))
+        return run_chain(self._execute, self.slots,
+                         ChainRows(tokens, (hiddens,), positions, slots, self.slots.rows[slots],
+                                   states), k, bitmask)
 
     def read_deferred_draft_token(self) -> int:
         """The last kept draft of the latest deferred propose (this is where the host syncs)."""
@@ -355,8 +359,9 @@ class MtpProposer:
                             vocab=c.vocab_size, what="catchup_drafter")
         if row_base != mine.rows or len(tokens) < 2:
             return 0
-        return write_rows(self._execute, self.chains.kv_only()[0].max_width, [list(tokens[1:])],
-                          [hiddens[:len(tokens) - 1]], [pos_base], [mine])
+        return write_rows(self._execute, self.slots, self.chains.kv_only()[0].max_width,
+                          [list(tokens[1:])], [hiddens[:len(tokens) - 1]], [pos_base], [mine],
+                          np.array([mine.slot], dtype=np.intp))
 
     def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                       first_pos: Sequence[int], states: Sequence[object]) -> int:
@@ -366,16 +371,21 @@ class MtpProposer:
         c = self.head.config
         check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=self.head.hidden_in_size,
                              vocab=c.vocab_size)
-        mine = [self._mine(s) for s in states]
-        if any(m is None for m in mine):
+        slots = self._slots(states)
+        if slots is None:  # a state of another proposer among them
             return 0
-        return write_rows(self._execute, self.chains.kv_only()[0].max_width,
-                          [list(t) for t in tokens], list(hiddens), list(first_pos),
-                          [m for m in mine if m is not None])
+        return write_rows(self._execute, self.slots, self.chains.kv_only()[0].max_width, tokens,
+                          hiddens, first_pos, cast("Sequence[MtpProposerState]", states), slots)
 
     # ---- after verify and hand-over ----
     def after_verify(self, num_accepted: int, state: MtpProposerState) -> None:
         trim_after_verify(self._own(state), num_accepted, kv_exact=self.kv_exact, refeed=self.refeed)
+
+    def after_verify_batch(self, num_accepted: Sequence[int], states: Sequence[object]) -> None:
+        """`after_verify(num_accepted[i], states[i])` for every state, as array operations over
+        their slots: one ownership check (the first foreign state raises, as after_verify's),
+        every count checked before any state is trimmed (all or nothing), distinct states."""
+        after_verify_all(self, num_accepted, states)
 
     def take_drafter_kv(self, state: object) -> tuple[list[int], int, int | None] | None:
         mine = self._mine(state)

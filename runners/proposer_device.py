@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence, cast
 
+import numpy as np
 import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.proposer_inputs import check_propose
-from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch, record_drafts
+from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
 from draft_circuit.runners.staging import check_copied_faults, fault_record
 
 if TYPE_CHECKING:  # the proposer imports this module
@@ -113,17 +114,17 @@ class DeviceDrafts:
                 if fault_record(r) is None:
                     check_runner_faults(r)
 
-    def read(self, drafts: torch.Tensor) -> list[list[int]]:
-        """The latest batch's drafts as host rows (`drafts` is its view of `packed`): on CUDA
-        from the pinned copy, waiting on its event (already passed once the host has synced)."""
+    def read(self, drafts: torch.Tensor) -> np.ndarray:
+        """The latest batch's drafts as a host array [n, k] (`drafts` is its view of `packed`):
+        on CUDA the pinned copy, waiting on its event (already passed once the host has synced)."""
         if not self.cuda:
-            return drafts.tolist()
+            return drafts.numpy()
         assert self._copied is not None
         # after the host's verify sync it has passed: no wait
         if not self._copied.query():  # type: ignore[no-untyped-call]
             self._copied.synchronize()
         n, k = drafts.shape
-        return self._host[:n, :k].tolist()
+        return self._host[:n, :k].numpy()
 
 
 def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
@@ -131,7 +132,7 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
                       bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`MtpProposer.propose_batch_on_device` (its docstring states the contract)."""
     n, dev = len(last_tokens), p.device_drafts
-    reason = p._batch_refusal(n, num_drafts, states, bitmask is not None)
+    reason, slots = p._batch_refusal(n, num_drafts, states, bitmask is not None)
     if reason is not None:
         p.last_served = Served("refused", n, reason)
         return None
@@ -140,20 +141,19 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
                          num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
                          hidden_size=p.head.hidden_in_size)
     drafts, confs = dev.drafts(n, num_drafts), dev.confidences(n, num_drafts)
-    if num_drafts == 0:
-        for state, pos in zip(mine, positions):
-            record_drafts(state, [], state.rows, pos)
+    if num_drafts == 0:  # every row drafts nothing
+        p.slots.record(slots, np.zeros((n, 0), np.int64), p.slots.rows[slots],
+                       np.fromiter(positions, dtype=np.int64, count=n))
         p.last_served = Served("empty", n)
         return drafts, confs
     if dev.batch is not None:
         dev.batch.settle()  # its drafts live in the buffers this batch overwrites
-    out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask)
+    out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask, slots)
     chain = p.chains.get(num_drafts, mask is not None)
     dev.fill(out, p.staging.tokens(n), n, num_drafts, (chain, p.chains.kv_only()[0]))
-    batch = PendingBatch(drafts, rows, list(positions), mine, read=dev.read,
-                         check=dev.check_faults)
-    for state in mine:
-        state.pending = batch
+    batch = PendingBatch(drafts, rows, np.fromiter(positions, dtype=np.int64, count=n), mine,
+                         slots, p.slots, read=dev.read, check=dev.check_faults)
+    p.slots.pending[slots] = batch  # every state settles with the batch
     dev.batch = batch
     p.last_served = Served(chain.plan(n).kind, n)
     return drafts, confs

@@ -6,14 +6,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import chain
-from typing import Sequence
+from operator import methodcaller
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
 from draft_circuit.ops.tokens import TokenError
 from draft_circuit.ops.sampling import mask_words
+from draft_circuit.runners.proposer_slots import SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
 
 #: block 0 of the drafter pool: what inert rows and the unused tail of every table point at
@@ -46,11 +49,20 @@ def drafter_pools(head: MtpHead, kv: KvLayout, max_width: int,
                                         device=device)}
 
 
+def plain_ints(values: Iterable[object]) -> bool:
+    """Every value a plain int (not a bool or another subclass), in one C-level pass (no Python
+    statement a value: this is per-step host work)."""
+    return set(map(type, values)) <= _INT
+
+
+_INT = {int}
+
+
 def check_tokens(tokens: Sequence[int], vocab: int, where: str = "") -> None:
     """Every id an int in [0, vocab): a bad id is refused before the embedding gather."""
     # per-step host work: the common case in C-level passes, the row-by-row loop only to name
     # the bad one (an int subclass such as bool takes the loop, which admits it as before)
-    if all(type(t) is int for t in tokens) and (not tokens or (min(tokens) >= 0
+    if plain_ints(tokens) and (not tokens or (min(tokens) >= 0
                                                               and max(tokens) < vocab)):
         return
     for i, t in enumerate(tokens):
@@ -87,11 +99,11 @@ def check_propose(tokens: Sequence[int], hiddens: torch.Tensor, positions: Seque
     if hiddens.dim() == 2 and hiddens.shape[1] != width:
         raise HiddenWidthError(f"hiddens must be [{n}, {width}], got {list(hiddens.shape)}: target hiddens "
                                f"{hiddens.shape[1]} wide, the head reads {width} (its hidden_in_size)")
-    if len({id(s) for s in states}) != n or len(positions) != n or hiddens.shape != (n, width):
+    if len(set(map(id, states))) != n or len(positions) != n or hiddens.shape != (n, width):
         raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
                             f"[{n}, {width}]; got {len(states)} states, "
                             f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
-    if not (all(type(p) is int for p in positions) and (not positions or min(positions) >= 1)):
+    if not (plain_ints(positions) and (not positions or min(positions) >= 1)):
         for i, p in enumerate(positions):  # only to name the bad row (see check_tokens)
             check_position(p, f"row {i}: position")
     check_tokens(tokens, c.vocab_size)
@@ -128,7 +140,7 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torc
         raise ProposerError(f"catchup_batch: {counts[0]} token lists, {counts[1]} hidden lists, "
                             f"{counts[2]} first positions and {counts[3]} states: one of each per "
                             "sequence")
-    if len({id(s) for s in states}) != len(states):
+    if len(set(map(id, states))) != len(states):
         raise ProposerError("catchup_batch: a state appears twice (its rows would be written twice "
                             "at the same row)")
     if _catchup_ok(tokens, hiddens, first_pos, hidden_size, vocab):
@@ -147,14 +159,25 @@ def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor]
     """True when every check of `check_catchup_counts`' loop passes, in as few Python steps a
     sequence as it takes (False: the loop runs and names the first failure; anything unusual,
     such as a tensor subclass or a bool, takes the loop too)."""
-    for ts, hs in zip(tokens, hiddens):
-        if type(hs) is not torch.Tensor or hs.dim() != 2 or hs.shape[1] != hidden_size \
-                or hs.shape[0] != len(ts):
+    if 0 < len(hiddens) <= SMALL_BATCH:  # a few sequences: a bounded loop costs less
+        for ts, hs in zip(tokens, hiddens):
+            if type(hs) is not torch.Tensor or hs.dim() != 2 or hs.shape[1] != hidden_size \
+                    or hs.shape[0] != len(ts):
+                return False
+    elif hiddens:  # C-level passes: types, ranks, then every shape in one array comparison
+        if set(map(type, hiddens)) != {torch.Tensor}:
+            return False
+        sizes = list(map(torch.Tensor.size, hiddens))
+        if set(map(len, sizes)) != {2}:
+            return False
+        shape = np.array(sizes, dtype=np.int64)
+        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+        if (shape[:, 1] != hidden_size).any() or (shape[:, 0] != lens).any():
             return False
     flat = list(chain.from_iterable(tokens))
-    if not all(type(t) is int for t in flat) or (flat and (min(flat) < 0 or max(flat) >= vocab)):
+    if not plain_ints(flat) or (flat and (min(flat) < 0 or max(flat) >= vocab)):
         return False
-    return all(type(p) is int for p in first_pos) and (not first_pos or min(first_pos) >= 1)
+    return plain_ints(first_pos) and (not first_pos or min(first_pos) >= 1)
 
 
 def check_drafter_pairs(tokens: Sequence[int], hiddens: torch.Tensor, pos_base: int, *,
@@ -170,15 +193,17 @@ def check_drafter_pairs(tokens: Sequence[int], hiddens: torch.Tensor, pos_base: 
     check_tokens(list(tokens), vocab)
 
 
-def grow_all(states: Sequence[MtpProposerState], rows: Sequence[int]) -> None:
-    """Give every state storage for its rows, or none of them any more than before: a table that
-    would overflow or a pool that runs dry raises with nothing half-allocated."""
+def grow_all(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerState],
+             rows: np.ndarray) -> None:
+    """Give every state (states[i] at slots[i]) storage for rows[i] rows, or none of them any
+    more than before: a table that would overflow or a pool that runs dry raises with nothing
+    half-allocated. Steady state: one array comparison, no table lacks room."""
+    short = np.flatnonzero(rows > table.capacity[slots])
     grown: list[MtpProposerState] = []
     try:
-        for s, r in zip(states, rows):
-            if r > s.blocks.capacity_rows:  # steady state: most tables have room already
-                s.blocks.ensure_rows(r)
-                grown.append(s)
+        for i in short.tolist():
+            states[i].blocks.ensure_rows(int(rows[i]))
+            grown.append(states[i])
     except Exception:
         for s in grown:
             s.blocks.release_unused()
@@ -187,52 +212,91 @@ def grow_all(states: Sequence[MtpProposerState], rows: Sequence[int]) -> None:
 
 @dataclass(frozen=True)
 class ChainRows:
-    """The rows of one chain run: row i belongs to states[i], holds `live[i]` drafter rows before
-    this run and writes its first row at RoPE position `positions[i]`."""
+    """The rows of one chain run: row i is slot slots[i]'s (its block table), holds `live[i]`
+    drafter rows before this run and writes its first row at RoPE position `positions[i]`.
+    `states`: the states of the rows (one each for a propose; a catch-up's chunks leave it
+    empty, their caller holds the states)."""
 
-    tokens: list[int]
+    tokens: Sequence[int] | np.ndarray
     hiddens: Sequence[torch.Tensor]  # the rows' hiddens: segments [m, H] adding up to n rows
-    positions: list[int]
-    states: list[MtpProposerState]
-    live: list[int]
+    positions: Sequence[int] | np.ndarray
+    slots: np.ndarray
+    live: np.ndarray
+    states: Sequence[MtpProposerState] = ()
     kv_only: bool = False   # catch-up rows: only their K/V is wanted (the KV-only chain)
 
 
-def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                   first_pos: Sequence[int], states: Sequence[MtpProposerState],
-                   bases: Sequence[int], width: int) -> list[ChainRows]:
-    """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
-    row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
-    first_pos[i] + k and is written at drafter row bases[i] + k, attending to the rows before
-    it (earlier chunks, or earlier rows of the same kv_write launch). Built a sequence's run of
-    rows at a time (one hidden view each), not row by row: this is per-step host work."""
-    chunks: list[ChainRows] = []
+_ROWS = methodcaller("size", 0)
+
+def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
+                 first_pos: Sequence[int], slots: np.ndarray, bases: np.ndarray,
+                 width: int) -> list[ChainRows] | None:
+    """`catchup_chunks` of at most SMALL_BATCH sequences whose rows fit one run, as Python
+    lists (None when they do not fit: the array path splits them)."""
     toks: list[int] = []
     pos: list[int] = []
     live: list[int] = []
-    owners: list[MtpProposerState] = []
-    segments: list[torch.Tensor] = []
-    for ts, h, p, b, s in zip(tokens, hiddens, first_pos, bases, states):
-        done, m = 0, len(ts)
-        if 0 < m and len(toks) + m < width:  # the common case: the sequence fits, the chunk
-            toks += ts                       # stays open (fewer list operations a sequence)
+    owners: list[int] = []
+    segs: list[torch.Tensor] = []
+    for ts, h, p, b, s in zip(tokens, hiddens, first_pos, bases.tolist(), slots.tolist()):
+        m = len(ts)
+        if m:
+            toks += ts
             pos += range(p, p + m)
             live += range(b, b + m)
             owners += [s] * m
-            segments.append(h if m == h.shape[0] else h[:m])
-            continue
-        while done < m:  # the sequence's rows, split where a chunk fills up
-            take = min(m - done, width - len(toks))
-            toks.extend(ts[done:done + take])
-            pos.extend(range(p + done, p + done + take))
-            live.extend(range(b + done, b + done + take))
-            owners.extend([s] * take)
-            # a whole sequence's hiddens go as they are (a slice costs a tensor of its own)
-            segments.append(h if take == m == h.shape[0] else h[done:done + take])
-            done += take
-            if len(toks) == width:
-                chunks.append(ChainRows(toks, segments, pos, owners, live, kv_only=True))
-                toks, pos, live, owners, segments = [], [], [], [], []
-    if toks:
-        chunks.append(ChainRows(toks, segments, pos, owners, live, kv_only=True))
+            segs.append(h if h.shape[0] == m else h[:m])
+    if len(toks) > width:
+        return None
+    if not toks:
+        return []
+    return [ChainRows(toks, segs, pos, np.array(owners, dtype=np.intp), np.array(live),
+                      kv_only=True)]
+
+
+def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
+                   first_pos: Sequence[int], slots: np.ndarray, bases: np.ndarray,
+                   width: int) -> list[ChainRows]:
+    """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
+    row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
+    first_pos[i] + k and is written at drafter row bases[i] + k of slot slots[i], attending to
+    the rows before it (earlier chunks, or earlier rows of the same kv_write launch). Built as
+    array operations over all rows (np.repeat of each sequence's values, one arange), the
+    hiddens as whole-sequence segments sliced only where a chunk boundary cuts one: this is
+    per-step host work, O(chunks) Python."""
+    if len(tokens) <= SMALL_BATCH:
+        small = _small_chunk(tokens, hiddens, first_pos, slots, bases, width)
+        if small is not None:
+            return small
+    counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    total = int(counts.sum())
+    if total == 0:
+        return []
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    k = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+    toks = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=total)
+    pos = np.repeat(np.asarray(first_pos, dtype=np.int64), counts) + k
+    live = np.repeat(np.asarray(bases, dtype=np.int64), counts) + k
+    owners = np.repeat(np.asarray(slots), counts)
+    segs = list(hiddens)
+    rows = np.fromiter(map(_ROWS, segs), dtype=np.int64, count=len(segs))
+    for i in np.flatnonzero(rows != counts).tolist():  # a spare row, or an empty sequence
+        segs[i] = segs[i][:int(counts[i])]
+    chunks = []
+    for lo in range(0, total, width):
+        hi = min(lo + width, total)
+        # the sequences holding rows lo and hi - 1 (both have rows); empty ones between skipped
+        i0 = int(np.searchsorted(ends, lo, side="right"))
+        i1 = int(np.searchsorted(ends, hi - 1, side="right"))
+        part = segs[i0:i1 + 1]
+        if (counts[i0:i1 + 1] == 0).any():
+            part = [segs[i] for i in range(i0, i1 + 1) if counts[i]]
+        if starts[i0] < lo:  # the chunk starts inside a sequence
+            part[0] = part[0][lo - int(starts[i0]):]
+        if ends[i1] > hi:  # and ends inside one (maybe the same)
+            cut = hi - max(int(starts[i1]), lo)
+            part[-1] = part[-1][:cut]
+        chunks.append(ChainRows(toks[lo:hi], part, pos[lo:hi], owners[lo:hi], live[lo:hi],
+                                kv_only=True))
     return chunks

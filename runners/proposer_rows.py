@@ -1,28 +1,31 @@
 """The proposer's chain runs over rows it has checked: propose's one k-step run and catch-up's
 one-step runs. Both grow every table first, all or nothing, and give back what they grew if a
-run fails, so a refused or failed call leaves every state's rows, key and blocks as they were."""
+run fails, so a refused or failed call leaves every state's rows, key and blocks as they were.
+The bookkeeping after a run is array operations over the states' slots (proposer_slots.py)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
-from draft_circuit.runners.proposer_state import MtpProposerState, pair_key
+from draft_circuit.runners.proposer_slots import SMALL_BATCH, SlotTable
+from draft_circuit.runners.proposer_state import MtpProposerState, kept_drafts, record_drafts
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
 Execute = Callable[[int, ChainRows, "torch.Tensor | None"], dict[str, torch.Tensor]]
 
 
-def _release(states: list[MtpProposerState]) -> None:
+def _release(states: Sequence[MtpProposerState]) -> None:
     for s in states:
         s.blocks.release_unused()
 
 
-def run_chain(execute: Execute, rows: ChainRows, k: int,
-              bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], list[int]]:
+def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,
+              bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """Room for k more rows in every table, then one run; returns (outputs, rows before)."""
-    grow_all(rows.states, [r + k for r in rows.live])
+    grow_all(table, rows.slots, rows.states, rows.live + k)
     try:
         return execute(k, rows, bitmask), rows.live
     except Exception:
@@ -30,21 +33,46 @@ def run_chain(execute: Execute, rows: ChainRows, k: int,
         raise
 
 
-def write_rows(execute: Execute, width: int, tokens: list[list[int]], hiddens: list[torch.Tensor],
-               first_pos: list[int], states: list[MtpProposerState]) -> int:
-    """Append sequence i's rows, tokens[i][k] with hiddens[i][k] at RoPE first_pos[i] + k, as
-    one-step runs of at most `width` rows in row order (a row attends to the rows before it);
-    the newest key is then first_pos[i] + len - 2. Returns the rows written."""
-    bases = [s.rows for s in states]
-    grow_all(states, [b + len(t) for b, t in zip(bases, tokens)])
+def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
+               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
+               states: Sequence[MtpProposerState], slots: np.ndarray) -> int:
+    """Append sequence i's rows (states[i], at slots[i]), tokens[i][k] with hiddens[i][k] at
+    RoPE first_pos[i] + k, as one-step runs of at most `width` rows in row order (a row attends
+    to the rows before it); the newest key is then first_pos[i] + len - 2 for every sequence
+    that wrote a row. Returns the rows written."""
+    bases = table.rows[slots]  # a copy (fancy indexing): the rows before
+    counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    grow_all(table, slots, states, bases + counts)
     try:
-        for chunk in catchup_chunks(tokens, hiddens, first_pos, states, bases, width):
+        for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width):
             execute(1, chunk, None)
     except Exception:
         _release(states)
         raise
-    for s, b, t, p in zip(states, bases, tokens, first_pos):
-        if t:
-            s.blocks.set_rows(b + len(t))
-            s.last_pair_key = pair_key(p + len(t) - 1)
-    return sum(len(t) for t in tokens)
+    some = counts > 0
+    table.rows[slots] = bases + counts
+    first = np.fromiter(first_pos, dtype=np.int64, count=len(slots))
+    table.pair_key[slots] = np.where(some, first + counts - 2, table.pair_key[slots])
+    table.has_key[slots] |= some
+    return int(counts.sum())
+
+
+def record_batch(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerState],
+                 drafts: np.ndarray, rows: np.ndarray,
+                 positions: Sequence[int]) -> tuple[list[list[int]], list[int]]:
+    """What a batch propose leaves (`SlotTable.record`; `record_drafts` state by state up to
+    SMALL_BATCH states, the same rule) and each row's kept drafts as lists (the drafts before
+    its first -1): (kept drafts, their counts)."""
+    if len(slots) <= SMALL_BATCH:
+        result = []
+        for s, row, r, p in zip(states, drafts.tolist(), rows.tolist(), positions):
+            kept = kept_drafts(row)
+            record_drafts(s, kept, r, p)
+            result.append(kept)
+        return result, [len(k) for k in result]
+    counts = table.record(slots, drafts, rows, np.fromiter(positions, dtype=np.int64,
+                                                           count=len(slots)))
+    full = drafts.tolist()
+    if drafts.shape[1] and not (counts == drafts.shape[1]).all():  # a stop: cut those rows
+        full = [row[:c] for row, c in zip(full, counts.tolist())]
+    return full, counts.tolist()

@@ -8,40 +8,92 @@ at p - 1, and its pair key is p - 1; a state's `last_pair_key` is its newest row
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from draft_circuit.runners.kv_cache import SequenceBlocks
+from draft_circuit.runners.kv_cache import BlockPool
+from draft_circuit.runners.proposer_slots import (AWAITING, DRAFTED, KEY, ROWS, SMALL_BATCH,
+                                                  SlotBlocks, SlotTable)
 
 
 class ProposerError(ValueError):
     """A call the proposer refuses: a foreign state, a bad count, an unsettled order of calls."""
 
 
-@dataclass
 class MtpProposerState:
-    """One sequence's drafter: its drafter-KV block table and rows, the newest pair key, and what
-    the last propose drafted. A deferred propose leaves its drafts on the device (`pending`)
-    until something reads them; `awaiting_verify` is set by a propose and cleared by the
-    after_verify that trims its rows."""
+    """One sequence's drafter: a handle to its slot of the proposer's `SlotTable`
+    (runners/proposer_slots.py), whose columns hold its drafter-KV rows and block table, the
+    newest pair key, what the last propose drafted, and its pending deferred drafts. A deferred
+    propose leaves its drafts on the device (`pending`) until something reads them;
+    `awaiting_verify` is set by a propose and cleared by the after_verify that trims its rows.
+    The attributes read and write the columns, so a single-state call and a batch call (array
+    operations over many slots) see one state."""
 
-    owner: int
-    blocks: SequenceBlocks
-    last_num_drafted: int = 0
-    last_pair_key: int | None = None
-    last_drafts: list[int] = field(default_factory=list)
-    # a deferred propose's drafts still on the device: (drafts [k], rows, position), or the
-    # device-resident batch this state drafted in (settled for all its states at once)
-    pending: "tuple[torch.Tensor, int, int] | PendingBatch | None" = None
-    awaiting_verify: bool = False
-    # (staging, row) of this state's block table on the device (runners/staging.py)
-    slot: tuple[object, int] | None = field(default=None, repr=False, compare=False)
+    __slots__ = ("owner", "table", "slot", "blocks", "__weakref__")
+
+    def __init__(self, owner: int, table: SlotTable, pool: BlockPool, block_size: int,
+                 max_blocks: int) -> None:
+        self.owner, self.table = owner, table
+        self.slot = table.alloc(self)
+        self.blocks = SlotBlocks(pool, block_size, max_blocks, table, self.slot)
+
+    def __repr__(self) -> str:
+        return (f"MtpProposerState(slot={self.slot}, rows={self.rows}, "
+                f"last_pair_key={self.last_pair_key}, last_drafts={self.last_drafts})")
 
     @property
     def rows(self) -> int:
-        return self.blocks.num_rows
+        return int(self.table.rows[self.slot])
+
+    @property
+    def last_pair_key(self) -> int | None:
+        t, s = self.table, self.slot
+        return int(t.pair_key[s]) if t.has_key[s] else None
+
+    @last_pair_key.setter
+    def last_pair_key(self, key: int | None) -> None:
+        t, s = self.table, self.slot
+        t.has_key[s] = key is not None
+        t.pair_key[s] = 0 if key is None else key
+
+    @property
+    def last_num_drafted(self) -> int:
+        return int(self.table.drafted[self.slot])
+
+    @last_num_drafted.setter
+    def last_num_drafted(self, count: int) -> None:
+        self.table.drafted[self.slot] = count
+
+    @property
+    def last_drafts(self) -> list[int]:
+        return self.table.last_drafts(self.slot)
+
+    @last_drafts.setter
+    def last_drafts(self, drafts: list[int]) -> None:
+        t, s = self.table, self.slot
+        t.drafts[s, :len(drafts)] = drafts
+        t.kept[s] = len(drafts)
+
+    @property
+    def awaiting_verify(self) -> bool:
+        return bool(self.table.awaiting[self.slot])
+
+    @awaiting_verify.setter
+    def awaiting_verify(self, flag: bool) -> None:
+        self.table.awaiting[self.slot] = flag
+
+    @property
+    def pending(self) -> "tuple[torch.Tensor, int, int] | PendingBatch | None":
+        """A deferred propose's drafts still on the device: (drafts [k], rows, position), or the
+        device-resident batch this state drafted in (settled for all its states at once)."""
+        return self.table.pending[self.slot]  # type: ignore[no-any-return]
+
+    @pending.setter
+    def pending(self, value: "tuple[torch.Tensor, int, int] | PendingBatch | None") -> None:
+        self.table.pending[self.slot] = value
 
 
 def pair_key(rope_position: int) -> int:
@@ -61,7 +113,8 @@ def kept_drafts(row: list[int]) -> list[int]:
 
 def record_drafts(state: MtpProposerState, drafts: list[int], rows: int, position: int) -> None:
     """What a propose at `position` from `rows` drafter rows leaves: draft i wrote a row at RoPE
-    position + i (a stopped row wrote no further row), so the newest key is position + d - 2."""
+    position + i (a stopped row wrote no further row), so the newest key is position + d - 2.
+    (One state; a batch records with `SlotTable.record`, the same rule as array operations.)"""
     state.blocks.set_rows(rows + len(drafts))
     state.last_num_drafted, state.last_drafts = len(drafts), drafts
     if drafts:
@@ -72,14 +125,17 @@ def record_drafts(state: MtpProposerState, drafts: list[int], rows: int, positio
 @dataclass(eq=False)
 class PendingBatch:
     """A device-resident propose_batch not yet read: its drafts [n, k] on the device, each row's
-    rows before the run and position. The first call that touches any of its states settles all
-    of them with one read (`read`: device drafts -> host rows; one copy, one sync)."""
+    slot, rows before the run and position. The first call that touches any of its states
+    settles all of them with one read (`read`: device drafts -> host array [n, k]; one copy,
+    one sync) and one `SlotTable.record`."""
 
     drafts: torch.Tensor
-    rows: list[int]
-    positions: list[int]
-    states: list[MtpProposerState]
-    read: Callable[[torch.Tensor], list[list[int]]]
+    rows: np.ndarray
+    positions: np.ndarray
+    states: list[MtpProposerState]  # kept alive (their slots stay theirs) until settled
+    slots: np.ndarray
+    table: SlotTable
+    read: Callable[[torch.Tensor], np.ndarray]
     done: bool = False
     #: called once the states are recorded: raises a bad input row the read brought back
     #: (the input guards' records, copied beside the drafts)
@@ -89,10 +145,12 @@ class PendingBatch:
         if self.done:
             return
         self.done = True
-        for s, row, r, p in zip(self.states, self.read(self.drafts), self.rows, self.positions):
-            if s.pending is self:  # a state freed or handed over since has nothing to record
-                s.pending = None
-                record_drafts(s, kept_drafts(row), r, p)
+        t, drafts = self.table, self.read(self.drafts)
+        # a state freed or handed over since has nothing to record (its pending was cleared)
+        mine = np.asarray(t.pending[self.slots] == self, dtype=np.bool_)  # identity (eq=False)
+        slots = self.slots[mine]
+        t.pending[slots] = None
+        t.record(slots, drafts[mine], self.rows[mine], self.positions[mine])
         if self.check is not None:
             self.check()
 
@@ -139,6 +197,61 @@ def trim_after_verify(state: MtpProposerState, num_accepted: int, *, kv_exact: b
         if state.last_pair_key is not None:
             state.last_pair_key = max(state.last_pair_key - trim, 0)
     return trim
+
+
+def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: Sequence[int],
+                            states: Sequence[MtpProposerState], *, kv_exact: bool,
+                            refeed: bool) -> np.ndarray:
+    """`trim_after_verify` for many states at once (their `slots`), as array operations: every
+    count is checked first (the first bad one raises the same error, nothing trimmed), then
+    each awaiting state trims `rows_to_trim` rows and moves its key back as far (both saturate
+    at 0); a state not awaiting its verify trims nothing. Returns the counts trimmed."""
+    n = len(slots)
+    if n <= SMALL_BATCH and len(num_accepted) == n:  # a few states: the scalar rule, each
+        rows = table.cols[slots].tolist()  # one gather; Python ints from here on
+        for a, c in zip(num_accepted, rows):  # every count checked before any trim
+            if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= c[DRAFTED]:
+                raise ProposerError(f"num_accepted {a!r} must be in 0..{c[DRAFTED]}, "
+                                    "the drafts of the last propose")
+        trims = []
+        for a, c in zip(num_accepted, rows):
+            trim = rows_to_trim(c[DRAFTED], a, kv_exact=kv_exact, refeed=refeed) \
+                if c[AWAITING] else 0
+            if trim:
+                c[ROWS] = max(c[ROWS] - trim, 0)
+                c[KEY] = max(c[KEY] - trim, 0)
+            c[AWAITING] = 0
+            trims.append(trim)
+        table.cols[slots] = rows  # one scatter
+        return np.array(trims, dtype=np.int64)
+    cols = table.cols[slots]  # every int column of the states: one gather, one scatter below
+    drafted = cols[:, DRAFTED]
+    ok = len(num_accepted) == n and set(map(type, num_accepted)) <= {int}
+    accepted = np.fromiter(num_accepted, dtype=np.int64, count=n) if ok else None
+    if accepted is None or ((accepted < 0) | (accepted > drafted)).any():
+        if len(num_accepted) != n:
+            raise ProposerError(f"after_verify_batch: {len(num_accepted)} accepted counts for "
+                                f"{n} states: one a state")
+        for a, s in zip(num_accepted, states):  # only to name the first bad count
+            if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= s.last_num_drafted:
+                raise ProposerError(f"num_accepted {a!r} must be in 0..{s.last_num_drafted}, "
+                                    "the drafts of the last propose")
+    assert accepted is not None
+    d = np.maximum(drafted, 1)
+    if kv_exact:
+        trim = d - 1
+    else:
+        trim = np.maximum(d - accepted, 0)
+        if refeed:
+            trim += np.maximum(accepted - 1, 0)
+        np.minimum(trim, d, out=trim)
+    trim *= cols[:, AWAITING]  # a state not awaiting its verify trims nothing
+    cols[:, ROWS] = np.maximum(cols[:, ROWS] - trim, 0)
+    keys = cols[:, KEY]
+    cols[:, KEY] = np.where(trim > 0, np.maximum(keys - trim, 0), keys)
+    cols[:, AWAITING] = 0
+    table.cols[slots] = cols
+    return trim  # type: ignore[no-any-return]
 
 
 def take_kv(state: MtpProposerState) -> tuple[list[int], int, int | None] | None:

@@ -13,9 +13,10 @@ straight into the buffers the chain's program reads.
 - A runner without such buffers (the eager oracle, a split plan, a masked chain, a runner of
   another layout) gets views of the staging's own region laid out the same way, and checks and
   copies them in as any caller's inputs.
-- Block tables are kept on the host, one row per state (its slot), rewritten only when its
-  sequence gained, lost or handed over a block; a run gathers its rows' tables into the mirror
-  with one `np.take` and they travel in the same copy (no per-row device work).
+- Block tables are kept on the host, one row per state (its slot of the proposer's
+  `SlotTable`, runners/proposer_slots.py), rewritten only when its sequence gained, lost or
+  handed over a block; a run gathers its rows' tables into the mirror with one `np.take` of
+  its rows' slot array and they travel in the same copy (no per-row work of any kind).
 - Hiddens are copied into the region's hidden buffer (one `cat` for a catch-up's segments);
   rows past n are zeroed only when n shrank; `log_tau` is refilled only when its value or n
   changes.
@@ -25,12 +26,12 @@ straight into the buffers the chain's program reads.
 Each region has two host mirrors on CUDA, used in turn: before writing one, a run waits for the
 event recorded after the copy that last read it, two runs back, so a copy never reads a
 half-written mirror and a run enqueued right behind another (a propose behind the catch-up just
-enqueued) never waits for the GPU. Slot tables grow by doubling when more states appear: a host
-allocation only then.
+enqueued) never waits for the GPU.
 """
 from __future__ import annotations
 
 import weakref
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -40,11 +41,11 @@ import torch
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.padding import neutral_value
-from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: the chain inputs a region stages, in the circuit's order (and the region's layout)
 INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
 _ROWS = ("tokens", "positions", "live_rows", "active")  # one int a row
+_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
 
 
 def fault_record(runner: object) -> torch.Tensor | None:
@@ -161,8 +162,7 @@ class ChainStaging:
     """The staging of one proposer's chains (widths up to `max_width`)."""
 
     def __init__(self, *, max_width: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 max_drafts: int, scratch_block: int, device: str | torch.device,
-                 slots: int = 64) -> None:
+                 max_drafts: int, scratch_block: int, device: str | torch.device) -> None:
         self.device = torch.device(device)
         index: int | None = self.device.index
         if self.device.type == "cuda" and index is None:  # "cuda" resolves, as buffers' devices do
@@ -188,11 +188,6 @@ class ChainStaging:
         self._regions: weakref.WeakKeyDictionary[object, _Region | None] = \
             weakref.WeakKeyDictionary()
         self._last: Mapping[str, torch.Tensor] | None = None
-        # block tables on the host, one row per state; a row is rewritten when its blocks change
-        self._slot_tables = torch.full((slots, m), scratch_block, dtype=torch.int32)
-        self._slot_np = self._slot_tables.numpy()
-        self._cached: list[tuple[int, ...] | None] = [None] * slots
-        self._free: list[int] = list(range(slots - 1, -1, -1))
         k2 = 2 * self.max_drafts
         # drafts and confidences, then up to two runners' fault records (chain and catch-up)
         self._out_dev = torch.zeros(w * k2 + 2 * FAULT_WORDS, dtype=torch.int32,
@@ -200,26 +195,6 @@ class ChainStaging:
         self._out_host = torch.zeros(w * k2 + 2 * FAULT_WORDS, dtype=torch.int32,
                                      pin_memory=self.cuda) if self.cuda else self._out_dev
         self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-
-    # ---- slots: one host table row per state ----
-    def _slot(self, state: MtpProposerState) -> int:
-        if state.slot is not None and state.slot[0] is self:
-            return state.slot[1]
-        if not self._free:
-            self._grow()
-        slot = self._free.pop()
-        self._cached[slot] = None
-        state.slot = (self, slot)
-        weakref.finalize(state, self._free.append, slot)  # a dropped state gives its row back
-        return slot
-
-    def _grow(self) -> None:
-        old = self._slot_tables.shape[0]
-        grown = torch.full((2 * old, self.max_blocks), self.scratch, dtype=torch.int32)
-        grown[:old].copy_(self._slot_tables)
-        self._slot_tables, self._slot_np = grown, grown.numpy()
-        self._cached += [None] * old
-        self._free += list(range(2 * old - 1, old - 1, -1))
 
     def _region(self, runner: object | None) -> _Region:
         if runner is None:
@@ -234,14 +209,17 @@ class ChainStaging:
         return self._own if region is None else region
 
     # ---- inputs ----
-    def inputs(self, tokens: Sequence[int], positions: Sequence[int], live: Sequence[int],
-               states: Sequence[MtpProposerState], hiddens: Sequence[torch.Tensor],
-               log_tau: float | None, runner: object | None = None) -> Mapping[str, torch.Tensor]:
-        """The runner inputs of n rows: row i is states[i]'s, hiddens are the rows' segments in
-        order (their rows add up to n). With `runner` a `CircuitDraftRunner` whose plan for n is
-        one program, its own `staged_inputs(n)`, filled in place (give it back to that runner's
+    def inputs(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+               live: Sequence[int] | np.ndarray, slots: np.ndarray,
+               hiddens: Sequence[torch.Tensor], log_tau: float | None,
+               runner: object | None = None, *, tables: np.ndarray) -> Mapping[str, torch.Tensor]:
+        """The runner inputs of n rows: row i's block table is `tables[slots[i]]` (the states'
+        host tables, runners/proposer_slots.py), hiddens are the rows' segments in order (their
+        rows add up to n). With `runner` a `CircuitDraftRunner` whose plan for n is one
+        program, its own `staged_inputs(n)`, filled in place (give it back to that runner's
         `run` unchanged); otherwise read-only views of the staging's own buffers. Valid until
-        the next call. log_tau None: a chain without the confidence stop."""
+        the next call. log_tau None: a chain without the confidence stop. Array writes only:
+        nothing here runs once a row."""
         n = len(tokens)
         region = self._region(runner)
         staged: Mapping[str, torch.Tensor] | None = None
@@ -262,23 +240,7 @@ class ChainStaging:
             rows[name][n:] = nz[name]
         rows["active"][:n] = 1
         rows["active"][n:] = nz["active"]
-        slots: list[int] = []
-        prev: MtpProposerState | None = None
-        slot = -1
-        cached, append = self._cached, slots.append
-        for s in states:  # a catch-up's rows of one sequence are consecutive: one check a run
-            if s is not prev:
-                prev, held = s, s.slot
-                slot = held[1] if held is not None and held[0] is self else self._slot(s)
-                blocks = s.blocks.blocks
-                if cached[slot] != blocks:  # gained, lost or handed over a block
-                    cached = self._cached  # read after _slot: a grow replaces both
-                    table = self._slot_np
-                    cached[slot] = blocks
-                    table[slot, :len(blocks)] = blocks
-                    table[slot, len(blocks):] = self.scratch
-            append(slot)
-        np.take(self._slot_np, slots, axis=0, out=mirror.tables[:n])
+        np.take(tables, slots, axis=0, out=mirror.tables[:n])
         mirror.tables[n:] = nz["block_tables"]
         if region.copies:
             region.flat.copy_(region.hosts[turn], non_blocking=True)
@@ -317,7 +279,8 @@ class ChainStaging:
                 region.unstaged, region.hidden_dirty, region.tau = seen, region.width, None
         if len(hiddens) == 1:
             hidden[:n].copy_(hiddens[0], non_blocking=True)
-        elif all(h.dtype == hidden.dtype and h.device == hidden.device for h in hiddens):
+        elif set(map(_DTYPE, hiddens)) == {hidden.dtype} and \
+                set(map(_DEVICE, hiddens)) == {hidden.device}:  # C-level passes, no row loop
             torch.cat(list(hiddens), out=hidden[:n])  # the buffer's device is resolved
         else:
             start = 0
@@ -337,13 +300,14 @@ class ChainStaging:
 
     # ---- outputs ----
     def read(self, drafts: torch.Tensor, confidences: torch.Tensor,
-             runners: Sequence[object] = ()) -> tuple[list[list[int]], list[list[float]]]:
-        """Drafts [n, k] and confidences [n, k] as lists: one device-to-host copy, one sync.
+             runners: Sequence[object] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts [n, k] and confidences [n, k] as host arrays (views valid until the next read;
+        the caller records and converts them at once): one device-to-host copy, one sync.
         `runners` (at most two: the chain's, the catch-up's) have their input-guard records
         read in the same copy, and a fault raises `RunnerInputError` (FAULTS 20, 25) once the
         drafts are read: a bad row surfaces at this sync, with no read of its own."""
         if not self.cuda:
-            rows = drafts.tolist(), confidences.tolist()
+            rows = drafts.numpy(), confidences.numpy()
             for r in runners:  # a CPU runner raised in its run; nothing pending, no sync
                 check_runner_faults(r)
             return rows
@@ -363,6 +327,6 @@ class ChainStaging:
         self._read.record()
         self._read.synchronize()  # the one sync of the call
         both = host[:end].view(n, 2 * k)
-        out = both[:, :k].tolist(), both[:, k:].view(torch.float32).tolist()
+        out = both[:, :k].numpy(), both[:, k:].view(torch.float32).numpy()
         check_copied_faults(runners, host[end:].view(-1, FAULT_WORDS))
         return out

@@ -243,9 +243,11 @@ class Engine:
         sync on the target's pass); the drafts were copied to pinned memory behind the chain,
         so `last_drafts` reads them then without a sync of its own. The catch-up is enqueued
         after the accept with no sync before the next step's propose (the proposer stages its
-        inputs in two pinned buffers in turn). TargetModel.forward's host inputs (positions,
-        tables, its `active`) are blocking copies: they wait for the chain before the verify
-        is enqueued (examples/engine/model.py's, not this module's)."""
+        inputs in two pinned buffers in turn). TargetModel.forward stages its host inputs
+        (positions, tables) in one pinned mirror with one non_blocking copy and keeps `active`
+        on the device, so nothing holds the host behind the chain before the verify is
+        enqueued. After the verify, every drafter trim is one `after_verify_batch` and every
+        pair key one `last_pair_keys` (array operations, not a proposer call a sequence)."""
         assert self.proposer is not None
         t0 = time.perf_counter()
         on_device = self._on_device(len(seqs))
@@ -263,24 +265,28 @@ class Engine:
         t2 = time.perf_counter()
         catchup = []  # (sequence, tokens, their target hiddens, first position)
         eos = self.checkpoint.eos_token_id
-        for s, d, out in zip(seqs, drafts, outs):
-            a = accept(d, out.tokens)
+        accepted = [accept(d, out.tokens) for d, out in zip(drafts, outs)]
+        states = [s.draft_state for s in seqs]
+        # every drafter trim of the step in one call (array operations over the states' slots),
+        # then every pair key the catch-up is found from in one more
+        self.proposer.after_verify_batch(accepted, states)
+        keys = self.proposer.last_pair_keys(states)
+        for s, d, out, a, key in zip(seqs, drafts, outs, accepted, keys):
             # the target hiddens this step knows, from position - 1 (the one drafted from) on
             known, known_from = torch.cat([s.hidden.view(1, -1), out.hiddens[:a]]), s.position - 1
             # rows of the last token and the accepted drafts are the target's; rejected rows'
             # KV is dead and gets overwritten by the next verify
             s.blocks.set_rows(s.num_cached + a + 1)
-            self.proposer.after_verify(a, s.draft_state)
             s.hidden = out.hiddens[a]
             room = s.request.max_new_tokens - len(s.generated)
             kept = s.append([*d[:a], out.tokens[a]], eos)
             self.stats.generated += len(kept)
             self.stats.verifies += 1
-            drafted, accepted = usable(len(d), a, room, kept, eos)  # issue 20 item 3
+            drafted, accepted_now = usable(len(d), a, room, kept, eos)  # issue 20 item 3
             self.stats.drafted += drafted
-            self.stats.accepted += accepted
+            self.stats.accepted += accepted_now
             if not s.finished:
-                catchup.append(self._missing_rows(s, known, known_from))
+                catchup.append(self._missing_rows(s, known, known_from, key))
         catchup = [c for c in catchup if c[1]]
         if catchup:  # enqueued, not waited for: the next propose runs behind it
             self.proposer.catchup_batch([c[1] for c in catchup], [c[2] for c in catchup],
@@ -312,13 +318,12 @@ class Engine:
             outs.append(RowsOut(toks, hidden[i * k1:(i + 1) * k1]))
         return outs
 
-    def _missing_rows(self, s: Sequence, known: torch.Tensor, known_from: int):
+    def _missing_rows(self, s: Sequence, known: torch.Tensor, known_from: int, key: int | None):
         """The drafter rows the next propose needs and the drafter lacks, found from its pair
-        key as a host of the reference does: the next row is at key + 2, the last at the new
-        last token's position - 1, and the row at p pairs the token at p with the hidden at
-        p - 1 (known[i] is the hidden at known_from + i)."""
-        assert self.proposer is not None
-        key = self.proposer.last_pair_key(s.draft_state)
+        key (`last_pair_key` after the step's trim) as a host of the reference does: the next
+        row is at key + 2, the last at the new last token's position - 1, and the row at p
+        pairs the token at p with the hidden at p - 1 (known[i] is the hidden at
+        known_from + i)."""
         first, last = (key + 2 if key is not None else 1), s.position - 1
         if first - 1 < known_from:
             raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "

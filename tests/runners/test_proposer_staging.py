@@ -8,6 +8,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,43 +107,52 @@ def test_staged_decode_loop_equals_the_oracle_bitwise():
 def test_host_tables_are_rewritten_only_when_blocks_change():
     p = make("eager", num_blocks=80, max_blocks_per_seq=12)
     s, _ = prefilled(p, 1, length=5)  # 4 rows: one block of 8
-    staging = p.staging
-    before = staging._slot_tables.clone()
-    slot = s.slot[1]
-    assert staging._slot_tables[slot, 0].item() == s.blocks.blocks[0]
+    table = p.slots
+    before = table.tables.copy()
+    assert table.tables[s.slot, 0] == s.blocks.blocks[0]
+    assert (table.tables[s.slot, 1:] == 0).all()  # the scratch block past its blocks
     p.catchup_batch([[1, 2]], [hidden(2, 2)], [5], [s])  # rows 4, 5: same block
-    assert torch.equal(staging._slot_tables, before)
+    assert (table.tables == before).all()
     p.catchup_batch([[1, 2, 3]], [hidden(3, 3)], [7], [s])  # rows 6..8: a second block
-    assert staging._slot_tables[slot, :2].tolist() == list(s.blocks.blocks)
+    assert table.tables[s.slot, :2].tolist() == list(s.blocks.blocks)
+    assert table.capacity[s.slot] == 16 and table.rows[s.slot] == 9
     handed = p.take_drafter_kv(s)  # hand the blocks to another state: its row follows them
+    assert (table.tables[s.slot] == 0).all() and table.capacity[s.slot] == 0
     t = p.alloc_state()
     assert p.install_drafter_kv(t, *handed)
     p.propose(4, hidden(4), p.last_pair_key(t) + 2, K, t)
-    assert staging._slot_tables[t.slot[1], :len(t.blocks.blocks)].tolist() == list(t.blocks.blocks)
+    assert table.tables[t.slot, :len(t.blocks.blocks)].tolist() == list(t.blocks.blocks)
 
 
 def test_a_state_dropped_gives_its_slot_back():
     import gc
     p = make("eager")
     s, _ = prefilled(p, 1)
-    slot = s.slot[1]
-    free = len(p.staging._free)
+    slot = s.slot
+    free = p.slots.free_slots
+    p.free_state(s)
     del s
     gc.collect()
-    assert len(p.staging._free) == free + 1 and slot in p.staging._free
+    assert p.slots.free_slots == free + 1
+    t = p.alloc_state()  # the slot comes back empty: no rows, key, drafts or table
+    assert t.slot == slot and p.drafter_rows(t) == 0 and p.last_pair_key(t) is None
+    assert t.last_drafts == [] and t.pending is None and (p.slots.tables[slot] == 0).all()
+    assert p.take_drafter_kv(t) is None
 
 
 def test_more_states_than_slots_grow_the_table():
+    from draft_circuit.runners.proposer_slots import SlotTable
     p = make("eager", num_blocks=200)
-    p.staging.__init__(max_width=8, max_blocks=6, hidden_size=CFG.hidden_size,
-                       dtype=torch.float32, max_drafts=K, scratch_block=0, device="cpu", slots=2)
+    p.slots = SlotTable(max_blocks=6, max_drafts=K, scratch_block=0, slots=2)
     states = [prefilled(p, i, length=4)[0] for i in range(5)]
     oracle = make("eager", num_blocks=200)
     theirs = [prefilled(oracle, i, length=4)[0] for i in range(5)]
     pos = [p.last_pair_key(s) + 2 for s in states]
     assert p.propose_batch([1] * 5, hidden(9, 5), pos, K, states) == \
         oracle.propose_batch([1] * 5, hidden(9, 5), pos, K, theirs)
-    assert p.staging._slot_tables.shape[0] >= 5
+    assert p.slots.size >= 5 and len({s.slot for s in states}) == 5
+    assert [p.drafter_rows(s) for s in states] == [oracle.drafter_rows(s) for s in theirs]
+    assert [s.last_drafts for s in states] == [s.last_drafts for s in theirs]
 
 
 @pytest.mark.cuda
@@ -196,7 +206,8 @@ class HostOps(TorchDispatchMode):
                 r.backend.execute = execute
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
+        # detach: what Tensor.numpy() issues (the read's host view of drafts; no data moves)
+        if not self.paused and func is not torch.ops.aten.detach.default:
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
@@ -480,15 +491,16 @@ def test_catch_up_chunks_are_the_rows_in_order_cut_at_the_width(width):
     tokens = [[rng.randrange(90) for _ in range(m)] for m in lengths]
     hiddens = [torch.randn(m + rng.randint(0, 1), 4) for m in lengths]  # a spare row at times
     first, bases, owners = [rng.randint(1, 50) for _ in lengths], \
-        [rng.randint(0, 30) for _ in lengths], [object() for _ in lengths]
+        [rng.randint(0, 30) for _ in lengths], list(range(100, 100 + len(lengths)))  # slots
     rows = [(t, f + k, b + k, s, h[k]) for ts, h, f, b, s in zip(tokens, hiddens, first, bases, owners)
             for k, t in enumerate(ts)]
-    chunks = catchup_chunks(tokens, hiddens, first, owners, bases, width)
+    chunks = catchup_chunks(tokens, hiddens, first, np.array(owners), np.array(bases), width)
     assert [len(c.tokens) for c in chunks] == \
         [min(width, len(rows) - i) for i in range(0, len(rows), width)]
     got = [(t, p, lv, s, h) for c in chunks
-           for t, p, lv, s, h in zip(c.tokens, c.positions, c.live, c.states, torch.cat(list(c.hiddens)))]
+           for t, p, lv, s, h in zip(c.tokens.tolist(), c.positions.tolist(), c.live.tolist(),
+                                     c.slots.tolist(), torch.cat(list(c.hiddens)))]
     assert len(got) == len(rows)
     for (t, p, lv, s, h), (wt, wp, wl, ws, wh) in zip(got, rows):
-        assert (t, p, lv) == (wt, wp, wl) and s is ws and torch.equal(h, wh)
+        assert (t, p, lv, s) == (wt, wp, wl, ws) and torch.equal(h, wh)
     assert all(c.kv_only for c in chunks)

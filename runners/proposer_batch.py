@@ -1,0 +1,100 @@
+"""The proposer's batch entry points over its states' slots (issue 14): the per-sequence work
+of a decode step as array operations on the `SlotTable` columns (runners/proposer_slots.py).
+
+`MtpProposer` keeps the contract (its methods' docstrings); this module does the work: the
+batch refusal and its one ownership check, `after_verify_batch`'s trims, `last_drafts` and
+`last_pair_keys` read from the columns. Each checks that every state is the proposer's with
+one pass of C-level maps over the states, not a call a state.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence, cast
+
+import numpy as np
+
+from draft_circuit.runners.proposer_inputs import check_num_drafts
+from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, settle,
+                                                  trim_after_verify_batch)
+
+if TYPE_CHECKING:  # the proposer imports this module
+    from draft_circuit.runners.proposer import MtpProposer
+
+_NONE = np.zeros(0, np.intp)
+
+
+def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | None:
+    """The slots of `states` when every one is `p`'s (None otherwise), each settled: the
+    batch's one ownership check."""
+    slots = p.slots.slots_of(states, MtpProposerState)
+    if slots is not None and p.slots.pending_at(slots).any():
+        for s in cast("Sequence[MtpProposerState]", states):
+            settle(s)  # a deferred propose's or a device batch's drafts: read once
+    return slots
+
+
+def batch_refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object],
+                  masked: bool) -> tuple[str | None, np.ndarray]:
+    """Why n states cannot draft in one run (None: they can, and every state is `p`'s,
+    settled: the caller may take them as its own without a second pass), and their slots."""
+    slots = settled_slots(p, states) if n else None
+    if n == 0:
+        return "an empty batch (width 0)", _NONE
+    if slots is None:
+        return "a state of another proposer", _NONE  # the caller drafts each alone
+    check_num_drafts(k, p.num_drafts)
+    if k == 0:
+        return None, slots  # nothing runs: every row drafts nothing
+    runner = p.chains.get(k, masked)
+    if not runner.serves(n):
+        return f"width {n} is not served (the {k}-step chain serves up to {runner.max_width})", \
+            slots
+    reason = p.refusal(n)
+    if reason is not None:
+        from draft_circuit.runners.proposer import warn_once
+        warn_once(f"refuse:{reason}", f"propose_batch refused ({reason}); drafting each "
+                                      "sequence alone")
+    return reason, slots
+
+
+def after_verify_all(p: "MtpProposer", num_accepted: Sequence[int],
+                     states: Sequence[object]) -> None:
+    """`MtpProposer.after_verify_batch` (its docstring states the contract)."""
+    slots = settled_slots(p, states)
+    if slots is None:
+        for s in states:
+            p._own(s)  # names the first state that is not this proposer's
+    assert slots is not None
+    if len(set(map(id, states))) != len(states):
+        raise ProposerError("after_verify_batch: a state appears twice (it would be trimmed "
+                            "twice for one verify)")
+    trim_after_verify_batch(p.slots, slots, num_accepted,
+                            cast("Sequence[MtpProposerState]", states),
+                            kv_exact=p.kv_exact, refeed=p.refeed)
+
+
+def last_drafts_of(p: "MtpProposer", states: Sequence[object]) -> list[list[int]]:
+    """`MtpProposer.last_drafts`: one gather of the drafts column for the whole batch."""
+    slots = settled_slots(p, states)
+    if slots is None:  # a state of another proposer among them
+        return [m.last_drafts if (m := p._mine(s)) is not None else [] for s in states]
+    if not len(slots):
+        return []
+    t = p.slots
+    kept = t.kept[slots]
+    widest = int(kept.max())
+    rows: list[list[int]] = t.drafts[slots, :widest].tolist()
+    if (kept != widest).any():  # rows that stopped early: cut each to its kept drafts
+        rows = [r[:c] for r, c in zip(rows, kept.tolist())]
+    return rows
+
+
+def last_pair_keys_of(p: "MtpProposer", states: Sequence[object]) -> list[int | None]:
+    """`MtpProposer.last_pair_keys`: one gather of the key columns."""
+    slots = settled_slots(p, states)
+    if slots is None:
+        return [p.last_pair_key(s) for s in states]
+    t = p.slots
+    keys, has = t.pair_key[slots], t.has_key[slots]
+    if has.all():  # the steady state: every state has rows
+        return keys.tolist()  # type: ignore[no-any-return]
+    return [k if h else None for k, h in zip(keys.tolist(), has.tolist())]

@@ -1,0 +1,166 @@
+"""Per-slot state columns (issue 14: the decode step's host work as array ops, not per sequence).
+
+Every `MtpProposerState` is a handle to one slot of its proposer's `SlotTable`: the state's
+drafter rows, storage (capacity), newest pair key, drafts of its last propose, whether it awaits
+a verify, its block table (padded with the scratch block) and its pending deferred drafts all
+live in numpy columns indexed by the slot. A batch call turns its states into one slot array
+(`SlotTable.slots_of`: ownership checked once, with C-level passes over the states) and does
+its bookkeeping, the trims after verify and the catch-up's row counts, as array operations:
+O(1) Python calls and O(n) numpy, not O(n) Python statements.
+
+`SlotBlocks` is the state's `SequenceBlocks` with its row count and block list mirrored into the
+columns, so every block-pool rule (all-or-nothing growth, release, hand-over, double frees) is
+kept as it was, and the host block table the staging gathers is rewritten only when a sequence
+gains, loses or hands over a block.
+
+Slots are handed out at `alloc_state` and given back when the handle is dropped (a weakref
+finalizer): a freed state (`free_state`) stays usable, as it always was. The columns grow by
+doubling when more states are alive than slots (a host allocation only then).
+"""
+from __future__ import annotations
+
+import weakref
+from operator import attrgetter
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
+
+if TYPE_CHECKING:  # proposer_state imports this module
+    from draft_circuit.runners.proposer_state import MtpProposerState
+
+_TABLE, _SLOT = attrgetter("table"), attrgetter("slot")
+#: the int columns of `SlotTable.cols`, in order
+COLUMNS = ("rows", "capacity", "pair_key", "has_key", "drafted", "kept", "awaiting")
+ROWS, CAPACITY, KEY, HAS_KEY, DRAFTED, KEPT, AWAITING = range(len(COLUMNS))
+
+#: up to this many sequences the batch bookkeeping (checks, catch-up rows, records, trims)
+#: runs as a bounded loop over the states, O(1) all the same: the array path's fixed cost
+#: (about half a microsecond to a microsecond a numpy call, some tens of calls a step) is more
+#: than the per-sequence Python it replaces below about this width (benchmarks/
+#: proposer_host.py on CPU: the two cross between n = 8 and n = 32). Both paths apply the same
+#: rules; tests compare them at widths on either side.
+SMALL_BATCH = 16
+
+
+class SlotTable:
+    """The columns of one proposer's states (see the module docstring). `drafts` holds up to
+    `max_drafts` drafts a slot; `tables` [slots, max_blocks] int32 is the host block table."""
+
+    def __init__(self, *, max_blocks: int, max_drafts: int, scratch_block: int,
+                 slots: int = 64) -> None:
+        self.max_blocks, self.max_drafts, self.scratch = max_blocks, max(max_drafts, 1), scratch_block
+        self.size = 0
+        self._free: list[int] = []
+        self.cols = np.zeros((0, len(COLUMNS)), dtype=np.int64)
+        self.drafts = np.zeros((0, self.max_drafts), dtype=np.int64)
+        self.tables = np.zeros((0, max_blocks), dtype=np.int32)
+        self.pending = np.empty(0, dtype=object)  # a deferred propose's tuple or a PendingBatch
+        self._resize(max(slots, 1))
+
+    def _resize(self, size: int) -> None:
+        old = self.size
+        cols = np.zeros((size, len(COLUMNS)), dtype=np.int64)
+        drafts = np.zeros((size, self.max_drafts), dtype=np.int64)
+        tables = np.full((size, self.max_blocks), self.scratch, dtype=np.int32)
+        pending = np.empty(size, dtype=object)
+        cols[:old], drafts[:old], tables[:old], pending[:old] = \
+            self.cols, self.drafts, self.tables, self.pending
+        self.cols, self.drafts, self.tables, self.pending = cols, drafts, tables, pending
+        # the int columns are views of one [slots, 7] array (one gather reads them all);
+        # 0/1 for the two flags
+        (self.rows, self.capacity, self.pair_key, self.has_key, self.drafted, self.kept,
+         self.awaiting) = (cols[:, i] for i in range(len(COLUMNS)))
+        self._free += list(range(size - 1, old - 1, -1))
+        self.size = size
+
+    # ---- slots ----
+    def alloc(self, state: "MtpProposerState") -> int:
+        """A fresh slot for `state` (columns at an empty state's values), given back when the
+        state is dropped."""
+        if not self._free:
+            self._resize(2 * self.size)
+        slot = self._free.pop()
+        self.cols[slot] = 0
+        self.tables[slot] = self.scratch
+        self.pending[slot] = None
+        weakref.finalize(state, self._release, slot)
+        return slot
+
+    def _release(self, slot: int) -> None:
+        self.pending[slot] = None  # a dropped state keeps no device batch alive
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def slots_of(self, states: Sequence[object], state_type: type) -> np.ndarray | None:
+        """The slots of `states` as one int array when every one is a `state_type` of this
+        table (one pass of C-level maps: types, tables, slots), else None."""
+        if not states:
+            return np.zeros(0, dtype=np.intp)
+        if set(map(type, states)) != {state_type} or set(map(_TABLE, states)) != {self}:
+            return None
+        return np.fromiter(map(_SLOT, states), dtype=np.intp, count=len(states))
+
+    def pending_at(self, slots: np.ndarray) -> np.ndarray:
+        """Which of `slots` hold deferred drafts (bool per slot)."""
+        held: np.ndarray = self.pending[slots] != None  # noqa: E711  (elementwise, object array)
+        return held
+
+    # ---- what a propose leaves (the reference's record_drafts, for a batch) ----
+    def record(self, slots: np.ndarray, drafts: np.ndarray, rows_before: np.ndarray,
+               positions: np.ndarray) -> np.ndarray:
+        """Rows `drafts` [n, k] (-1 after a stop) drafted from `rows_before` rows at `positions`:
+        row i kept its drafts before its first -1 (c of them) and wrote a row for each, so its
+        rows become rows_before + c and, when c > 0, its newest key position + c - 2; every row
+        awaits its verify. Returns c per row. The caller grew every table to rows_before + k."""
+        n, k = drafts.shape
+        stop = drafts < 0
+        counts = np.where(stop.any(axis=1), stop.argmax(axis=1), k) if k else np.zeros(n, np.int64)
+        self.rows[slots] = rows_before + counts
+        self.drafted[slots] = counts
+        self.kept[slots] = counts
+        if k:
+            self.drafts[slots, :k] = drafts
+        some = counts > 0
+        self.pair_key[slots] = np.where(some, positions + counts - 2, self.pair_key[slots])
+        self.has_key[slots] |= some
+        self.awaiting[slots] = 1
+        return counts
+
+    def last_drafts(self, slot: int) -> list[int]:
+        return self.drafts[slot, :self.kept[slot]].tolist()  # type: ignore[no-any-return]
+
+
+class SlotBlocks(SequenceBlocks):
+    """A state's block table whose row count and blocks are mirrored into its slot's columns
+    (`rows`, `capacity`, `tables`); every rule is `SequenceBlocks`'."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_blocks: int, table: SlotTable,
+                 slot: int) -> None:
+        self._table, self._slot = table, slot
+        super().__init__(pool, block_size, max_blocks)
+
+    @property
+    def _num_rows(self) -> int:
+        return int(self._table.rows[self._slot])
+
+    @_num_rows.setter
+    def _num_rows(self, rows: int) -> None:
+        self._table.rows[self._slot] = rows
+
+    @property
+    def _blocks(self) -> list[int]:
+        return self._list
+
+    @_blocks.setter
+    def _blocks(self, blocks: list[int]) -> None:
+        # every change of the list goes through here (`+=` included): the host table follows
+        self._list = blocks
+        t, s = self._table, self._slot
+        t.capacity[s] = len(blocks) * self.block_size
+        t.tables[s, :len(blocks)] = blocks
+        t.tables[s, len(blocks):] = t.scratch
