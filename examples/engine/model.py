@@ -182,15 +182,48 @@ class TargetModel:
         else:
             raise ValueError(f"target forward must be 'eager' or 'circuit', got {forward!r}")
 
+    def stage_inputs(self, rows: TargetRows) -> dict[str, torch.Tensor]:
+        """One pass's runner inputs on the model's device. On CPU the rows' own tensors and a
+        fresh `active` (as always). Elsewhere every host int input is written into ONE pinned
+        host mirror (laid out [tokens | positions | live_rows | block_tables] for this n) and
+        moved with one `non_blocking` copy, and `active` is a view of a persistent device
+        buffer of ones: no pageable copy, so the host is not held behind the work already
+        queued (the draft chain) before it can enqueue the verify. Tokens already on the
+        device (a device-resident verify input) are passed as they are. The mirror is safe to
+        rewrite on the next pass: `forward` syncs on its tokens before it returns, after this
+        copy has run."""
+        n = rows.tokens.shape[0]
+        if self.device.type == "cpu":
+            return {"tokens": rows.tokens, "positions": rows.positions,
+                    "block_tables": rows.block_tables, "live_rows": rows.live_rows,
+                    "active": torch.ones(n, dtype=torch.int32)}
+        m = self.kv.max_blocks_per_seq
+        if not hasattr(self, "_mirror"):  # made once: rows up to max_rows
+            size = self.max_rows * (3 + m)
+            self._mirror = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+            self._staged = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._active = torch.ones(self.max_rows, dtype=torch.int32, device=self.device)
+        host, dev = self._mirror, self._staged
+        out, at = {}, 0
+        for name, t in (("tokens", rows.tokens), ("positions", rows.positions),
+                        ("live_rows", rows.live_rows), ("block_tables", rows.block_tables)):
+            if t.device.type != "cpu":  # already on the device: passed as it is
+                out[name] = t
+                continue
+            size = t.numel()
+            host[at:at + size].view(t.shape).copy_(t)  # host to host, converting to int32
+            out[name] = dev[at:at + size].view(t.shape)
+            at += size
+        if at:
+            dev[:at].copy_(host[:at], non_blocking=True)  # the pass's one host-to-device copy
+        out["active"] = self._active[:n]
+        return out
+
     def forward(self, rows: TargetRows) -> tuple[list[int], torch.Tensor]:
         """Greedy tokens (host ints) and the drafter's hiddens of every row (on the device, the
         caller's to keep): final-norm hiddens [n, H], or with tap_layers the taps [n, taps * H]."""
         n = rows.tokens.shape[0]
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"a target pass takes 1..{self.max_rows} rows, got {n}")
-        inputs = {"tokens": rows.tokens, "positions": rows.positions,
-                  "block_tables": rows.block_tables, "live_rows": rows.live_rows,
-                  "active": torch.ones(n, dtype=torch.int32)}
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
-        out = self.runner.run(n, inputs)  # a compiled runner's buffers: the next pass overwrites them
+        out = self.runner.run(n, self.stage_inputs(rows))  # a compiled runner's buffers: the next pass overwrites them
         return out["token"].tolist(), out[self.hidden_output].clone()
