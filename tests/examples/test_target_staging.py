@@ -37,6 +37,7 @@ def test_cpu_staging_hands_the_rows_through(small_checkpoint):
 @cuda
 def test_a_verify_pass_stages_without_a_synchronizing_copy(small_checkpoint):
     model = model_on(small_checkpoint, "cuda")
+    model.stage_inputs(rows_for(model, 2))  # made once (its pinned allocation is not a pass's)
     for n, tokens_on in ((5, "cpu"), (9, "cuda"), (3, "cpu")):  # device tokens: passed through
         rows = rows_for(model, n, tokens_on)
         torch.cuda.synchronize()
