@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
-from draft_circuit.runners.proposer_slots import SMALL_BATCH, SlotTable
-from draft_circuit.runners.proposer_state import MtpProposerState, kept_drafts, record_drafts
+from draft_circuit.runners.proposer_slots import (AWAITING, DRAFTED, HAS_KEY, KEPT, KEY, ROWS,
+                                                  SMALL_BATCH, SlotTable)
+from draft_circuit.runners.proposer_state import MtpProposerState, kept_drafts, pair_key
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
 Execute = Callable[[int, ChainRows, "torch.Tensor | None"], dict[str, torch.Tensor]]
@@ -60,15 +61,23 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
 def record_batch(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerState],
                  drafts: np.ndarray, rows: np.ndarray,
                  positions: Sequence[int]) -> tuple[list[list[int]], list[int]]:
-    """What a batch propose leaves (`SlotTable.record`; `record_drafts` state by state up to
-    SMALL_BATCH states, the same rule) and each row's kept drafts as lists (the drafts before
-    its first -1): (kept drafts, their counts)."""
-    if len(slots) <= SMALL_BATCH:
+    """What a batch propose leaves (`SlotTable.record`; up to SMALL_BATCH states the same rule,
+    `record_drafts`', on their gathered columns as Python ints) and each row's kept drafts as
+    lists (the drafts before its first -1): (kept drafts, their counts). `states` are the
+    rows' states (their tables were grown for these rows)."""
+    if len(slots) <= SMALL_BATCH:  # record_drafts' rule on the gathered columns, then one scatter
+        cols = table.cols[slots].tolist()
         result = []
-        for s, row, r, p in zip(states, drafts.tolist(), rows.tolist(), positions):
-            kept = kept_drafts(row)
-            record_drafts(s, kept, r, p)
+        for c, row, r, p in zip(cols, drafts.tolist(), rows.tolist(), positions):
+            kept = row if not row or min(row) >= 0 else kept_drafts(row)
+            d = len(kept)
+            c[ROWS], c[DRAFTED], c[KEPT], c[AWAITING] = r + d, d, d, 1
+            if d:
+                c[KEY], c[HAS_KEY] = pair_key(p + d - 1), 1
             result.append(kept)
+        table.cols[slots] = cols
+        if drafts.shape[1]:
+            table.drafts[slots, :drafts.shape[1]] = drafts
         return result, [len(k) for k in result]
     counts = table.record(slots, drafts, rows, np.fromiter(positions, dtype=np.int64,
                                                            count=len(slots)))
