@@ -286,7 +286,7 @@ class MtpProposer:
             rows = self.slots.rows[slots]
             drafts, confs = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
         self.last_served = Served(kind, n)
-        result, counts = record_batch(self.slots, slots, mine, drafts, rows, positions)
+        result, counts = record_batch(self.slots, slots, drafts, rows, positions)
         if out_conf is not None:
             out_conf[:] = [c[:d] for c, d in zip(confs.tolist(), counts)]
         return result

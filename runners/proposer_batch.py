@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Sequence, cast
 import numpy as np
 
 from draft_circuit.runners.proposer_inputs import check_num_drafts
-from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError, settle,
-                                                  trim_after_verify_batch)
+from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
+                                                  settle, trim_after_verify_batch)
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
@@ -25,10 +25,18 @@ _NONE = np.zeros(0, np.intp)
 def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | None:
     """The slots of `states` when every one is `p`'s (None otherwise), each settled: the
     batch's one ownership check."""
-    slots = p.slots.slots_of(states, MtpProposerState)
-    if slots is not None and p.slots.pending_at(slots).any():
-        for s in cast("Sequence[MtpProposerState]", states):
-            settle(s)  # a deferred propose's or a device batch's drafts: read once
+    t = p.slots
+    slots = t.slots_of(states, MtpProposerState)
+    if slots is not None:
+        pending = t.pending[slots]
+        held = pending[pending != None].tolist()  # noqa: E711  (elementwise)
+        if held:  # a device batch's drafts (one read for all its states), or deferred ones
+            if all(isinstance(x, PendingBatch) for x in set(held)):
+                for batch in set(held):
+                    batch.settle()
+            else:
+                for s in cast("Sequence[MtpProposerState]", states):
+                    settle(s)
     return slots
 
 

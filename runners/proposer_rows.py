@@ -10,9 +10,8 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
-from draft_circuit.runners.proposer_slots import (AWAITING, DRAFTED, HAS_KEY, KEPT, KEY, ROWS,
-                                                  SMALL_BATCH, SlotTable)
-from draft_circuit.runners.proposer_state import MtpProposerState, kept_drafts, pair_key
+from draft_circuit.runners.proposer_slots import SlotTable
+from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
 Execute = Callable[[int, ChainRows, "torch.Tensor | None"], dict[str, torch.Tensor]]
@@ -58,30 +57,9 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     return int(counts.sum())
 
 
-def record_batch(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerState],
-                 drafts: np.ndarray, rows: np.ndarray,
+def record_batch(table: SlotTable, slots: np.ndarray, drafts: np.ndarray, rows: np.ndarray,
                  positions: Sequence[int]) -> tuple[list[list[int]], list[int]]:
-    """What a batch propose leaves (`SlotTable.record`; up to SMALL_BATCH states the same rule,
-    `record_drafts`', on their gathered columns as Python ints) and each row's kept drafts as
-    lists (the drafts before its first -1): (kept drafts, their counts). `states` are the
-    rows' states (their tables were grown for these rows)."""
-    if len(slots) <= SMALL_BATCH:  # record_drafts' rule on the gathered columns, then one scatter
-        cols = table.cols[slots].tolist()
-        result = []
-        for c, row, r, p in zip(cols, drafts.tolist(), rows.tolist(), positions):
-            kept = row if not row or min(row) >= 0 else kept_drafts(row)
-            d = len(kept)
-            c[ROWS], c[DRAFTED], c[KEPT], c[AWAITING] = r + d, d, d, 1
-            if d:
-                c[KEY], c[HAS_KEY] = pair_key(p + d - 1), 1
-            result.append(kept)
-        table.cols[slots] = cols
-        if drafts.shape[1]:
-            table.drafts[slots, :drafts.shape[1]] = drafts
-        return result, [len(k) for k in result]
-    counts = table.record(slots, drafts, rows, np.fromiter(positions, dtype=np.int64,
-                                                           count=len(slots)))
-    full = drafts.tolist()
-    if drafts.shape[1] and not (counts == drafts.shape[1]).all():  # a stop: cut those rows
-        full = [row[:c] for row, c in zip(full, counts.tolist())]
-    return full, counts.tolist()
+    """What a batch propose leaves (`SlotTable.record`) and each row's kept drafts as lists
+    (the drafts before its first -1): (kept drafts, their counts)."""
+    kept = table.record(slots, drafts, rows, positions)
+    return kept, list(map(len, kept))

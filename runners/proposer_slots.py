@@ -50,7 +50,8 @@ class SlotTable:
 
     def __init__(self, *, max_blocks: int, max_drafts: int, scratch_block: int,
                  slots: int = 64) -> None:
-        self.max_blocks, self.max_drafts, self.scratch = max_blocks, max(max_drafts, 1), scratch_block
+        self.max_blocks, self.max_drafts = max_blocks, max(max_drafts, 1)
+        self.scratch = scratch_block
         self.size = 0
         self._free: list[int] = []
         self.cols = np.zeros((0, len(COLUMNS)), dtype=np.int64)
@@ -111,25 +112,49 @@ class SlotTable:
         return held
 
     # ---- what a propose leaves (the reference's record_drafts, for a batch) ----
-    def record(self, slots: np.ndarray, drafts: np.ndarray, rows_before: np.ndarray,
-               positions: np.ndarray) -> np.ndarray:
+    def record(self, slots: np.ndarray, drafts: np.ndarray,
+               rows_before: Sequence[int] | np.ndarray,
+               positions: Sequence[int] | np.ndarray) -> list[list[int]]:
         """Rows `drafts` [n, k] (-1 after a stop) drafted from `rows_before` rows at `positions`:
         row i kept its drafts before its first -1 (c of them) and wrote a row for each, so its
-        rows become rows_before + c and, when c > 0, its newest key position + c - 2; every row
-        awaits its verify. Returns c per row. The caller grew every table to rows_before + k."""
+        rows become rows_before + c and, when c > 0, its newest key position + c - 2 (the rule
+        of proposer_state.record_drafts); every row awaits its verify. Returns each row's kept
+        drafts. The caller grew every table to rows_before + k. Up to SMALL_BATCH rows the
+        rule runs on the gathered columns as Python ints (one gather, one scatter)."""
         n, k = drafts.shape
-        stop = drafts < 0
-        counts = np.where(stop.any(axis=1), stop.argmax(axis=1), k) if k else np.zeros(n, np.int64)
-        self.rows[slots] = rows_before + counts
-        self.drafted[slots] = counts
-        self.kept[slots] = counts
+        rows = drafts.tolist()
+        if n <= SMALL_BATCH:
+            cols = self.cols[slots].tolist()
+            kept_rows = []
+            before = rows_before.tolist() if isinstance(rows_before, np.ndarray) else rows_before
+            for c, row, r, p in zip(cols, rows, before, positions):
+                kept = row
+                if row and min(row) < 0:  # a stop: the drafts before the first -1
+                    kept = row[:next(i for i, t in enumerate(row) if t < 0)]
+                d = len(kept)
+                c[ROWS], c[DRAFTED], c[KEPT], c[AWAITING] = r + d, d, d, 1
+                if d:
+                    c[KEY], c[HAS_KEY] = p + d - 2, 1
+                kept_rows.append(kept)
+            self.cols[slots] = cols
+        else:
+            stop = drafts < 0
+            counts = np.where(stop.any(axis=1), stop.argmax(axis=1), k) if k \
+                else np.zeros(n, np.int64)
+            cols = self.cols[slots]
+            cols[:, ROWS] = np.asarray(rows_before) + counts
+            cols[:, DRAFTED] = cols[:, KEPT] = counts
+            some = counts > 0
+            cols[:, KEY] = np.where(some, np.asarray(positions) + counts - 2, cols[:, KEY])
+            cols[:, HAS_KEY] |= some
+            cols[:, AWAITING] = 1
+            self.cols[slots] = cols
+            kept_rows = rows
+            if k and not (counts == k).all():  # a stop: cut those rows
+                kept_rows = [row[:c] for row, c in zip(rows, counts.tolist())]
         if k:
             self.drafts[slots, :k] = drafts
-        some = counts > 0
-        self.pair_key[slots] = np.where(some, positions + counts - 2, self.pair_key[slots])
-        self.has_key[slots] |= some
-        self.awaiting[slots] = 1
-        return counts
+        return kept_rows
 
     def last_drafts(self, slot: int) -> list[int]:
         return self.drafts[slot, :self.kept[slot]].tolist()  # type: ignore[no-any-return]

@@ -93,7 +93,11 @@ class MtpProposerState:
 
     @pending.setter
     def pending(self, value: "tuple[torch.Tensor, int, int] | PendingBatch | None") -> None:
-        self.table.pending[self.slot] = value
+        t, s = self.table, self.slot
+        old = t.pending[s]
+        if isinstance(old, PendingBatch) and old is not value:
+            old.dropped += 1  # freed or handed over before its batch settled: nothing to record
+        t.pending[s] = value
 
 
 def pair_key(rope_position: int) -> int:
@@ -131,7 +135,7 @@ class PendingBatch:
 
     drafts: torch.Tensor
     rows: np.ndarray
-    positions: np.ndarray
+    positions: Sequence[int]
     states: list[MtpProposerState]  # kept alive (their slots stay theirs) until settled
     slots: np.ndarray
     table: SlotTable
@@ -140,17 +144,23 @@ class PendingBatch:
     #: called once the states are recorded: raises a bad input row the read brought back
     #: (the input guards' records, copied beside the drafts)
     check: Callable[[], None] | None = None
+    #: states whose pending was cleared (freed, handed over) before this batch settled
+    dropped: int = 0
 
     def settle(self) -> None:
         if self.done:
             return
         self.done = True
         t, drafts = self.table, self.read(self.drafts)
-        # a state freed or handed over since has nothing to record (its pending was cleared)
-        mine = np.asarray(t.pending[self.slots] == self, dtype=np.bool_)  # identity (eq=False)
-        slots = self.slots[mine]
+        positions: Sequence[int] | np.ndarray
+        if self.dropped == 0:  # the common case: every state still waits on this batch
+            slots, rows, positions = self.slots, self.rows, self.positions
+        else:  # a state freed or handed over since has nothing to record
+            mine = np.asarray(t.pending[self.slots] == self, dtype=np.bool_)  # identity
+            slots, drafts, rows = self.slots[mine], drafts[mine], self.rows[mine]
+            positions = np.asarray(self.positions)[mine]
         t.pending[slots] = None
-        t.record(slots, drafts[mine], self.rows[mine], self.positions[mine])
+        t.record(slots, drafts, rows, positions)
         if self.check is not None:
             self.check()
 

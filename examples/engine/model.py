@@ -225,5 +225,6 @@ class TargetModel:
         n = rows.tokens.shape[0]
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"a target pass takes 1..{self.max_rows} rows, got {n}")
-        out = self.runner.run(n, self.stage_inputs(rows))  # a compiled runner's buffers: the next pass overwrites them
+        # a compiled runner's outputs are its buffers: the next pass overwrites them
+        out = self.runner.run(n, self.stage_inputs(rows))
         return out["token"].tolist(), out[self.hidden_output].clone()
