@@ -198,10 +198,14 @@ def grow_all(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerSt
     """Give every state (states[i] at slots[i]) storage for rows[i] rows, or none of them any
     more than before: a table that would overflow or a pool that runs dry raises with nothing
     half-allocated. Steady state: one array comparison, no table lacks room."""
-    short = np.flatnonzero(rows > table.capacity[slots])
+    if len(slots) <= SMALL_BATCH:
+        short = [i for i, (r, c) in enumerate(zip(rows.tolist(), table.capacity[slots].tolist()))
+                 if r > c]
+    else:
+        short = np.flatnonzero(rows > table.capacity[slots]).tolist()
     grown: list[MtpProposerState] = []
     try:
-        for i in short.tolist():
+        for i in short:
             states[i].blocks.ensure_rows(int(rows[i]))
             grown.append(states[i])
     except Exception:

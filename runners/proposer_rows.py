@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
-from draft_circuit.runners.proposer_slots import SlotTable
+from draft_circuit.runners.proposer_slots import HAS_KEY, KEY, ROWS, SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
@@ -49,6 +49,13 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     except Exception:
         _release(states)
         raise
+    if len(slots) <= SMALL_BATCH:  # the same rule on the gathered columns, as Python ints
+        cols = table.cols[slots].tolist()
+        for c, m, p in zip(cols, counts.tolist(), first_pos):
+            if m:
+                c[ROWS], c[KEY], c[HAS_KEY] = c[ROWS] + m, p + m - 2, 1
+        table.cols[slots] = cols
+        return int(counts.sum())
     some = counts > 0
     table.rows[slots] = bases + counts
     first = np.fromiter(first_pos, dtype=np.int64, count=len(slots))
