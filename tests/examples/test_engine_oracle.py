@@ -73,6 +73,14 @@ class OracleProposer:
         state.rows -= rows_to_trim(state.last_drafted, a, kv_exact=self.kv_exact, refeed=self.refeed)
         state.last_drafted = 0
 
+    # the engine's batch entry points (runners.proposer_batch): the per-state rules, in order
+    def after_verify_batch(self, accepted, states) -> None:
+        for a, state in zip(accepted, states):
+            self.after_verify(a, state)
+
+    def last_pair_keys(self, states) -> list[int | None]:
+        return [self.last_pair_key(s) for s in states]
+
     def last_pair_key(self, state: OracleState) -> int | None:
         return state.rows - 1 if state.rows else None
 
