@@ -18,6 +18,7 @@ from draft_circuit.ops.bindings import (CUDA, TRITON, Applies, Condition, Kernel
                                         traced_launches)
 from draft_circuit.ops.registry import (ATTENTION, FUSED, Cost, CostContext, Env, OpDef, Specs, check, dim_eq,
                                         elt, index_dtype, rank, register, same_dtype)
+from draft_circuit.ops.row_invariant import row_invariant_attention, tiled
 from draft_circuit.ops.tokens import TokenError, embedding_ref  # noqa: F401  (their old home)
 
 
@@ -227,20 +228,32 @@ def decode_attention_ref(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                          tables: torch.Tensor, live: torch.Tensor, scale: float | None,
                          row_offset: int) -> torch.Tensor:
     """Attention of each row's query over its own live KV rows only (0..live + row_offset),
-    gathered through its table, in fp32, one row at a time (a row's bits never depend on the
-    rows beside it). Consecutive rows with the same table (one sequence's rows of a verify or a
-    prefill) share one gather, up to the longest of them: a row reads the first `length` rows of
-    it, the same values in the same layout as its own gather, so its bits are those it gets
-    alone (issue 20: the per-row gather made a CPU verify pass cost k+1 decode passes)."""
+    gathered through its table, in fp32; a row's bits never depend on the rows beside it (which
+    is what makes a k+1-row verify agree with one-row decoding exactly). On CPU in fp32 / fp16 /
+    bf16 the rows are batched in fixed-shape tiles (ops/row_invariant.py, measured bitwise in
+    tests/ops/test_attention_row_invariant.py; issue 20: one row at a time was half a CPU
+    verify); elsewhere, where nothing was measured, one row at a time."""
+    dim = kc.shape[3]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    lengths = live.long() + row_offset + 1
+    bad = (lengths < 0).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"decode_attention row {i}: live_rows {int(live[i])} + row_offset "
+                         f"{row_offset} + 1 < 0 rows to attend to")
+    if tiled(q):
+        return row_invariant_attention(q, kc, vc, tables, lengths, scale)
+    return _attention_row_by_row(q, kc, vc, tables, lengths.tolist(), scale)
+
+
+def _attention_row_by_row(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+                          lengths: list[int], scale: float) -> torch.Tensor:
+    """One row at a time. Consecutive rows with the same table (one sequence's rows of a verify
+    or a prefill) share one gather, up to the longest of them: a row reads the first `length`
+    rows of it, the same values in the same layout as its own gather."""
     block_size, kv_heads, dim = kc.shape[1:]
     n, heads = q.shape[0], q.shape[1] // dim
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
     out = torch.empty_like(q)
-    lengths: list[int] = (live.long() + row_offset + 1).tolist()
-    bad = next((i for i, length in enumerate(lengths) if length < 0), None)
-    if bad is not None:
-        raise ValueError(f"decode_attention row {bad}: live_rows {int(live[bad])} + row_offset "
-                         f"{row_offset} + 1 < 0 rows to attend to")
     same: list[bool] = (tables[1:] == tables[:-1]).all(1).tolist() if n > 1 else []
     start = 0
     while start < n:
