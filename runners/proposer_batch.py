@@ -27,7 +27,7 @@ def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | No
     batch's one ownership check."""
     t = p.slots
     slots = t.slots_of(states, MtpProposerState)
-    if slots is not None:
+    if slots is not None and t.num_pending:  # else no slot holds deferred drafts: nothing to do
         pending = t.pending[slots]
         held = pending[pending != None].tolist()  # noqa: E711  (elementwise)
         if held:  # a device batch's drafts (one read for all its states), or deferred ones

@@ -153,7 +153,8 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     dev.fill(out, p.staging.tokens(n), n, num_drafts, (chain, p.chains.kv_only()[0]))
     batch = PendingBatch(drafts, rows, list(positions), mine, slots, p.slots, read=dev.read,
                          check=dev.check_faults)
-    p.slots.pending[slots] = batch  # every state settles with the batch
+    p.slots.pending[slots] = batch  # every state settles with the batch (each held none before:
+    p.slots.num_pending += n        # _batch_refusal settled them)
     dev.batch = batch
     p.last_served = Served(chain.plan(n).kind, n)
     return drafts, confs

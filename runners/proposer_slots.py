@@ -58,6 +58,9 @@ class SlotTable:
         self.drafts = np.zeros((0, self.max_drafts), dtype=np.int64)
         self.tables = np.zeros((0, max_blocks), dtype=np.int32)
         self.pending = np.empty(0, dtype=object)  # a deferred propose's tuple or a PendingBatch
+        #: how many slots hold one (kept by every writer of `pending`): 0 lets a batch call
+        #: skip its settle check altogether (the host path's steady state)
+        self.num_pending = 0
         self._resize(max(slots, 1))
 
     def _resize(self, size: int) -> None:
@@ -90,6 +93,8 @@ class SlotTable:
         return slot
 
     def _release(self, slot: int) -> None:
+        if self.pending[slot] is not None:
+            self.num_pending -= 1
         self.pending[slot] = None  # a dropped state keeps no device batch alive
         self._free.append(slot)
 

@@ -97,6 +97,7 @@ class MtpProposerState:
         old = t.pending[s]
         if isinstance(old, PendingBatch) and old is not value:
             old.dropped += 1  # freed or handed over before its batch settled: nothing to record
+        t.num_pending += (value is not None) - (old is not None)
         t.pending[s] = value
 
 
@@ -160,6 +161,7 @@ class PendingBatch:
             slots, drafts, rows = self.slots[mine], drafts[mine], self.rows[mine]
             positions = np.asarray(self.positions)[mine]
         t.pending[slots] = None
+        t.num_pending -= len(slots)
         t.record(slots, drafts, rows, positions)
         if self.check is not None:
             self.check()

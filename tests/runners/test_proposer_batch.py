@@ -175,3 +175,30 @@ def test_the_line_count_sees_a_per_sequence_loop(monkeypatch):
         return real(self, num_accepted, states)
     monkeypatch.setattr(proposer_mod.MtpProposer, "after_verify_batch", looping)
     assert lines_of_a_step(32) - lines_of_a_step(20) >= 12
+
+
+def test_the_pending_count_follows_every_writer():
+    """SlotTable.num_pending (0 lets a batch call skip its settle check) counts the slots that
+    hold deferred drafts through a device batch, a free before it settles, its settle, a
+    deferred propose and a dropped state."""
+    import gc
+    import torch
+    p = make("eager", num_blocks=80)
+    states = [prefilled(p, 70 + i, length=7)[0] for i in range(3)]
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    assert p.slots.num_pending == 0
+    p.propose_batch_on_device([4] * 3, hidden(71, 3), pos, K, states)
+    assert p.slots.num_pending == 3
+    p.slots.pending[states[2].slot].settle()  # settled through any of them: all recorded
+    assert p.slots.num_pending == 0
+    p.propose_batch_on_device([4] * 3, hidden(72, 3), [q + K for q in pos], K, states)
+    states[0].pending = None  # as free_all does: that state has nothing to record
+    assert p.slots.num_pending == 2
+    assert len(p.last_drafts(states[1:])[0]) == K and p.slots.num_pending == 0
+    s = p.alloc_state()
+    p.prefill_drafter([1, 2, 3, 4], hidden(73, 4), s)
+    p.propose(5, hidden(74), 4, K, s, embed_target=torch.zeros(1, 32))
+    assert p.slots.num_pending == 1
+    del s
+    gc.collect()
+    assert p.slots.num_pending == 0
