@@ -289,9 +289,13 @@ def test_page_renders_in_headless_chromium_without_console_errors(report, tmp_pa
     bpp = len(rows[0]) // w
     pixels = {row[i:i + 3] for row in rows for i in range(0, len(row), bpp)}
     assert len(pixels) > 300, "the screenshot is (nearly) blank"
-    for op in ("linear", "rmsnorm", "decode_attention"):  # node fills: the DAG is on screen
-        fill = bytes.fromhex(tint(GROUPS[op_group(op)][1], 0.8)[1:])
-        assert fill in pixels, op
+    # node fills: the DAG is on screen, every op group the plan has (after fusion there may be no
+    # plain norm node left: the default plan folds each rmsnorm into the linear it feeds)
+    groups = {op_group(n.op) for n in report.nodes}
+    assert {"matmul", "attention"} <= groups, groups
+    for group in sorted(groups):
+        fill = bytes.fromhex(tint(GROUPS[group][1], 0.8)[1:])
+        assert fill in pixels, group
 
 
 def test_page_address_opens_a_width_with_a_node_pinned(report, tmp_path):
