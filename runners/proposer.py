@@ -12,7 +12,6 @@ whose block 0 is the scratch block inert rows point at.
 """
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from typing import Literal, Mapping, Sequence, cast
 
@@ -34,7 +33,7 @@ from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
 from draft_circuit.runners.proposer_args import check_proposer_args
 from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal,
                                                   last_drafts_of, last_pair_keys_of,
-                                                  settled_slots)
+                                                  settled_slots, warn_once)
 from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_device
 from draft_circuit.runners.proposer_rows import record_batch, run_chain, write_rows
 from draft_circuit.runners.proposer_slots import SlotTable
@@ -46,16 +45,6 @@ from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerErro
                                                   trim_after_verify)
 
 __all__ = ["DraftBinding", "MtpProposer", "SCRATCH_BLOCK", "Served"]
-
-log = logging.getLogger(__name__)
-_WARNED: set[str] = set()  # once-per-process warnings
-
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning(message)
-
 
 # single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
 @single_caller("propose", "propose_batch", "propose_batch_on_device", "verify_tokens",

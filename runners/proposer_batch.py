@@ -8,6 +8,7 @@ one pass of C-level maps over the states, not a call a state.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
@@ -20,6 +21,15 @@ if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
 
 _NONE = np.zeros(0, np.intp)
+# the proposer's log (a host filters on the proposer's name); each message once per process
+log = logging.getLogger("draft_circuit.runners.proposer")
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
 
 
 def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | None:
@@ -58,7 +68,6 @@ def batch_refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object],
             slots
     reason = p.refusal(n)
     if reason is not None:
-        from draft_circuit.runners.proposer import warn_once
         warn_once(f"refuse:{reason}", f"propose_batch refused ({reason}); drafting each "
                                       "sequence alone")
     return reason, slots

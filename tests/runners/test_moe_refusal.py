@@ -15,7 +15,7 @@ from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.ops import moe as ops_moe
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, moe_plan_note, random_moe_weights
 from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
-from draft_circuit.runners import proposer as proposer_module
+from draft_circuit.runners import proposer_batch as proposer_module  # its once-per-process log
 from draft_circuit.runners.proposer import MtpProposer
 from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch
 
