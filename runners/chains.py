@@ -8,7 +8,8 @@ runner for it pads but never splits (a split runs its parts highest rows first).
 
 Catch-up and prefill rows need only their K/V: they run on the KV-only chain (`KV_ONLY_KEY`),
 the one-step circuit with only its state writes as outputs (planner.kv_only_circuit), which
-writes bitwise the rows the one-step chain writes; its runner pads but never splits either.
+writes bitwise the rows the one-step chain writes; its runner pads but never splits either. It
+reaches past the proposer's widths (`kv_only_widths`): a step's catch-up rows are one run.
 """
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ class DraftBinding:
     row_order: bool                     # rows of one sequence run in row order: pad, never split
     notes: dict[str, Any] = field(default_factory=dict)  # the layer's plan-report notes
     family: str | None = None           # KV_ONLY: a derived family of the one-step chain
+    # the widths to compile it at when not the factory's: the KV-only chain's reach past the
+    # proposer's widths (`kv_only_widths`)
+    widths: tuple[int, ...] | None = None
+
+
+def kv_only_widths(widths: Sequence[int], num_drafts: int) -> tuple[int, ...]:
+    """The KV-only chain's widths: the proposer's, then doubling past the widest up to the
+    catch-up rows of a whole step, (k + 1) x widest (a sequence's last token and k accepted
+    drafts), so a step's catch-up is one run rather than one per `max(widths)` rows (every run
+    has a fixed host cost: staging, the guard, a launch list or a graph replay; issue 14)."""
+    ws = sorted(set(widths))
+    top = ws[-1] * (max(num_drafts, 1) + 1)
+    w = ws[-1] * 2
+    while w < top:
+        ws.append(w)
+        w *= 2
+    return (*ws, top) if ws[-1] < top else tuple(ws)
 
 
 class RunnerFactory(Protocol):
@@ -66,7 +84,7 @@ def compiled_runners(widths: Sequence[int], *, device: str) -> RunnerFactory:
     one_step: list[CompiledDraft] = []  # the latest one-step chain compiled here
 
     def build(binding: DraftBinding) -> DraftRunner:
-        runner = compile_chain(binding, widths, device=device)
+        runner = compile_chain(binding, binding.widths or widths, device=device)
         if binding.family is not None and one_step:
             one_step[-1].add_family(binding.family, runner.compiled)  # its report lists it
         elif binding.row_order:

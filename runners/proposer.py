@@ -21,7 +21,8 @@ import torch
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import KV_ONLY, kv_only_circuit
 from draft_circuit.runners.chains import (KV_ONLY_KEY, ChainRunners, DraftBinding,
-                                          RunnerFactory, compiled_runners, eager_runner)
+                                          RunnerFactory, compiled_runners, eager_runner,
+                                          kv_only_widths)
 from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.kv_cache import BlockPool
@@ -77,6 +78,8 @@ class MtpProposer:
         self.kv = KvLayout(num_blocks, block_size, max_blocks_per_seq)
         self.max_width = max_width
         self.widths = tuple(sorted({1, *(w for w in widths if w <= max_width)}))
+        # catch-up and prefill rows: a step's (k + 1 a sequence) in one run of the KV-only chain
+        self.kv_widths = kv_only_widths(self.widths, num_drafts)
         self.kv_exact, self.refeed, self.forward = kv_exact, refeed, forward
         self.pool = BlockPool(num_blocks, reserved=1)  # block 0: the scratch block
         self.states = drafter_pools(head, self.kv, max_width, device)
@@ -84,7 +87,8 @@ class MtpProposer:
         self.slots = SlotTable(max_blocks=max_blocks_per_seq, max_drafts=num_drafts,
                                scratch_block=SCRATCH_BLOCK)
         # persistent input/output buffers: a steady-state run builds no tensor of its own
-        self.staging = ChainStaging(max_width=max_width, max_blocks=max_blocks_per_seq,
+        self.staging = ChainStaging(max_width=max(max_width, self.kv_widths[-1]),
+                                    max_blocks=max_blocks_per_seq,
                                     hidden_size=head.hidden_in_size,
                                     dtype=getattr(torch, head.dtype), max_drafts=num_drafts,
                                     scratch_block=SCRATCH_BLOCK, device=device)
@@ -117,12 +121,15 @@ class MtpProposer:
 
     def circuit_draft_kv_only(self) -> DraftBinding:
         """The KV-only chain of catch-up and prefill rows: the one-step chain (no embed target,
-        no confidence stop) with only its K/V writes as outputs, bound to the same pools."""
-        chain = kv_only_circuit(emit_draft_chain(self.head, 1, max_width=self.max_width, kv=self.kv))
+        no confidence stop) with only its K/V writes as outputs, bound to the same pools, up to
+        `kv_widths[-1]` rows (compile it at `binding.widths`, the proposer's `kv_widths`)."""
+        chain = kv_only_circuit(emit_draft_chain(self.head, 1, max_width=self.kv_widths[-1],
+                                                 kv=self.kv))
         names = {v.name for v in chain.values}
         return DraftBinding(chain, {k: v for k, v in self.params.items() if k in names},
                             {k: v for k, v in self.states.items() if k in names}, SCRATCH_BLOCK,
-                            row_order=True, notes=self.head.plan_notes(), family=KV_ONLY)
+                            row_order=True, notes=self.head.plan_notes(), family=KV_ONLY,
+                            widths=self.kv_widths)
 
     def set_circuit_draft(self, runner: DraftRunner | None, *, num_drafts: int | None = None,
                           bitmask: bool = False, kv_only: bool = False) -> None:

@@ -124,10 +124,11 @@ class _Region:
         return self.views[key]
 
 
-def _runner_region(runner: object, *, w: int, m: int, device: torch.device,
+def _runner_region(runner: object, *, max_w: int, m: int, device: torch.device,
                    scratch: int) -> _Region | None:
-    """The region of a runner's own static inputs, or None when it has none of this layout (the
-    staging's own region serves it then)."""
+    """The region of a runner's own static inputs (as many rows as its widest program, at most
+    `max_w`: the k-step chain's and the wider KV-only chain's differ), or None when it has none
+    of this layout (the staging's own region serves it then)."""
     if not hasattr(runner, "staged_inputs"):
         return None
     backend = getattr(runner, "backend", None)
@@ -141,7 +142,8 @@ def _runner_region(runner: object, *, w: int, m: int, device: torch.device,
     ints = [static[k] for k in INTS]
     if any(t.dtype != torch.int32 or t.device != device or not t.is_contiguous() for t in ints):
         return None
-    if tuple(static["block_tables"].shape) != (w, m) or static["tokens"].shape != (w,):
+    w = static["tokens"].shape[0] if static["tokens"].dim() == 1 else -1
+    if not 0 < w <= max_w or tuple(static["block_tables"].shape) != (w, m):
         return None
     if any(t.untyped_storage().data_ptr() != ints[0].untyped_storage().data_ptr() for t in ints):
         return None
@@ -159,7 +161,8 @@ def _runner_region(runner: object, *, w: int, m: int, device: torch.device,
 
 
 class ChainStaging:
-    """The staging of one proposer's chains (widths up to `max_width`)."""
+    """The staging of one proposer's chains (widths up to `max_width`: the widest of its chains,
+    the KV-only chain's reach included)."""
 
     def __init__(self, *, max_width: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
                  max_drafts: int, scratch_block: int, device: str | torch.device) -> None:
@@ -203,7 +206,7 @@ class ChainStaging:
             region = self._regions[runner]
         except KeyError:
             region = self._regions[runner] = _runner_region(
-                runner, w=self.width, m=self.max_blocks, device=self.device, scratch=self.scratch)
+                runner, max_w=self.width, m=self.max_blocks, device=self.device, scratch=self.scratch)
         except TypeError:  # an object that cannot be weakly referenced: stage in our own
             return self._own
         return self._own if region is None else region

@@ -143,10 +143,11 @@ class Engine:
             for k in sorted({cfg.num_drafts, 1}):
                 runner = compile_chain(proposer.circuit_draft(k), proposer.widths, device=cfg.device)
                 proposer.set_circuit_draft(runner, num_drafts=k)
-            # catch-up and prefill rows need only their K/V: the KV-only chain (issue 14 item 1)
-            proposer.set_circuit_draft(compile_chain(proposer.circuit_draft_kv_only(),
-                                                     proposer.widths, device=cfg.device),
-                                       kv_only=True)
+            # catch-up and prefill rows need only their K/V: the KV-only chain (issue 14 item 1),
+            # at its own widths (a step's catch-up rows in one run)
+            kv_only = proposer.circuit_draft_kv_only()
+            proposer.set_circuit_draft(compile_chain(kv_only, kv_only.widths or proposer.widths,
+                                                     device=cfg.device), kv_only=True)
         return proposer
 
     # ---- checks, all before anything runs ----

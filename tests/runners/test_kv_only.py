@@ -44,6 +44,32 @@ def test_kv_only_catchup_writes_the_one_step_chains_rows_bitwise(lengths):
     assert got == oracle.propose_batch([3] * len(theirs), hidden(7, len(theirs)), pos, K, theirs)
 
 
+def test_a_catchup_wider_than_the_chain_is_one_kv_only_run_and_writes_the_oracles_rows():
+    """30 catch-up rows of 5 sequences (the chains' widest program has 8 rows): one padded run
+    of the KV-only program at width 32 = (K + 1) x 8, not four runs of 8; the pools, row counts
+    and keys equal the eager oracle's, which writes them as the one-step chain does."""
+    program, oracle = make("circuit"), make("eager")
+    runner, _ = program.chains.kv_only()
+    assert runner.max_width == 8 * (K + 1) == 32 and program.chain_runner().max_width == 8
+    seeds, lengths = [1, 2, 3, 4, 5], [6, 5, 7, 6, 6]
+    states = [prefilled(program, s, length=5 + s % 4)[0] for s in seeds]
+    runs = [(kind, dict(by_n)) for kind, by_n in program.stats.items()]
+    g = torch.Generator().manual_seed(99)
+    tokens = [torch.randint(0, CFG.vocab_size, (m,), generator=g).tolist() for m in lengths]
+    first = [st.rows + 1 for st in states]
+    assert program.catchup_batch(tokens, [hidden(50 + i, m) for i, m in enumerate(lengths)],
+                                 first, states) == 30
+    after = {(kind, n): c for kind, by_n in program.stats.items() for n, c in by_n.items()}
+    before = {(kind, n): c for kind, by_n in runs for n, c in by_n.items()}
+    assert {k: c - before.get(k, 0) for k, c in after.items() if c != before.get(k, 0)} \
+        == {("pad", 30): 1}
+    theirs = catch_up(oracle, seeds, lengths)
+    assert [s.rows for s in states] == [s.rows for s in theirs]
+    assert [s.last_pair_key for s in states] == [s.last_pair_key for s in theirs]
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(program.states[name], oracle.states[name]), name
+
+
 def test_kv_only_program_equals_the_full_one_step_program_on_the_same_rows():
     """Program vs program as well: the same padded rows through both compiled circuits."""
     a, b = make("circuit"), make("circuit")
@@ -59,8 +85,12 @@ def test_the_plan_report_lists_the_kv_only_family_per_width():
     p = make("circuit")
     report = p.chain_runner(1).compiled.report()
     family = report.families[KV_ONLY]
-    assert [w.width for w in family] == [1, 2, 4, 8]
+    # the chain's widths, then doubling up to a whole step's catch-up rows, (k + 1) x 8
+    assert [w.width for w in family] == list(p.kv_widths) == [1, 2, 4, 8, 16, 8 * (K + 1)]
     for fw in family:
+        if fw.width > 8:  # past the one-step chain's widths: the same launches over more rows
+            assert fw.launches == family[3].launches and fw.bytes_moved > family[3].bytes_moved
+            continue
         full = report.width(fw.width)
         assert 0 < fw.launches < full.launches and 0 < fw.bytes_moved < full.bytes_moved
         assert fw.floor_us < full.floor_us

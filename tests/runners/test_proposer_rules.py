@@ -174,7 +174,8 @@ def test_circuit_proposer_with_widths_up_to_8_prefills_any_length_like_eager(len
         assert p.catchup_batch([list(range(7))] * 3, [h[:7], h[7:14], h[14:]], [3] * 3, batch) == 21
         outs.append((seq_kv(p, s), p.last_pair_key(s), [seq_kv(p, b) for b in batch]))
         if forward == "circuit":
-            assert max(n for per in p.stats.values() for n in per) <= 8  # chunked to 8 rows
+            # chunked to the KV-only chain's widest program, (K + 1) x 8 rows
+            assert max(n for per in p.stats.values() for n in per) <= p.kv_widths[-1] == 32
     (ke, key_e, be), (kc, key_c, bc) = outs
     assert ke.shape[0] == length - 1 and key_e == key_c == length - 2
     assert torch.equal(ke, kc) and all(torch.equal(x, y) for x, y in zip(be, bc))
