@@ -31,17 +31,41 @@ KV = KvLayout(num_blocks=8 * 16 + 1, block_size=16, max_blocks_per_seq=16)
 K, WIDTHS = 4, list(range(1, 9))
 
 
-@pytest.mark.parametrize("family", sorted(HEADS))
-def test_captured_family_chain_equals_program_and_eager(family):
-    from draft_circuit.runners.cudagraph import GraphRunner
-    from draft_circuit.runners.program import ProgramRunner
+def build(family: str, device: str):
+    """(config, bf16 chain, fp32 oracle chain, bf16 params, fp32 params) of a family's head on
+    `device`, from the same stored-name weights."""
     head_type, config = HEADS[family]
     weights = random_moe_weights(config, seed=1) if isinstance(config, MoeConfig) else random_mtp_weights(config, seed=1)
     oracle = head_type(config)  # fp32 references
     fast = head_type(config, "bfloat16")
     chain, fp32_chain = (emit_draft_chain(h, K, max_width=8, kv=KV) for h in (fast, oracle))
-    params = {k: v.cuda() for k, v in fast.bind(weights).items()}
-    fp32_params = {k: v.cuda() for k, v in oracle.bind(weights).items()}
+    params = {k: v.to(device) for k, v in fast.bind(weights).items()}
+    fp32_params = {k: v.to(device) for k, v in oracle.bind(weights).items()}
+    return config, chain, fp32_chain, params, fp32_params
+
+
+def against_oracle(got, batch, fp32_chain, fp32_params) -> tuple[int, int]:
+    """bf16 drafts against the fp32 eager oracle on the same batch: a row is compared until its
+    first near tie (lm-head top-2 log-prob gap < 5e-2) or mismatch; (compared, mismatched)."""
+    fp32_inputs = {k: v.float() if v.is_floating_point() else v for k, v in batch.inputs.items()}
+    fp32_states = {k: v.float() for k, v in batch.clone_states().items()}
+    keep = tuple(f"s{j}.lm_head" for j in range(K))
+    want = EagerRunner(fp32_chain, fp32_params, fp32_states).run(fp32_inputs, keep=keep)
+    gaps = torch.stack([(lambda t: t[:, 0] - t[:, 1])(want[k].log_softmax(-1).topk(2, dim=-1).values)
+                        for k in keep], dim=1)
+    return compare_drafts(got, want, gaps, conf_atol=5e-2, tie_gap=5e-2, strict=False)
+
+
+def enough(compared: int, mismatched: int) -> bool:
+    """Most steps compared (near ties stop a row), and at most a tenth of them mismatched."""
+    return compared > 0.5 * K * sum(WIDTHS) and mismatched <= 0.1 * compared
+
+
+@pytest.mark.parametrize("family", sorted(HEADS))
+def test_captured_family_chain_equals_program_and_eager(family):
+    from draft_circuit.runners.cudagraph import GraphRunner
+    from draft_circuit.runners.program import ProgramRunner
+    config, chain, fp32_chain, params, fp32_params = build(family, "cuda")
     compiled = compile_draft(chain, params, WIDTHS, device="cuda")
     kernels = {(x.op, x.kernel) for x in compiled.programs[4].launches}
     assert ("rope_kv_write", "triton_rope_kv_write") in kernels
@@ -63,16 +87,9 @@ def test_captured_family_chain_equals_program_and_eager(family):
         got = runner.run(batch.inputs)
         for k in ("drafts", "confidences", "hidden_out"):
             assert torch.equal(got[k], plain[k]), (family, n, k)
-        fp32_inputs = {k: v.float() if v.is_floating_point() else v for k, v in batch.inputs.items()}
-        fp32_states = {k: v.float() for k, v in batch.clone_states().items()}
-        keep = tuple(f"s{j}.lm_head" for j in range(K))
-        want = EagerRunner(fp32_chain, fp32_params, fp32_states).run(fp32_inputs, keep=keep)
-        gaps = torch.stack([(lambda t: t[:, 0] - t[:, 1])(want[k].log_softmax(-1).topk(2, dim=-1).values)
-                            for k in keep], dim=1)
-        # bf16 against the fp32 oracle: a row is compared until its first near tie or mismatch
-        c, m = compare_drafts(got, want, gaps, conf_atol=5e-2, tie_gap=5e-2, strict=False)
+        c, m = against_oracle(got, batch, fp32_chain, fp32_params)
         compared, mismatched = compared + c, mismatched + m
         for name, dst in runner.input_buffers(n).items():
             dst.copy_(batch.inputs[name])
         assert_no_allocation(runner.execute, n)
-    assert compared > 0.5 * K * sum(WIDTHS) and mismatched <= 0.1 * compared, (compared, mismatched)
+    assert enough(compared, mismatched), (compared, mismatched)
