@@ -11,6 +11,7 @@ top-2 router needed the router's own near-tie rule (tests/layers/test_qwen3_next
 import pytest
 import torch
 
+from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.testing import random_draft_batch
 
 from tests.runners.test_families_cuda import HEADS, KV, K, WIDTHS, against_oracle, build, enough
