@@ -29,6 +29,7 @@ class Baseline:
     outputs: list[list[int]]        # generated ids, request order
     generated_tokens: int
     wall_s: float                   # Engine.generate's wall time (what tokens_per_s divides by)
+    cpu_s: float = 0.0              # and its process CPU time
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -42,7 +43,7 @@ def run_baseline(checkpoint: Checkpoint, config: EngineConfig, requests: Seq[Req
     caller can run the next thing in the same process."""
     engine = Engine(checkpoint, dataclasses.replace(config, speculate=False))
     result = engine.generate(requests, on_step=on_step)
-    base = Baseline(result.outputs, result.stats.generated, result.stats.wall_s)
+    base = Baseline(result.outputs, result.stats.generated, result.stats.wall_s, result.stats.cpu_s)
     del engine, result
     release_device_memory()
     return base

@@ -67,6 +67,8 @@ class Stats:
     #                                   path host time only: the chain's GPU time ends in target_s
     target_s: float = 0.0
     wall_s: float = 0.0
+    cpu_s: float = 0.0                # this process's CPU time in generate (steadier than wall_s
+    #                                   on a shared CPU; a GPU's work is not in it)
     widths: dict[int, int] = field(default_factory=dict)  # decode-step width -> steps
     draft_batches: DraftStats = field(default_factory=DraftStats)
 
@@ -181,12 +183,13 @@ class Engine:
         requests = list(requests)
         self.check(requests)
         seqs = [self.scheduler.add(r) for r in requests]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         while self.scheduler.has_work:
             self.step()
             if on_step is not None:
                 on_step(self)
         self.stats.wall_s += time.perf_counter() - start
+        self.stats.cpu_s += time.process_time() - cpu
         return Result(requests, [s.generated for s in seqs], self.stats)
 
     def step(self) -> None:

@@ -34,6 +34,10 @@ def test_summary_carries_the_baseline_and_the_speedup(tmp_path, small_checkpoint
     assert base["mode"] == "target only" and base["generated_tokens"] == info["generated_tokens"]
     assert base["tokens_per_s"] > 0 and info["outputs_identical"] is True
     assert info["speedup"] == pytest.approx(info["tokens_per_s"] / base["tokens_per_s"], rel=1e-2)
+    # and in process CPU time (the steadier measure on a shared CPU)
+    assert info["cpu_s"] > 0 and base["cpu_s"] > 0
+    assert info["cpu_speedup"] == pytest.approx(base["cpu_s"] / info["cpu_s"], rel=1e-2)
+    assert f"(in CPU time {info['cpu_speedup']:.2f}x)" in out
     assert "target only (same prompts, same process)" in out and "outputs identical; speedup" in out
 
 
