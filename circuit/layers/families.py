@@ -110,7 +110,7 @@ _MTP_NAMES = "DeepSeek-V3 MTP names (as for `llama`)"
 _EAGLE3_NO_BIAS = "the EAGLE-3 head's projections (`fc`, q/k/v, o, the MLP) have no bias"
 _DS_ROPE = "the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies, mscale in the softmax)"
 _GQA_ROPE = ("the rope is default RoPE or YaRN (rope_freqs over YaRN's frequencies and attention factor: "
-             "the dense head and the engine's target; a MoE head refuses YaRN by name)")
+             "the dense and MoE heads and the engine's target)")
 _QWEN3_NEXT_MOE = ("vLLM and SGLang build `mtp.layers.0` at layer index 0, a MoE layer only when "
                    "(0 + 1) % decoder_sparse_step == 0: the head's MLP is the MoE")
 _DS_ROUTING = "routing is DeepSeek-V3's: sigmoid scores plus `e_score_correction_bias`, group-limited top-k"

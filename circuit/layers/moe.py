@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from draft_circuit.circuit.builder import CircuitBuilder
 from draft_circuit.ops import moe as moe_ops  # registers the MoE ops
 from draft_circuit.circuit.layers.config import _NUM_EXPERTS_ALIASES, MTP_PARAM_SHAPES, ConfigError, MtpConfig, _is_int
-from draft_circuit.circuit.layers.mtp import GATE_UP, MtpHead
+from draft_circuit.circuit.layers.mtp import GATE_UP, MtpHead, yarn_param_specs, yarn_params
 from draft_circuit.ops.moe import FP8, KILL_SWITCH, SCALE_BLOCK, dequantize_blocks, expand_block_scales
 
 GATE, BIAS = "mlp.gate.weight", "mlp.gate.e_score_correction_bias"
@@ -199,7 +199,9 @@ def _real(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 class MoeMtpHead(MtpHead):
     """An MTP head whose MLP routes each row to k experts plus the shared ones. fp8_experts:
     routed experts stay fp8 e4m3 with 128x128 block scales (moe_experts_fp8); shared experts and
-    everything else are dequantised to the head's dtype when bound."""
+    everything else are dequantised to the head's dtype when bound. Its attention is the dense
+    head's (MtpHead.emit_step), YaRN included: it declares and binds the same frequency table
+    (yarn_param_specs, yarn_params) that rope_op reads."""
 
     config: MoeConfig
 
@@ -227,7 +229,7 @@ class MoeMtpHead(MtpHead):
             specs[EXPERTS_DOWN + SCALE] = ("float32", blocks(h, i))
         if s:
             specs[SHARED_GATE_UP], specs[SHARED_DOWN] = (dt, (2 * s, h)), (dt, (h, s))
-        return specs
+        return specs | yarn_param_specs(c)  # last, as the dense head's: default RoPE adds nothing
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: shape for k, (_, shape) in self.param_specs().items()}
@@ -246,7 +248,8 @@ class MoeMtpHead(MtpHead):
         stacked = {EXPERTS_GATE_UP: [[f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"] for e in experts],
                    EXPERTS_DOWN: [[f"mlp.experts.{e}.down_proj.weight"] for e in experts]}
         params = {k: _real(weights, k) for k in specs if k not in (*stacked, SHARED_GATE_UP, SHARED_DOWN)
-                  and not k.endswith(SCALE)}
+                  and not k.endswith(SCALE) and k not in yarn_param_specs(c)}  # YaRN's table: computed
+        params.update(yarn_params(c, params[GATE].device))
         if c.shared_intermediate_size:
             params[SHARED_GATE_UP] = torch.cat([_real(weights, f"mlp.shared_experts.{p}_proj.weight")
                                                 for p in ("gate", "up")])

@@ -273,6 +273,6 @@ def rope_op(b: CircuitBuilder, c: MtpConfig, x: str, positions: str,
         b.spec(INV_FREQ)
     except KeyError:
         raise ConfigError(f"rope_scaling yarn: this layer ({b.name}) declares no {INV_FREQ!r} param; "
-                          "YaRN runs in the dense MTP head and the engine's Llama target only") from None
+                          "YaRN runs in the dense and MoE MTP heads and the engine's Llama target only") from None
     return "rope_freqs", [x, positions, INV_FREQ], {"head_dim": c.head_dim, "pos_offset": rope.get("pos_offset", 0),
                                                     "attention_factor": c.rope_scaling.attention_factor}

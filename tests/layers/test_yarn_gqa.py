@@ -4,7 +4,8 @@ chain and the engine's Llama target run `rope_freqs` over YaRN's frequencies and
 factor, equal to transformers' LlamaRotaryEmbedding + apply_rotary_pos_emb at positions far past
 original_max_position_embeddings; end to end, the engine on a YaRN Llama checkpoint is token-exact
 with LlamaForCausalLM.generate (target alone and speculating, both drafter forwards). Any other
-scaling type stays refused by name, and so are YaRN with partial rotary and YaRN in a MoE head."""
+scaling type stays refused by name, and so is YaRN with partial rotary. The MoE head's YaRN:
+tests/layers/test_moe_yarn.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -140,13 +141,3 @@ def test_other_scaling_types_stay_refused_by_name(tmp_path, rope, message):
 def test_yarn_with_partial_rotary_is_refused():
     with pytest.raises(ConfigError, match="partial_rotary_factor.*YaRN runs over whole heads"):
         dataclasses.replace(YARN_SMALL, partial_rotary_factor=0.5)
-
-
-def test_yarn_in_a_moe_head_is_refused_by_name():
-    from draft_circuit.circuit.layers.mtp import KvLayout
-    from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
-    base = {f.name: getattr(YARN_SMALL, f.name) for f in dataclasses.fields(MtpConfig)}
-    moe = MoeConfig(**base, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    assert moe.rope_scaling == YARN_SMALL.rope_scaling
-    with pytest.raises(ConfigError, match="rope_scaling yarn: this layer .* declares no 'rope.inv_freq' param"):
-        emit_draft_chain(MoeMtpHead(moe), 2, max_width=2, kv=KvLayout(8, 8, 4))
