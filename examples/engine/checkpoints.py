@@ -30,7 +30,7 @@ from draft_circuit.circuit.layers.eagle3 import Eagle3Config
 from draft_circuit.circuit.layers.eagle3_checkpoint import is_eagle3_checkpoint, load_eagle3_weights
 from draft_circuit.circuit.layers.heads import head_for
 from draft_circuit.circuit.layers.mla import MlaConfig
-from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
+from draft_circuit.circuit.layers.moe import MoeMtpHead
 from draft_circuit.circuit.layers.tp import TpPlan
 from draft_circuit.circuit.layers.tp_checkpoint import load_mtp_shard, load_target_shard
 
@@ -143,9 +143,6 @@ def _load_mtp(root: Path, config: MtpConfig, target: dict[str, torch.Tensor],
             if getattr(draft_config, field) != getattr(config, field):
                 raise EngineError(f"draft checkpoint {where}: {field} {getattr(draft_config, field)} "
                                   f"!= the target's {getattr(config, field)}")
-        if isinstance(draft_config, MoeConfig) and draft_config.rope_scaling is not None:
-            raise EngineError(f"MTP layer from {where}: rope_scaling yarn with a MoE MLP: YaRN runs in "
-                              "the dense MTP head only (MoeMtpHead declares no frequency table)")
         if shard is not None:  # this rank's slices alone; fp8 block-scaled weights come dequantised
             return draft_config, load_mtp_shard(where, shard.rank, shard.world_size, draft_config)[1]
         _, weights = load_mtp_weights(where, draft_config, keep_fp8=True)
