@@ -162,7 +162,9 @@ def test_eager_chain_equals_transformers_decoder_layer(checkpoint, prefix) -> No
     out, k_rows = eager_chain(head, head.bind(weights), ref.keys, ref.values, token, hidden, prefix, DRAFTS)
     assert out["drafts"][0].tolist() == ref.drafts
     torch.testing.assert_close(out["confidences"][0], torch.tensor(ref.confidences), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out["hidden_out"][0], ref.hidden, atol=1e-5, rtol=1e-5)
+    # the hidden after DRAFTS chained steps: fp32 rounding that differs with the CPU's BLAS path
+    # (1.9e-5 at an element of 0.08 on an AMD EPYC, under 1e-5 on CI's machine), not a layout error
+    torch.testing.assert_close(out["hidden_out"][0], ref.hidden, atol=5e-5, rtol=1e-5)
     # the drafts' own K rows: q/k norm (1 + weight) and partial rotary as transformers caches them
     torch.testing.assert_close(k_rows[prefix:], ref.keys[prefix:], atol=1e-5, rtol=1e-5)
 
