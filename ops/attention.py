@@ -66,19 +66,50 @@ class AttentionAttrs(BaseModel):
 
 
 # ---- rope ----
+# inv_freq by (rotary dims, theta, device): the same values every call computes (issue 20: at the
+# CPU references' tiny shapes every torch op costs microseconds whatever its size)
+_INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
+_MAX_CACHED = 16
+
+
+def _inv_freq(r: int, theta: float, device: torch.device) -> torch.Tensor:
+    key = (r, theta, device)
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        inv = 1.0 / (theta ** (torch.arange(0, r, 2, device=device).float() / r))
+        if len(_INV_FREQ) < _MAX_CACHED:
+            _INV_FREQ[key] = inv
+    return inv
+
+
+def _rope_angles(positions: torch.Tensor, theta: float, pos_offset: int, r: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, 1, R/2] of each row's angles (q and k of a row share them)."""
+    pos = positions.float()
+    if pos_offset or pos.dtype != positions.dtype:  # + 0 is the identity on integer positions
+        pos = pos + pos_offset
+    angle = pos.unsqueeze(-1) * _inv_freq(r, theta, positions.device)  # [n, R/2]
+    return angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
+    """Rotate-half of x [n, heads * head_dim] in fp32 -> [n, heads, head_dim] in x's dtype."""
+    xf = x.float().view(x.shape[0], -1, head_dim)
+    x1, x2 = xf[..., : r // 2], xf[..., r // 2: r]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if r < head_dim:
+        parts.append(xf[..., r:])
+    return torch.cat(parts, dim=-1).to(x.dtype)
+
+
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
              pos_offset: int, rotary_dim: int | None = None) -> torch.Tensor:
     """HF rotate-half RoPE over x [n, heads * head_dim], computed in fp32, cast once. With
     rotary_dim R (HF's partial rotary, GLM-4.5), rotate-half runs inside each head's first R dims
     with frequencies over R and the rest pass through."""
-    n, r = x.shape[0], head_dim if rotary_dim is None else rotary_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, device=x.device).float() / r))
-    angle = (positions.float() + pos_offset).unsqueeze(-1) * inv_freq  # [n, R/2]
-    cos, sin = angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)     # [n, 1, R/2]
-    xf = x.float().view(n, -1, head_dim)
-    x1, x2 = xf[..., : r // 2], xf[..., r // 2: r]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., r:]], dim=-1)
-    return out.view(n, -1).to(x.dtype)
+    r = head_dim if rotary_dim is None else rotary_dim
+    cos, sin = _rope_angles(positions, theta, pos_offset, r)
+    return _rotate(x, cos, sin, head_dim, r).view(x.shape[0], -1)
 
 
 def _infer_rope(ins: list[TensorSpec], a: RopeAttrs) -> list[TensorSpec]:
@@ -128,12 +159,28 @@ def kv_write_ref(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.T
                  tables: torch.Tensor, live: torch.Tensor, active: torch.Tensor | None,
                  row_offset: int) -> None:
     block_size, heads, dim = kc.shape[1:]
-    rows = live.long() + row_offset
-    blocks = tables.long().gather(1, (rows // block_size).unsqueeze(1)).squeeze(1)
-    keep = torch.ones_like(rows, dtype=torch.bool) if active is None else active != 0
-    blocks, offs = blocks[keep], (rows % block_size)[keep]
-    kc[blocks, offs] = k[keep].view(-1, heads, dim)
-    vc[blocks, offs] = v[keep].view(-1, heads, dim)
+    _write_rows(kc, vc, k.view(-1, heads, dim), v.view(-1, heads, dim), tables, live, active,
+                row_offset)
+
+
+def _write_rows(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                tables: torch.Tensor, live: torch.Tensor, active: torch.Tensor | None,
+                row_offset: int) -> None:
+    """k, v [n, kv_heads, head_dim] into each active row's slot. Every row's block is gathered
+    (a row past its table raises, active or not); the active rows are selected once, and not at
+    all when every row is active."""
+    block_size = kc.shape[1]
+    rows = live.long()
+    if row_offset:
+        rows = rows + row_offset
+    blocks = tables.gather(1, (rows // block_size).unsqueeze(1)).squeeze(1)
+    offs = rows % block_size
+    if active is not None:
+        keep = active.nonzero().view(-1)
+        if keep.numel() < active.numel():
+            blocks, offs, k, v = blocks[keep], offs[keep], k[keep], v[keep]
+    kc.index_put_((blocks, offs), k)
+    vc.index_put_((blocks, offs), v)
 
 
 def _kv_write(t: list[torch.Tensor], a: KvWriteAttrs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,10 +227,22 @@ def _infer_rope_kv_write(ins: list[TensorSpec], a: RopeKvWriteAttrs) -> list[Ten
 
 
 def _rope_kv_write(t: list[torch.Tensor], a: RopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
+    """rope(q), rope(k) and the KV write; q and k of one dtype are roped together (one angle
+    table, one rotation: elementwise, so each value is the one rope_ref gives it)."""
     q, k, v, pos, kc, vc, tables, live = t[:8]
-    q_rot = rope_ref(q, pos, a.head_dim, a.theta, a.pos_offset, a.rotary_dim)
-    k_rot = rope_ref(k, pos, a.head_dim, a.theta, a.pos_offset, a.rotary_dim)
-    kv_write_ref(kc, vc, k_rot, v, tables, live, t[8] if len(t) > 8 else None, a.row_offset)
+    active = t[8] if len(t) > 8 else None
+    r = a.head_dim if a.rotary_dim is None else a.rotary_dim
+    cos, sin = _rope_angles(pos, a.theta, a.pos_offset, r)
+    heads, dim = kc.shape[2:]
+    if q.dtype != k.dtype:
+        q_rot = _rotate(q, cos, sin, a.head_dim, r).view(q.shape)
+        k_rot = _rotate(k, cos, sin, a.head_dim, r)
+    else:
+        qk = _rotate(torch.cat([q, k], dim=1), cos, sin, a.head_dim, r)  # [n, q + kv heads, d]
+        q_heads = q.shape[1] // a.head_dim
+        q_rot, k_rot = qk[:, :q_heads].reshape(q.shape), qk[:, q_heads:]
+    _write_rows(kc, vc, k_rot.view(-1, heads, dim), v.view(-1, heads, dim), tables, live, active,
+                a.row_offset)
     return q_rot, kc, vc
 
 
