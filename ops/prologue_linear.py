@@ -37,8 +37,8 @@ from draft_circuit.ops.fused_linear import _infer_linear_concat, _infer_qkv
 from draft_circuit.ops.registry import (ATTENTION, FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, SAMPLING, Cost,
                                         CostContext, Env, OpDef, Specs, default_cost, register)
 from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, KeepAttrs, _infer_gate, _infer_keep, _infer_linear_argmax,
-                                        _infer_linear_argmax_keep, _keep, _linear_argmax, _linear_argmax_keep,
-                                        _linear_argmax_ws, confidence_gate_ref)
+                                        _infer_linear_argmax_keep, _linear_argmax, _linear_argmax_keep,
+                                        _linear_argmax_ws, gate_on, keep_on)
 from draft_circuit.ops.tokens import _infer_embedding, embedding_ref
 
 _k_prologue = kernel("linear_fused", "linear_prologue")
@@ -108,6 +108,10 @@ def _infer_norm_qkv(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
     return _infer_qkv([_norm_then(ins, a), *ins[2:]], a)
 
 
+def _norm_qkv_ref(normed: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(linear_ref(normed, w) for w in weights)  # one norm for the three products
+
+
 def _norm_qkv_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     return _weight_cost(ins, outs, env, ins[0], ins[2:])
 
@@ -115,7 +119,7 @@ def _norm_qkv_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) 
 register(OpDef(
     name="rmsnorm_linear_qkv", inputs=("x", "norm_weight", "q_weight", "k_weight", "v_weight"),
     outputs=("q", "k", "v"), attrs=EpsAttrs, infer=_infer_norm_qkv, cost=_norm_qkv_cost,
-    reference=lambda t, a: tuple(linear_ref(rmsnorm_ref(t[0], t[1], a.eps), w) for w in t[2:]),
+    reference=lambda t, a: _norm_qkv_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2:]),
     tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
     kernels=(KernelBinding("triton_rmsnorm_linear_qkv",
                            lambda i, o, w, a: _k_norm_qkv()(i[0], i[1], a.eps, i[2:], o),
@@ -217,15 +221,17 @@ def _draft_op(last: bool, gate: bool) -> OpDef:
         return [*outs, *more]
 
     def reference(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor, ...]:
+        # _linear_argmax_keep, keep_if_active and confidence_gate's references, active's bool once
         base, fallback, log_tau = _draft_parts(t, last, gate)
         x, norm, w, active, *mask = base
-        token, logprob, kept = _linear_argmax_keep([rmsnorm_ref(x, norm, a.eps), w, active, *mask], a)
-        more = []
+        token, logprob = _linear_argmax([rmsnorm_ref(x, norm, a.eps), w, *mask], a)
+        act = active.bool()
+        more = [keep_on(token, act, None)]
         if fallback is not None:
-            more.append(_keep([token, active, fallback], KeepAttrs())[0])
+            more.append(keep_on(token, act, fallback))
         if log_tau is not None:
-            more.append(confidence_gate_ref(active, logprob, log_tau))
-        return (token, logprob, kept, *more)
+            more.append(gate_on(act, logprob, log_tau))
+        return (token, logprob, *more)
 
     def launch(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
         base, fallback, log_tau = _draft_parts(ins, last, gate)
@@ -316,8 +322,7 @@ def _infer_qkv_rope(ins: list[TensorSpec], a: NormRopeKvWriteAttrs) -> list[Tens
 
 def _qkv_rope_ref(t: list[torch.Tensor], a: NormRopeKvWriteAttrs) -> tuple[torch.Tensor, ...]:
     (x, norm, *weights), rest = _qkv_rope_parts(t)
-    q, k, v = (linear_ref(rmsnorm_ref(x, norm, a.eps), w) for w in weights)
-    return _rope_kv_write([q, k, v, *rest], a)
+    return _rope_kv_write([*_norm_qkv_ref(rmsnorm_ref(x, norm, a.eps), weights), *rest], a)
 
 
 def _qkv_rope_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:

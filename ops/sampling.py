@@ -29,27 +29,30 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[n, W] int32 words -> [n, vocab] bool."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int64)
+    bits = _BITS.get(bitmask.device)
+    if bits is None:  # one small tensor a device, not one a call (issue 20)
+        bits = _BITS.setdefault(bitmask.device, torch.arange(32, device=bitmask.device, dtype=torch.int64))
     expanded = (bitmask.long().unsqueeze(-1) >> bits) & 1  # the sign bit is just bit 31
     return expanded.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def argmax_logprob_ref(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    x = logits.float()
-    allowed = torch.isfinite(x)
+    # a disallowed logit becomes -inf, which no allowed (finite) one loses to, so a row has
+    # nothing allowed exactly when its max is -inf; max(dim) gives the first index of the
+    # maximum: ties to the lowest id (fewest torch ops, issue 20: each costs microseconds here)
+    ninf = float("-inf")
+    masked = logits.float().nan_to_num(ninf, ninf, ninf)
     if bitmask is not None:
-        allowed &= allowed_tokens(bitmask, x.shape[1])
-    masked = x.masked_fill(~allowed, float("-inf"))
-    best = masked.max(dim=-1).values
-    # lowest id among the maxima: argmax of a boolean picks the first True
-    token = (masked == best.unsqueeze(-1)).to(torch.int8).argmax(dim=-1).to(torch.int32)
-    logprob = best - torch.logsumexp(masked, dim=-1)
-    none = ~allowed.any(dim=-1)
-    token = token.masked_fill(none, -1)
-    logprob = logprob.masked_fill(none, float("-inf"))
-    return token, logprob
+        masked.masked_fill_(~allowed_tokens(bitmask, masked.shape[1]), ninf)
+    best, token = masked.max(dim=-1)
+    none = best == ninf
+    logprob = (best - torch.logsumexp(masked, dim=-1)).masked_fill_(none, ninf)
+    return token.to(torch.int32).masked_fill_(none, -1), logprob
 
 
 def _check_mask(logits_or_x: TensorSpec, vocab: int, mask: TensorSpec) -> None:
@@ -138,7 +141,13 @@ def confidence_gate_ref(active: torch.Tensor, logprob: torch.Tensor,
                         log_tau: torch.Tensor) -> torch.Tensor:
     """A row stays active unless this draft's top-1 log-probability is below log(tau).
     NaN compares false, so an unmeasured confidence never stops a chain."""
-    return (active.bool() & ~(logprob < log_tau)).to(torch.int32)
+    return gate_on(active.bool(), logprob, log_tau)
+
+
+def gate_on(active: torch.Tensor, logprob: torch.Tensor, log_tau: torch.Tensor) -> torch.Tensor:
+    """confidence_gate_ref with active already bool: active and not below (bool > bool is
+    True > False only)."""
+    return active.gt(logprob < log_tau).to(torch.int32)
 
 
 register(OpDef(
@@ -161,9 +170,13 @@ def _infer_keep(ins: list[TensorSpec], a: KeepAttrs) -> list[TensorSpec]:
 
 
 def _keep(t: list[torch.Tensor], a: KeepAttrs) -> tuple[torch.Tensor]:
-    token, active = t[0], t[1]
-    fallback = t[2] if len(t) > 2 else torch.full_like(token, a.fill)
-    return (torch.where(active.bool(), token, fallback),)
+    return (keep_on(t[0], t[1].bool(), t[2] if len(t) > 2 else None, a.fill),)
+
+
+def keep_on(token: torch.Tensor, active: torch.Tensor, fallback: torch.Tensor | None,
+            fill: int = -1) -> torch.Tensor:
+    """keep_if_active with active already bool."""
+    return torch.where(active, token, fill if fallback is None else fallback)
 
 
 register(OpDef(
@@ -185,7 +198,7 @@ def _infer_linear_argmax_keep(ins: list[TensorSpec], a: BaseModel) -> list[Tenso
 
 def _linear_argmax_keep(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor, ...]:
     token, logprob = _linear_argmax([t[0], t[1], *t[3:]], a)
-    return token, logprob, _keep([token, t[2]], KeepAttrs())[0]
+    return token, logprob, keep_on(token, t[2].bool(), None)
 
 
 def _launch_linear_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
