@@ -1,5 +1,7 @@
 """Public test helpers for draft runners: random weights and batches for the MTP chain, runner
-comparison against the eager oracle, arena poisoning, and the `cuda` pytest mark (marks and skips).
+comparison against the eager oracle (`assert_program_matches_eager`: a compiled draft equals
+EagerRunner bitwise, outputs and states, at every width), arena poisoning, and the `cuda` pytest
+mark (marks and skips).
 
 Host engines use these in their own test suites; the project's tests use them too.
 """
@@ -11,8 +13,13 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
+from draft_circuit.circuit.ir import Circuit
 from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout
+from draft_circuit.circuit.planner import CompiledDraft, compile_draft
+from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
+from draft_circuit.runners.eager import EagerRunner
+from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.device import cuda_available  # noqa: F401  (public here too)
 
 
@@ -103,6 +110,53 @@ def assert_outputs_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, tor
         else:
             torch.testing.assert_close(g.cpu(), w.cpu(), atol=atol, rtol=atol,
                                        msg=lambda m: f"output {name!r}: {m}")
+
+
+Tensors = Mapping[str, torch.Tensor]
+# (compiled, states, width, inputs) -> outputs: how a test runs the compiled draft
+RunProgram = Callable[[CompiledDraft, dict[str, torch.Tensor], int, Tensors], Mapping[str, torch.Tensor]]
+
+
+def _run_program_runner(compiled: CompiledDraft, states: dict[str, torch.Tensor], width: int,
+                        inputs: Tensors) -> Mapping[str, torch.Tensor]:
+    return ProgramRunner(compiled, states).run(inputs)
+
+
+def run_draft_runner(compiled: CompiledDraft, states: dict[str, torch.Tensor], width: int,
+                     inputs: Tensors) -> Mapping[str, torch.Tensor]:
+    """A `run_program` for assert_program_matches_eager: the host-facing CircuitDraftRunner
+    (scratch block 0) at exactly `width` rows, never split, so its width plan is checked too."""
+    return CircuitDraftRunner(compiled, states, scratch_block=0,
+                              policy=WidthPolicy(allow_split=False)).run(width, inputs)
+
+
+def assert_program_matches_eager(chain: Circuit, params: Tensors, widths: Sequence[int],
+                                 batch_for: Callable[[int], DraftBatch | tuple[Tensors, Tensors]], *,
+                                 compiled: CompiledDraft | None = None,
+                                 run_program: RunProgram | None = None) -> CompiledDraft:
+    """The compiled draft equals the eager oracle to the bit at every width in `widths`.
+
+    For each width, `batch_for(width)` gives the call (a DraftBatch, or (inputs, states)); the
+    eager runner runs `chain` over one copy of the states and `run_program` (default: a
+    ProgramRunner over `compiled`) over another, and every eager output and every state (the KV
+    pools, written in place) must be torch.equal between the two; a failure names (width, name).
+    `compiled` defaults to compile_draft(chain, params, widths) on CPU. Returns the compiled draft
+    (so a caller can check its launches)."""
+    if compiled is None:
+        compiled = compile_draft(chain, params, list(widths))
+    run = run_program or _run_program_runner
+    for width in widths:
+        batch = batch_for(width)
+        inputs, states = (batch.inputs, batch.states()) if isinstance(batch, DraftBatch) else batch
+        want_states = {k: v.clone() for k, v in states.items()}
+        got_states = {k: v.clone() for k, v in states.items()}
+        want = EagerRunner(chain, params, want_states).run(inputs)
+        got = run(compiled, got_states, width, inputs)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (width, name)
+        for name in want_states:
+            assert torch.equal(got_states[name], want_states[name]), (width, name)
+    return compiled
 
 
 # ---- the GPU test mark and graph-capture helpers (used by the project's GPU tests) ----

@@ -11,7 +11,7 @@ from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
+from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch
 
 from tests.layers.deepseek_fixtures import random_weights, tiny_config
 
@@ -46,16 +46,7 @@ def test_chain_declares_the_latent_pools_and_mla_ops(chain):
 
 def test_program_equals_eager_bitwise_at_widths_1_to_8(chain):
     c, head, circuit, params = chain
-    compiled = compile_draft(circuit, params, list(range(1, 9)))
-    for w in range(1, 9):
-        inputs, states = batch(c, head, w, seed=w)
-        eager_states = {k: v.clone() for k, v in states.items()}
-        want = EagerRunner(circuit, params, eager_states).run(inputs)
-        got = ProgramRunner(compiled, states).run(inputs)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (w, name)
-        for name in states:
-            assert torch.equal(states[name], eager_states[name]), (w, name)
+    assert_program_matches_eager(circuit, params, range(1, 9), lambda w: batch(c, head, w, seed=w))
 
 
 def test_chain_writes_exactly_its_rows_across_block_boundaries(chain):

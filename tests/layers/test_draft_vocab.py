@@ -18,10 +18,10 @@ from draft_circuit.circuit.layers.draft_vocab import (DRAFT_VOCAB_IDS, DraftVoca
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops.sampling import allowed_tokens, mask_words
-from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+from draft_circuit.runners.testing import (assert_program_matches_eager, random_draft_batch, random_mtp_weights,
+                                           run_draft_runner)
 
 CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -112,20 +112,14 @@ def test_programs_equal_the_eager_chain_bitwise_at_every_width(masked):
     head, vocab, _, _, params, sub_params, _ = setup(1, masked)
     chain = emit_draft_chain(head, K, max_width=8, kv=KV, bitmask=masked, embed_target=True,
                              confidence_stop=True, draft_vocab=S)
-    compiled = compile_draft(chain, sub_params, list(range(1, 9)))
-    assert {"map_ids", "remap_bitmask"} & {x.op for x in compiled.programs[1].launches}
-    for n in range(1, 9):
+
+    def batch_for(n: int) -> tuple[dict, dict]:
         batch = random_draft_batch(CFG, KV, n, seed=10 + n, num_drafts=K, bitmask=masked)
         batch.inputs["log_tau"] = torch.full((n,), math.log(0.02))
-        want_states = {**batch.clone_states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
-        got_states = {k: v.clone() for k, v in want_states.items()}
-        want = EagerRunner(chain, sub_params, want_states).run(batch.inputs)
-        got = CircuitDraftRunner(compiled, got_states, scratch_block=0,
-                                 policy=WidthPolicy(allow_split=False)).run(n, batch.inputs)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (n, k)
-        for k in want_states:
-            assert torch.equal(got_states[k], want_states[k]), (n, k)
+        return batch.inputs, {**batch.states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
+
+    compiled = assert_program_matches_eager(chain, sub_params, range(1, 9), batch_for, run_program=run_draft_runner)
+    assert {"map_ids", "remap_bitmask"} & {x.op for x in compiled.programs[1].launches}
 
 
 @pytest.mark.parametrize("width", [1, 3])

@@ -13,9 +13,9 @@ from draft_circuit.circuit.layers.draft_vocab import DraftVocab, bind_draft_voca
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config, Eagle3Head
 from draft_circuit.circuit.layers.mtp import emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
-from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import assert_program_matches_eager, run_draft_runner
 
 from tests.layers.eagle3_reference import CFG, KV, K, checkpoint, eager_inputs, paged_rows, reference_chain
 
@@ -62,23 +62,17 @@ def test_programs_equal_the_eager_chain_bitwise_at_widths_1_to_8(masked):
     params = head.bind(checkpoint())
     chain = emit_draft_chain(head, K, max_width=8, kv=KV, bitmask=masked, embed_target=True,
                              confidence_stop=True)
-    compiled = compile_draft(chain, params, list(range(1, 9)))
-    for n in range(1, 9):
+
+    def batch_for(n: int) -> tuple[dict, dict]:
         batch = eager_inputs(n, seed=30 + n)
         if masked:
             g = torch.Generator().manual_seed(n)
             batch.inputs["bitmask"] = torch.randint(-2**31, 2**31 - 1, (n, 5), generator=g,
                                                     dtype=torch.int64).to(torch.int32)
         batch.inputs["log_tau"] = torch.full((n,), math.log(0.05))
-        want_states = {**batch.clone_states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
-        got_states = {k: v.clone() for k, v in want_states.items()}
-        want = EagerRunner(chain, params, want_states).run(batch.inputs)
-        got = CircuitDraftRunner(compiled, got_states, scratch_block=0,
-                                 policy=WidthPolicy(allow_split=False)).run(n, batch.inputs)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (n, k)
-        for k in want_states:
-            assert torch.equal(got_states[k], want_states[k]), (n, k)
+        return batch.inputs, {**batch.states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
+
+    assert_program_matches_eager(chain, params, range(1, 9), batch_for, run_program=run_draft_runner)
 
 
 @pytest.mark.parametrize("width", [1, 3])

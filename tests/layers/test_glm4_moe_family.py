@@ -18,16 +18,12 @@ from safetensors.torch import load_file
 from draft_circuit.circuit.layers.checkpoint import ConfigError, load_mtp_weights, read_config
 from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.moe import GATE, MoeConfig, MoeMtpHead
-from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
-from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops.moe import MoeRouteAttrs, route_select
-from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
 
 transformers = pytest.importorskip("transformers")
 from tests.layers.hf_family_reference import L, family_checkpoint, hf_draft_chain, set_config  # noqa: E402
-from tests.layers.test_qwen_families import DRAFTS, KV, PREFIX, eager_chain  # noqa: E402
+from tests.layers.family_helpers import (DRAFTS, PREFIX, assert_checkpoint_program_matches_eager,  # noqa: E402
+                                         eager_chain, interpreted_kernels_match_eager)
 
 MOE = dict(n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=1)
 VARIANTS = {  # GLM-4.5 355B-like (bias, q/k norm, groups) and Air-like (bias only), top-1 routing
@@ -108,34 +104,13 @@ def test_router_equals_glm4_moe_topk_router(top_k, n_group, topk_group) -> None:
 
 def test_program_equals_eager_bitwise_at_widths_1_to_8(checkpoint) -> None:
     _, root = checkpoint
-    head, weights = load_head(root)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=8, kv=KV)
-    compiled = compile_draft(chain, params, list(range(1, 9)))
-    for w in range(1, 9):
-        b = random_draft_batch(head.config, KV, w, seed=w, num_drafts=DRAFTS)
-        want_states, got_states = b.clone_states(), b.clone_states()
-        want = EagerRunner(chain, params, want_states).run(b.inputs)
-        got = ProgramRunner(compiled, got_states).run(b.inputs)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (w, k)
-        for k in want_states:
-            assert torch.equal(got_states[k], want_states[k]), (w, k)
+    assert_checkpoint_program_matches_eager(root, range(1, 9))
 
 
 def test_interpreted_kernels_match_eager(checkpoint) -> None:
     _, root = checkpoint
-    head, weights = load_head(root)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=4, kv=KV)
-    compiled = compile_draft(chain, params, [3], options=CompileOptions(interpret_kernels=True))
-    kernels = {(x.op, x.kernel) for x in compiled.programs[3].launches}
+    kernels = interpreted_kernels_match_eager(root)
     assert {("rope_kv_write", "triton_rope_kv_write"), ("moe_experts", "triton_moe_grouped")} <= kernels
-    b = random_draft_batch(head.config, KV, 3, seed=9, num_drafts=DRAFTS)
-    want = EagerRunner(chain, params, b.clone_states()).run(b.inputs)
-    got = ProgramRunner(compiled, b.clone_states()).run(b.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=1e-4, rtol=1e-4)
 
 
 # ---- where the rotary factor sits, and what is refused ----

@@ -25,14 +25,11 @@ from draft_circuit.circuit.layers.config import ConfigError
 from draft_circuit.circuit.layers.families import UnsupportedConfigError, check_family
 from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
-from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain, rope_op
+from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain, rope_op
 from draft_circuit.circuit.layers.rope import INV_FREQ
-from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
 
 transformers = pytest.importorskip("transformers")
+from tests.layers.family_helpers import assert_checkpoint_program_matches_eager, eager_chain  # noqa: E402
 from tests.layers.hf_family_reference import family_checkpoint, hf_draft_chain  # noqa: E402
 
 ORIG, DRAFTS = 16, 3
@@ -66,25 +63,10 @@ def roots(request, tmp_path_factory) -> tuple[Path, Path]:
     return glm, llama
 
 
-def eager_chain(head: MtpHead, params: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-                token: int, hidden: torch.Tensor, prefix: int) -> tuple[dict, torch.Tensor]:
-    """One sequence whose drafter KV holds `prefix` rows (transformers' keys / values) over
-    scattered blocks, drafting from `token` at position `prefix`; the outputs and the K rows."""
-    c = head.config
-    shape = (KV.num_blocks, KV.block_size, c.num_key_value_heads, c.head_dim)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
-    tables = (torch.randperm(KV.max_blocks_per_seq, generator=torch.Generator().manual_seed(prefix)) + 1)
-    tables = tables.to(torch.int32)[None]  # block 0 is scratch
-    rows = torch.arange(prefix + DRAFTS)
-    blocks, slots = tables[0, rows // KV.block_size].long(), rows % KV.block_size
-    k_cache[blocks[:prefix], slots[:prefix]] = keys[:prefix]
-    v_cache[blocks[:prefix], slots[:prefix]] = values[:prefix]
-    inputs = {"tokens": torch.tensor([token], dtype=torch.int32), "hidden": hidden.view(1, -1),
-              "positions": torch.tensor([prefix], dtype=torch.int32), "block_tables": tables,
-              "live_rows": torch.tensor([prefix], dtype=torch.int32), "active": torch.ones(1, dtype=torch.int32)}
-    states = {"k_cache": k_cache, "v_cache": v_cache}
-    out = EagerRunner(emit_draft_chain(head, DRAFTS, max_width=1, kv=KV), params, states).run(inputs)
-    return out, states["k_cache"][blocks, slots]
+def _tables(prefix: int) -> torch.Tensor:
+    """One sequence's 16 blocks in a random order (seeded by `prefix`); block 0 is scratch."""
+    tables = torch.randperm(KV.max_blocks_per_seq, generator=torch.Generator().manual_seed(prefix)) + 1
+    return tables.to(torch.int32)[None]
 
 
 def test_the_llama_moe_head_reads_yarn_and_declares_the_table(roots) -> None:
@@ -114,33 +96,23 @@ def test_eager_chain_equals_transformers_glm4_moe_layer_with_yarn(roots, prefix)
     h = head.config.hidden_size
     prefix_x, hidden, token = torch.randn(prefix, h, generator=g), torch.randn(h, generator=g), 7
     hf = hf_draft_chain(glm, weights, prefix_x, token, hidden, DRAFTS)
-    out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, prefix)
+    out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, prefix, DRAFTS, kv=KV,
+                              tables=_tables(prefix))
     assert out["drafts"][0].tolist() == hf.drafts
     torch.testing.assert_close(out["confidences"][0], torch.tensor(hf.confidences), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out["hidden_out"][0], hf.hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_rows[prefix:], hf.keys[prefix:], atol=1e-5, rtol=1e-5)  # roped by rope_freqs
     # the check sees YaRN: the same head over default RoPE misses the oracle's keys
     plain = MoeMtpHead(dataclasses.replace(head.config, rope_scaling=None))
-    _, plain_k = eager_chain(plain, plain.bind(weights), hf.keys, hf.values, token, hidden, prefix)
+    _, plain_k = eager_chain(plain, plain.bind(weights), hf.keys, hf.values, token, hidden, prefix, DRAFTS, kv=KV,
+                             tables=_tables(prefix))
     assert not torch.allclose(plain_k[prefix:], hf.keys[prefix:], atol=1e-3)
 
 
 def test_program_equals_eager_bitwise_at_widths_1_to_4(roots) -> None:
     _, llama = roots
-    head, weights = load_head(llama)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=4, kv=KV)
-    compiled = compile_draft(chain, params, [1, 2, 3, 4])
-    for w in range(1, 5):
-        b = random_draft_batch(head.config, KV, w, seed=w, num_drafts=DRAFTS)
-        b.inputs["positions"] += 2 * ORIG  # past the original length
-        want_states, got_states = b.clone_states(), b.clone_states()
-        want = EagerRunner(chain, params, want_states).run(b.inputs)
-        got = ProgramRunner(compiled, got_states).run(b.inputs)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (w, k)
-        for k in want_states:
-            assert torch.equal(got_states[k], want_states[k]), (w, k)
+    assert_checkpoint_program_matches_eager(llama, range(1, 5), kv=KV, num_drafts=DRAFTS,
+                                            position_shift=2 * ORIG)  # past the original length
 
 
 def test_glm4_moe_still_refuses_yarn_by_name(roots) -> None:

@@ -30,16 +30,15 @@ from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.mtp import emit_draft_chain
 from draft_circuit.circuit.layers.qwen3_next import (GATE, QUERY, ZERO_CENTRED_NORMS, Qwen3NextMtpConfig,
                                                      Qwen3NextMtpHead, qwen3_next_mtp_shapes)
-from draft_circuit.circuit.planner import CompileOptions, compile_draft, kv_only_circuit
+from draft_circuit.circuit.planner import kv_only_circuit
 from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
 
 from tests.layers.hf_family_reference import HfChain, moe_state, randomize, set_config  # noqa: E402
-from tests.layers.test_qwen_families import DRAFTS, KV, PREFIX, eager_chain  # noqa: E402
+from tests.layers.family_helpers import (DRAFTS, KV, PREFIX, SCATTERED, assert_checkpoint_program_matches_eager,  # noqa: E402
+                                         eager_chain, interpreted_kernels_match_eager)
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
@@ -198,7 +197,7 @@ def test_prefill_rows_write_transformers_kv(checkpoint) -> None:
     program = kv_only_circuit(emit_draft_chain(head, 1, max_width=8, kv=KV))
     shape = (KV.num_blocks, KV.block_size, c.num_key_value_heads, c.head_dim)
     states = {"k_cache": torch.zeros(shape), "v_cache": torch.zeros(shape)}
-    table = torch.tensor([[3, 1, 4, 2]], dtype=torch.int32).expand(rows, -1).contiguous()
+    table = SCATTERED.expand(rows, -1).contiguous()
     inputs = {"tokens": tokens.int(), "hidden": hidden, "positions": torch.arange(rows, dtype=torch.int32),
               "block_tables": table, "live_rows": torch.arange(rows, dtype=torch.int32),
               "active": torch.ones(rows, dtype=torch.int32)}
@@ -213,36 +212,15 @@ def test_prefill_rows_write_transformers_kv(checkpoint) -> None:
 
 def test_program_equals_eager_bitwise_at_widths_1_to_8(checkpoint) -> None:
     _, root = checkpoint
-    head, weights = load_head(root)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=8, kv=KV)
-    compiled = compile_draft(chain, params, list(range(1, 9)))
-    for w in range(1, 9):
-        b = random_draft_batch(head.config, KV, w, seed=w, num_drafts=DRAFTS)
-        want_states, got_states = b.clone_states(), b.clone_states()
-        want = EagerRunner(chain, params, want_states).run(b.inputs)
-        got = ProgramRunner(compiled, got_states).run(b.inputs)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (w, k)
-        for k in want_states:
-            assert torch.equal(got_states[k], want_states[k]), (w, k)
+    assert_checkpoint_program_matches_eager(root, range(1, 9))
 
 
 def test_interpreted_kernels_match_eager(checkpoint) -> None:
     _, root = checkpoint
-    head, weights = load_head(root)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=4, kv=KV)
-    compiled = compile_draft(chain, params, [3], options=CompileOptions(interpret_kernels=True))
-    kernels = {(x.op, x.kernel) for x in compiled.programs[3].launches}
+    kernels = interpreted_kernels_match_eager(root)
     assert {("sigmoid_mul", "triton_sigmoid_mul"), ("zero_centred_head_rmsnorm", "triton_zero_centred_head_rmsnorm"),
             ("zero_centred_rmsnorm", "triton_zero_centred_rmsnorm"), ("rope_kv_write", "triton_rope_kv_write"),
             ("moe_experts", "triton_moe_grouped")} <= kernels
-    b = random_draft_batch(head.config, KV, 3, seed=9, num_drafts=DRAFTS)
-    want = EagerRunner(chain, params, b.clone_states()).run(b.inputs)
-    got = ProgramRunner(compiled, b.clone_states()).run(b.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=1e-4, rtol=1e-4)
 
 
 def test_plan_checkpoint_reports_the_qwen3_next_head(checkpoint, tmp_path, capsys) -> None:

@@ -17,44 +17,20 @@ from draft_circuit.circuit.layers.checkpoint import (MissingTensorError, Unsuppo
                                                      load_target_weights, read_config)
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.heads import describe_head, load_head
-from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-from draft_circuit.circuit.planner import CompileOptions, compile_draft
-from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
+from draft_circuit.circuit.layers.mtp import MtpHead, emit_draft_chain
 
 transformers = pytest.importorskip("transformers")
+from tests.layers.family_helpers import (DRAFTS, KV, PREFIX, assert_checkpoint_program_matches_eager,  # noqa: E402
+                                         eager_chain, interpreted_kernels_match_eager)
 from tests.layers.hf_family_reference import L, family_checkpoint, hf_draft_chain, set_config  # noqa: E402
 
-KV = KvLayout(num_blocks=40, block_size=4, max_blocks_per_seq=4)
 FAMILIES = {"Qwen2": {"qkv_bias": True, "qk_norm": False}, "Qwen3": {"qkv_bias": False, "qk_norm": True}}
-PREFIX, DRAFTS = 6, 3
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     family = request.param
     return family, family_checkpoint(tmp_path_factory.mktemp(family) / family, family, seed=len(family))
-
-
-def eager_chain(head: MtpHead, params: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-                token: int, hidden: torch.Tensor, prefix: int, num_drafts: int) -> tuple[dict, torch.Tensor]:
-    """One sequence whose drafter KV holds `prefix` rows (HF's keys / values), drafting from
-    `token` at position `prefix`; returns the outputs and the K pool as rows."""
-    c = head.config
-    shape = (KV.num_blocks, KV.block_size, c.num_key_value_heads, c.head_dim)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
-    tables = torch.tensor([[3, 1, 4, 2]], dtype=torch.int32)  # scattered blocks, 0 is scratch
-    rows = torch.arange(prefix + num_drafts)
-    blocks, slots = tables[0, rows // KV.block_size].long(), rows % KV.block_size
-    k_cache[blocks[:prefix], slots[:prefix]] = keys[:prefix]
-    v_cache[blocks[:prefix], slots[:prefix]] = values[:prefix]
-    inputs = {"tokens": torch.tensor([token], dtype=torch.int32), "hidden": hidden.view(1, -1),
-              "positions": torch.tensor([prefix], dtype=torch.int32), "block_tables": tables,
-              "live_rows": torch.tensor([prefix], dtype=torch.int32), "active": torch.ones(1, dtype=torch.int32)}
-    states = {"k_cache": k_cache, "v_cache": v_cache}
-    out = EagerRunner(emit_draft_chain(head, num_drafts, max_width=1, kv=KV), params, states).run(inputs)
-    return out, states["k_cache"][blocks, slots]
 
 
 def test_config_takes_the_familys_attention(checkpoint) -> None:
@@ -100,35 +76,14 @@ def test_eager_chain_equals_transformers_decoder_layer(checkpoint) -> None:
 
 def test_program_equals_eager_bitwise_at_widths_1_to_8(checkpoint) -> None:
     _, root = checkpoint
-    head, weights = load_head(root)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=8, kv=KV)
-    compiled = compile_draft(chain, params, list(range(1, 9)))
-    for w in range(1, 9):
-        b = random_draft_batch(head.config, KV, w, seed=w, num_drafts=DRAFTS)
-        want_states, got_states = b.clone_states(), b.clone_states()
-        want = EagerRunner(chain, params, want_states).run(b.inputs)
-        got = ProgramRunner(compiled, got_states).run(b.inputs)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (w, k)
-        for k in want_states:
-            assert torch.equal(got_states[k], want_states[k]), (w, k)
+    assert_checkpoint_program_matches_eager(root, range(1, 9))
 
 
 def test_interpreted_kernels_match_eager(checkpoint) -> None:
     family, root = checkpoint
-    head, weights = load_head(root)
-    params = head.bind(weights)
-    chain = emit_draft_chain(head, DRAFTS, max_width=4, kv=KV)
-    compiled = compile_draft(chain, params, [3], options=CompileOptions(interpret_kernels=True))
-    kernels = {(x.op, x.kernel) for x in compiled.programs[3].launches}
+    kernels = interpreted_kernels_match_eager(root)
     assert ("rope_kv_write", "triton_rope_kv_write") in kernels
     assert (("head_rmsnorm", "triton_head_rmsnorm") in kernels) == (family == "Qwen3")
-    b = random_draft_batch(head.config, KV, 3, seed=9, num_drafts=DRAFTS)
-    want = EagerRunner(chain, params, b.clone_states()).run(b.inputs)
-    got = ProgramRunner(compiled, b.clone_states()).run(b.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=1e-4, rtol=1e-4)
 
 
 # ---- what is still refused ----

@@ -17,11 +17,8 @@ from draft_circuit.circuit.layers.checkpoint import read_config, write_random_ch
 from draft_circuit.circuit.layers.config import ConfigError, MtpConfig
 from draft_circuit.circuit.layers.mtp import MtpHead, emit_draft_chain
 from draft_circuit.circuit.layers.rope import INV_FREQ, RopeScaling
-from draft_circuit.circuit.planner import compile_draft
 from draft_circuit.ops.rope_freqs import rope_freqs_ref
-from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
+from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch
 from examples.engine import Engine, EngineConfig, load_checkpoint
 from examples.engine.sequence import Request
 from tests.examples.helpers import SMALL
@@ -85,17 +82,14 @@ def test_the_dense_head_chain_runs_rope_freqs_and_programs_equal_eager():
     ropes = {n.op for n in chain.nodes if n.name.endswith(("rope_q", "rope_k"))}
     assert ropes == {"rope_freqs"}
     assert chain.node("s1.rope_q").attrs["attention_factor"] == YARN_SMALL.rope_scaling.attention_factor
-    compiled = compile_draft(chain, params, [1, 2, 4])
     shape = head.cache_shapes(kv)[0]
-    for w in (1, 2, 4):
+
+    def batch_for(w: int) -> tuple[dict, dict]:
         batch = random_draft_batch(YARN_SMALL, kv, w, seed=w, num_drafts=3)
         batch.inputs["positions"] += 40  # past ORIG
-        states = {"k_cache": torch.randn(shape, generator=g), "v_cache": torch.randn(shape, generator=g)}
-        eager_states = {k: v.clone() for k, v in states.items()}
-        want = EagerRunner(chain, params, eager_states).run(batch.inputs)
-        got = ProgramRunner(compiled, states).run(batch.inputs)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (w, name)
+        return batch.inputs, {"k_cache": torch.randn(shape, generator=g), "v_cache": torch.randn(shape, generator=g)}
+
+    assert_program_matches_eager(chain, params, (1, 2, 4), batch_for)
 
 
 @pytest.fixture(scope="module")

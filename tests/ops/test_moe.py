@@ -21,7 +21,7 @@ from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
 from draft_circuit.ops.registry import CostContext, ShapeError, get_op
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import random_draft_batch
+from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch
 
 CFG = MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -215,16 +215,8 @@ def chain():
 
 def test_moe_chain_program_equals_eager_bitwise_at_widths_1_to_8(chain):
     head, circuit, params = chain
-    compiled = compile_draft(circuit, params, list(range(1, 9)))
-    for w in range(1, 9):
-        b = random_draft_batch(CFG, KV, w, seed=w, num_drafts=K)
-        eager_states, program_states = b.clone_states(), b.clone_states()
-        want = EagerRunner(circuit, params, eager_states).run(b.inputs)
-        got = ProgramRunner(compiled, program_states).run(b.inputs)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (w, name)
-        for name in eager_states:
-            assert torch.equal(program_states[name], eager_states[name]), (w, name)
+    assert_program_matches_eager(circuit, params, range(1, 9),
+                                 lambda w: random_draft_batch(CFG, KV, w, seed=w, num_drafts=K))
 
 
 def test_moe_chain_with_interpreted_kernels_matches_eager(chain, monkeypatch):
