@@ -50,53 +50,79 @@ def _infer(ins: list[TensorSpec], a: GuardAttrs) -> list[TensorSpec]:
     return [tokens, tables, live, active, faults]
 
 
+_THRESHOLDS: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
+
+
+def _thresholds(m: int, block_size: int, steps: int, device: torch.device) -> torch.Tensor:
+    """[m] int64: entry c is one a row uses iff its live_rows >= c * block_size - steps + 1
+    (c < (live + steps - 1) // block_size + 1), for an in-range live; cached by shape (issue 20)."""
+    key = (m, block_size, steps, device)
+    t = _THRESHOLDS.get(key)
+    if t is None:
+        t = torch.arange(m, device=device, dtype=torch.int64) * block_size - (steps - 1)
+        if len(_THRESHOLDS) < 64:
+            _THRESHOLDS[key] = t
+    return t
+
+
+_ROWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rows(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] int64 row ids and [n] int64 n (word 4 of every row's record), cached by shape."""
+    key = (n, device)
+    got = _ROWS.get(key)
+    if got is None:
+        got = (torch.arange(n, device=device), torch.full((n,), n, device=device))
+        if len(_ROWS) < 64:
+            _ROWS[key] = got
+    return got
+
+
 def input_guard_ref(tokens: torch.Tensor, tables: torch.Tensor, live: torch.Tensor,
                     active: torch.Tensor, faults: torch.Tensor,
                     a: GuardAttrs) -> tuple[torch.Tensor, ...]:
     """The guarded copies and the updated record (kernels/input_guard.py's contract); no host
-    reads, so it is capturable too."""
+    reads, so it is capturable too. Written in few torch ops (issue 20: on CPU each costs
+    microseconds): "outside [lo, hi]" is clamp(lo, hi) != x, and a row's fault words are picked
+    per row first, then at the faulting row by one max (whose index is the first maximum)."""
     n, m = tables.shape
     big = torch.iinfo(torch.int32).max
     act = active != 0
-    tok_bad = (tokens < 0) | (tokens >= a.vocab) if a.vocab > 0 else torch.zeros_like(act)
-    live_oob = (live < 0) | (live > m * a.block_size - a.steps)
-    used = torch.where(live_oob, 0, torch.div(live + a.steps - 1, a.block_size,
-                                              rounding_mode="floor") + 1)
-    cols = torch.arange(m, device=tables.device, dtype=torch.int32)
-    oob = (cols[None, :] < used[:, None]) & ((tables < 0) | (tables >= a.num_blocks))
-    first_col = torch.where(oob, cols[None, :], big).amin(1) if m else \
-        torch.full_like(tokens, big)
-    blk_oob = first_col < big
-    flagged = act & (live_oob | blk_oob)
+    tok_bad = tokens.clamp(0, min(a.vocab - 1, big)) != tokens if a.vocab > 0 else torch.zeros_like(act)
+    cap = m * a.block_size - a.steps
+    live_oob = live.clamp(0, min(cap, big)) != live if cap >= 0 else torch.ones_like(act)
+    if m:
+        # an out-of-range live uses no entry in the contract; here its entries are not masked
+        # out, since a row whose live is out of range is fixed, and faulted as live_rows, whatever
+        # its entries hold
+        oob = (live.unsqueeze(1) >= _thresholds(m, a.block_size, a.steps, live.device)) & \
+            (tables.clamp(0, min(a.num_blocks - 1, big)) != tables)
+        blk_oob, first_col = oob.max(1)  # the first out-of-pool entry a row uses
+    else:
+        blk_oob, first_col = torch.zeros_like(act), torch.zeros_like(tokens, dtype=torch.int64)
+    bad_live = live_oob | blk_oob
+    flagged = act & bad_live
     bad = tok_bad | flagged
-    fix = bad | live_oob | blk_oob
-    zero = torch.zeros_like(tokens)
-    g_tables = torch.where(fix[:, None], torch.full_like(tables, a.scratch_block), tables)
-    guarded = (torch.where(fix, zero, tokens), g_tables, torch.where(fix, zero, live),
-               torch.where(fix, zero, active))
-
+    fix = tok_bad | bad_live  # = bad | live_oob | blk_oob
+    guarded = (tokens.masked_fill(fix, 0), tables.masked_fill(fix.unsqueeze(1), a.scratch_block),
+               live.masked_fill(fix, 0), active.masked_fill(fix, 0))
     if n == 0:
         return (*guarded, faults)
-    dev = tokens.device
-    rows = torch.arange(n, device=dev, dtype=torch.int32)
-    tok_row = torch.where(tok_bad, rows, big).amin()
-    other_row = torch.where(flagged, rows, big).amin()
-    is_tok = tok_row < big
-    any_bad = is_tok | (other_row < big)
-    row = torch.where(is_tok, tok_row, other_row)
-    at = rows == row
-    r_live_oob = (at & live_oob).any()
-    r_col = torch.where(at, first_col, 0).sum()
-    code = torch.where(is_tok, 1, torch.where(r_live_oob, 2, 3))
-    r_blk = torch.where(at[:, None] & (cols[None, :] == r_col), tables, 0).sum()
-    value = torch.where(code == 1, torch.where(at, tokens, 0).sum(),
-                        torch.where(code == 2, torch.where(at, live, 0).sum(), r_blk))
-    entry = torch.where(code == 3, r_col, -1)
-    words = (code, row, value, entry, torch.tensor(n, device=dev), bad.sum(), faults[6], faults[7])
-    record = torch.stack([w.to(torch.int32) for w in words])
-    new = torch.where(any_bad & (faults[0] == 0), record, faults)
-    new[6] = faults[6] + any_bad.to(torch.int32)
-    faults.copy_(new)
+
+    # each row's words 0..3 were it the faulting row: code, row, value, entry
+    blk = tables.gather(1, first_col.unsqueeze(1)).view(-1) if m else torch.zeros_like(tokens)
+    code = torch.where(tok_bad, 1, torch.where(live_oob, 2, 3))
+    value = torch.where(tok_bad, tokens, torch.where(live_oob, live, blk))
+    entry = torch.where(tok_bad | live_oob, -1, first_col)
+    # the faulting row: the lowest with a bad token, else the lowest flagged one (any_bad: it exists)
+    any_bad, row = torch.where(tok_bad.any(), tok_bad, flagged).max(0)
+    rows, width = _rows(n, tokens.device)
+    words = torch.cat([torch.stack([code, rows, value, entry, width], 1)[row.view(1)].view(-1),
+                       bad.sum().view(1)])
+    # the first faulted run writes words 0..5 (7 stays); every faulted run counts in word 6
+    faults[:6] = torch.where(any_bad & (faults[0] == 0), words, faults[:6])
+    faults[6:7].add_(any_bad)
     return (*guarded, faults)
 
 

@@ -227,3 +227,65 @@ def test_lm_head_draft_ops_keep_the_plain_bits(dtype):
                     ("rmsnorm_linear_argmax_keep_gate", [active, log_tau], (kept, gate)),
                     ("rmsnorm_linear_argmax_keep_last_gate", [active, fallback, log_tau], (kept, last, gate))):
                 same(REGISTRY[name].reference([x, norm, w, *ins, *extra], e), (token, logprob, *want))
+
+
+# ---- input_guard ----
+def plain_guard(tokens, tables, live, active, faults, a):
+    n, m = tables.shape
+    big = torch.iinfo(torch.int32).max
+    act = active != 0
+    tok_bad = (tokens < 0) | (tokens >= a.vocab) if a.vocab > 0 else torch.zeros_like(act)
+    live_oob = (live < 0) | (live > m * a.block_size - a.steps)
+    used = torch.where(live_oob, 0, torch.div(live + a.steps - 1, a.block_size, rounding_mode="floor") + 1)
+    cols = torch.arange(m, dtype=torch.int32)
+    oob = (cols[None, :] < used[:, None]) & ((tables < 0) | (tables >= a.num_blocks))
+    first_col = torch.where(oob, cols[None, :], big).amin(1) if m else torch.full_like(tokens, big)
+    blk_oob = first_col < big
+    flagged = act & (live_oob | blk_oob)
+    bad = tok_bad | flagged
+    fix = bad | live_oob | blk_oob
+    zero = torch.zeros_like(tokens)
+    guarded = (torch.where(fix, zero, tokens), torch.where(fix[:, None], torch.full_like(tables, a.scratch_block), tables),
+               torch.where(fix, zero, live), torch.where(fix, zero, active))
+    if n == 0:
+        return (*guarded, faults)
+    rows = torch.arange(n, dtype=torch.int32)
+    tok_row = torch.where(tok_bad, rows, big).amin()
+    other_row = torch.where(flagged, rows, big).amin()
+    is_tok = tok_row < big
+    any_bad = is_tok | (other_row < big)
+    row = torch.where(is_tok, tok_row, other_row)
+    at = rows == row
+    r_col = torch.where(at, first_col, 0).sum()
+    code = torch.where(is_tok, 1, torch.where((at & live_oob).any(), 2, 3))
+    r_blk = torch.where(at[:, None] & (cols[None, :] == r_col), tables, 0).sum()
+    value = torch.where(code == 1, torch.where(at, tokens, 0).sum(),
+                        torch.where(code == 2, torch.where(at, live, 0).sum(), r_blk))
+    words = (code, row, value, torch.where(code == 3, r_col, -1), torch.tensor(n), bad.sum(), faults[6], faults[7])
+    new = torch.where(any_bad & (faults[0] == 0), torch.stack([w.to(torch.int32) for w in words]), faults)
+    new[6] = faults[6] + any_bad.to(torch.int32)
+    faults.copy_(new)
+    return (*guarded, faults)
+
+
+def test_input_guard_keeps_the_plain_bits_and_reads_nothing_on_the_host():
+    from draft_circuit.ops.input_guard import GuardAttrs
+    guard = REGISTRY["input_guard"].reference
+    g = torch.Generator().manual_seed(4)
+    for n, m, vocab, nb, bs, steps, trial in itertools.product(
+            (0, 1, 4, 20, 130), (0, 1, 3, 70), (0, 20), (12, 1), (4, 1), (1, 3), range(3)):
+        ins = [torch.randint(-3, 24, (n,), generator=g, dtype=torch.int32),
+               torch.randint(-2, nb + 2, (n, m), generator=g, dtype=torch.int32),
+               torch.randint(-2, m * bs + 2, (n,), generator=g, dtype=torch.int32),
+               torch.randint(-1, 3, (n,), generator=g, dtype=torch.int32)]
+        if trial == 1:  # valid rows, but for a few
+            ins = [ins[0].clamp(0, max(vocab - 1, 0)), ins[1].clamp(0, nb - 1), ins[2].clamp(0, max(m * bs - steps, 0)),
+                   ins[3]]
+        if trial == 2 and n:
+            ins[2][0], ins[2][-1], ins[0][0] = 2**31 - 1, -2**31, -2**31
+        a = GuardAttrs(vocab=vocab, num_blocks=nb, block_size=bs, steps=steps, scratch_block=0)
+        for faults in ([0] * 8, [0, 0, 0, 0, 0, 0, 5, 9], [3, 1, 7, 1, 4, 2, 1, 0]):
+            f = torch.tensor(faults, dtype=torch.int32)
+            same(guard([t.clone() for t in ins] + [f.clone()], a), plain_guard(*[t.clone() for t in ins], f.clone(), a))
+    meta = [torch.empty(s, dtype=torch.int32, device="meta") for s in ((4,), (4, 3), (4,), (4,), (8,))]
+    guard(meta, GuardAttrs(vocab=20, num_blocks=12, block_size=4, steps=2, scratch_block=0))  # no data: no reads
