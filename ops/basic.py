@@ -138,9 +138,19 @@ def _infer_rmsnorm(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
     return [x]
 
 
+# eps as a 0-dim fp32 tensor: a Python float is rounded to fp32 all the same (the add is fp32),
+# but torch wraps it into a tensor on every call (issue 20: microseconds a norm on CPU)
+_EPS: dict[float, torch.Tensor] = {}
+
+
 def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    e = _EPS.get(eps)
+    if e is None:
+        e = torch.tensor(eps, dtype=torch.float32)
+        if len(_EPS) < 16:
+            _EPS[eps] = e
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + e)
     return y.to(x.dtype) * w  # HF Llama order: back to the input dtype, then the weight
 
 

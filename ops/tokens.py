@@ -21,10 +21,15 @@ class TokenError(ValueError):
 def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows of `table`; a negative id (an all-masked draft, -1) gives a zero row, by policy."""
     vocab = table.shape[0]
-    if ids.numel() and int(ids.max()) >= vocab:
-        row = int((ids >= vocab).nonzero()[0, 0])
-        raise TokenError(f"token id {int(ids[row])} at row {row} is outside the vocabulary "
-                         f"[0, {vocab})")
+    lowest = 0
+    if ids.numel():
+        lowest, highest = torch.stack(torch.aminmax(ids)).tolist()  # one read for both bounds
+        if highest >= vocab:
+            row = int((ids >= vocab).nonzero()[0, 0])
+            raise TokenError(f"token id {int(ids[row])} at row {row} is outside the vocabulary "
+                             f"[0, {vocab})")
+    if lowest >= 0 and ids.dim() == 1 and ids.dtype in (torch.int32, torch.int64):  # one op (issue 20)
+        return table.index_select(0, ids)
     out = table[ids.clamp(min=0).long()]
     return out.masked_fill((ids < 0).unsqueeze(-1), 0)
 
@@ -72,9 +77,10 @@ def _embed_write(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor]:
     """Rows whose `active` is 0 (inert padding) keep what the host buffer held."""
     target, table, ids = t[:3]
     emb = embedding_ref(table, ids)
-    if len(t) > 3:
-        emb = torch.where(t[3].bool().unsqueeze(-1), emb, target)
-    target.copy_(emb)
+    if len(t) > 3:  # written in place: each element reads only its own target value
+        torch.where(t[3].bool().unsqueeze(-1), emb, target, out=target)
+    else:
+        target.copy_(emb)
     return (target,)
 
 

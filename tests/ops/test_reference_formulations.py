@@ -289,3 +289,38 @@ def test_input_guard_keeps_the_plain_bits_and_reads_nothing_on_the_host():
             same(guard([t.clone() for t in ins] + [f.clone()], a), plain_guard(*[t.clone() for t in ins], f.clone(), a))
     meta = [torch.empty(s, dtype=torch.int32, device="meta") for s in ((4,), (4, 3), (4,), (4,), (8,))]
     guard(meta, GuardAttrs(vocab=20, num_blocks=12, block_size=4, steps=2, scratch_block=0))  # no data: no reads
+
+
+# ---- embedding, embed_write, rmsnorm ----
+def plain_embedding(table, ids):
+    return table[ids.clamp(min=0).long()].masked_fill((ids < 0).unsqueeze(-1), 0)
+
+
+def plain_rmsnorm(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_and_rmsnorm_keep_the_plain_bits(dtype):
+    from draft_circuit.ops.basic import EpsAttrs
+    from draft_circuit.ops.tokens import TokenError
+    g = torch.Generator().manual_seed(5)
+    embed, write, norm = (REGISTRY[n].reference for n in ("embedding", "embed_write", "rmsnorm"))
+    for n, hidden in itertools.product((0, *WIDTHS), (128, 48)):
+        table, w = rnd(g, 50, hidden, dtype=dtype), rnd(g, hidden, dtype=dtype)
+        for ids in (torch.randint(0, 50, (n,), generator=g), torch.randint(-1, 50, (n,), generator=g)):
+            for ids in (ids, ids.to(torch.int32)):
+                same(embed([table, ids], None), (plain_embedding(table, ids),))
+                target, active = rnd(g, n, hidden, dtype=dtype), torch.randint(-1, 2, (n,), generator=g).to(torch.int32)
+                got = write([target.clone(), table, ids, active], None)
+                same(got, (torch.where(active.bool().unsqueeze(-1), plain_embedding(table, ids), target),))
+                same(write([target.clone(), table, ids], None), (plain_embedding(table, ids),))
+        if n:
+            with pytest.raises(TokenError, match=f"token id 50 at row {n - 1} "):
+                embed([table, torch.cat([torch.zeros(n - 1, dtype=torch.long), torch.tensor([50])])], None)
+        x = rnd(g, n, hidden, dtype=dtype, scale=3)
+        if n > 1:
+            x[1] = 0
+        for eps in (1e-6, 1e-5, 0.1, 2**-24 * (1 + 2**-30)):  # the last: rounds to fp32 2**-24 exactly
+            same(norm([x, w], EpsAttrs(eps=eps)), (plain_rmsnorm(x, w, eps),))
