@@ -19,13 +19,11 @@ from draft_circuit.circuit.layers.deepseek_checkpoint import load_deepseek_targe
 from draft_circuit.circuit.layers.mtp import KvLayout
 from examples.engine import Engine, EngineConfig, load_checkpoint
 from examples.engine.deepseek_target import DeepseekTargetModel, target_for
-from examples.engine.model import TargetRows
 from examples.engine.sequence import Request
-from tests.examples.test_engine_hf import assert_same_greedy
+from tests.examples.greedy_reference import PROMPTS, assert_same_greedy, assert_target_alone_matches, generate_greedy
 from tests.layers.test_deepseek_checkpoint import real_layout
 
 transformers = pytest.importorskip("transformers")
-PROMPTS = [[5, 9, 2, 33, 17, 8, 41, 3, 12, 60], [7, 1, 44], [2, 2, 50, 61, 19, 23, 30]]
 NEW = 14  # prompts + new tokens reach position 23; original_max_position_embeddings is 16
 
 
@@ -37,25 +35,7 @@ def checkpoint(tmp_path_factory):
 def hf_greedy(root, prompt):
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(str(root), torch_dtype=torch.float32,
                                                                attn_implementation="eager").eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return out.sequences[0, len(prompt):].tolist(), gaps
-
-
-def target_greedy(target: DeepseekTargetModel, prompt: list[int], table: list[int]) -> list[int]:
-    """Prefill the prompt as rows, then decode one row a step (the engine's target passes)."""
-    def rows(tokens, start):
-        n = len(tokens)
-        return TargetRows(torch.tensor(tokens, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32),
-                          torch.tensor([table] * n, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32))
-    out, _ = target.forward(rows(prompt, 0))
-    generated = [out[-1]]
-    while len(generated) < NEW:
-        out, _ = target.forward(rows([generated[-1]], len(prompt) + len(generated) - 1))
-        generated.append(out[0])
-    return generated
+    return generate_greedy(model, prompt, NEW, attention_mask=False)
 
 
 @pytest.mark.parametrize("forward", ["eager", "circuit"])
@@ -64,10 +44,7 @@ def test_target_alone_equals_transformers_generate(checkpoint, forward):
     kv = KvLayout(num_blocks=32, block_size=4, max_blocks_per_seq=8)
     target = target_for(config, load_deepseek_target_weights(checkpoint), kv, max_rows=16, forward=forward)
     assert isinstance(target, DeepseekTargetModel)
-    for i, prompt in enumerate(PROMPTS):  # each sequence its own blocks (block 0 is scratch)
-        table = list(range(1 + 8 * i, 9 + 8 * i))[::-1]
-        theirs, gaps = hf_greedy(checkpoint, prompt)
-        assert_same_greedy(target_greedy(target, prompt, table), theirs, gaps)
+    assert_target_alone_matches(target, PROMPTS, NEW, lambda prompt: hf_greedy(checkpoint, prompt))
 
 
 @pytest.mark.parametrize("drafter, target", [("eager", "eager"), ("circuit", "eager"), ("circuit", "circuit")])

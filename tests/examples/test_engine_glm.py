@@ -22,9 +22,8 @@ from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import KvLayout
 from examples.engine import Engine, EngineConfig, load_checkpoint
 from examples.engine.glm_target import GlmTargetModel, target_for
-from examples.engine.model import TargetRows
 from tests.examples.helpers import random_requests
-from tests.examples.test_engine_hf import assert_same_greedy
+from tests.examples.greedy_reference import PROMPTS, assert_same_greedy, assert_target_alone_matches, auto_greedy
 
 transformers = pytest.importorskip("transformers")
 from tests.layers.hf_family_reference import L, family_checkpoint, set_config  # noqa: E402
@@ -45,31 +44,8 @@ def checkpoint(request, tmp_path_factory):
 
 
 def hf_greedy(path, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy ids and, per generated token, the gap between its top two logits."""
-    transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                              experts_implementation="eager").eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():  # an explicit mask: generate would otherwise mask prompt tokens equal to pad (0)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
-                             do_sample=False, output_scores=True, return_dict_in_generate=True,
-                             pad_token_id=0, eos_token_id=None)
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return out.sequences[0, len(prompt):].tolist(), gaps
-
-
-def target_greedy(target: GlmTargetModel, prompt: list[int], table: list[int]) -> list[int]:
-    """Prefill the prompt as rows, then decode one row a step (the engine's target passes)."""
-    def rows(tokens, start):
-        n = len(tokens)
-        return TargetRows(torch.tensor(tokens, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32),
-                          torch.tensor([table] * n, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32))
-    out, _ = target.forward(rows(prompt, 0))
-    generated = [out[-1]]
-    while len(generated) < NEW:
-        out, _ = target.forward(rows([generated[-1]], len(prompt) + len(generated) - 1))
-        generated.append(out[0])
-    return generated
+    """transformers' greedy ids and top-2 gaps, its MoE experts run eagerly."""
+    return auto_greedy(path, prompt, max_new, experts_implementation="eager")
 
 
 def test_target_weights_load_by_their_names(checkpoint):
@@ -92,11 +68,7 @@ def test_target_alone_equals_transformers_generate(checkpoint, forward):
     config = read_config(checkpoint)
     target = target_for(config, load_target_weights(checkpoint), KV, max_rows=32, forward=forward)
     assert isinstance(target, GlmTargetModel) and isinstance(config, MoeConfig)
-    prompts = [[5, 9, 2, 33, 17, 8, 41, 3, 12, 60], [7, 1, 44], [2, 2, 50, 61, 19, 23, 30]]
-    for i, prompt in enumerate(prompts):  # each sequence its own blocks (block 0 is scratch)
-        table = list(range(1 + 8 * i, 9 + 8 * i))[::-1]
-        theirs, gaps = hf_greedy(checkpoint, prompt, NEW)
-        assert_same_greedy(target_greedy(target, prompt, table), theirs, gaps)
+    assert_target_alone_matches(target, PROMPTS, NEW, lambda prompt: hf_greedy(checkpoint, prompt, NEW))
 
 
 @pytest.mark.parametrize("drafter, target", [("eager", "eager"), ("circuit", "eager"), ("circuit", "circuit")])

@@ -11,7 +11,7 @@ import torch
 from draft_circuit.runners.testing import cuda
 from tests.examples.helpers import generate, random_requests
 from tests.examples.test_engine_glm import GLM, hf_greedy
-from tests.examples.test_engine_hf import assert_same_greedy
+from tests.examples.greedy_reference import assert_same_greedy
 
 transformers = pytest.importorskip("transformers")
 from tests.layers.hf_family_reference import family_checkpoint  # noqa: E402

@@ -11,6 +11,7 @@ import torch
 
 from examples.engine import Engine, EngineConfig, load_checkpoint
 from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from tests.examples.greedy_reference import assert_same_greedy, generate_greedy
 from tests.examples.helpers import SMALL, random_requests
 
 transformers = pytest.importorskip("transformers")
@@ -21,13 +22,7 @@ TIED = dataclasses.replace(SMALL, tie_word_embeddings=True, num_hidden_layers=3,
 
 def hf_greedy(path, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
     """HF's greedy ids and, per generated token, the gap between its top two logits."""
-    model = _hf_model(str(path))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                             min_new_tokens=max_new, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return out.sequences[0, len(prompt):].tolist(), gaps
+    return generate_greedy(_hf_model(str(path)), prompt, max_new, attention_mask=False)
 
 
 _MODELS: dict = {}
@@ -40,16 +35,6 @@ def _hf_model(path: str):
         _MODELS[path] = transformers.LlamaForCausalLM.from_pretrained(
             path, torch_dtype=torch.float32, attn_implementation="eager").eval()
     return _MODELS[path]
-
-
-def assert_same_greedy(ours: list[int], theirs: list[int], gaps: list[float]) -> None:
-    """Equal ids; a difference is tolerated only after a near tie (top-2 gap < 1e-4), where
-    fp32 rounding of a differently ordered sum may pick either token."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            assert gaps[i] < 1e-4, f"token {i}: engine {a} vs transformers {b} (gap {gaps[i]})"
-            return
-    assert len(ours) == len(theirs)
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,8 @@ def test_engine_greedy_equals_transformers_greedy(tmp_path, capsys):
     """The engine's tokens (speculating; its own check makes them the target-only tokens) are
     transformers' LlamaForCausalLM greedy tokens for the same checkpoint (fp32, near-tie rule)."""
     pytest.importorskip("transformers")
-    from tests.examples.test_engine_hf import assert_same_greedy, hf_greedy
+    from tests.examples.greedy_reference import assert_same_greedy
+    from tests.examples.test_engine_hf import hf_greedy
 
     prompts = json.loads(HELD_OUT_PROMPTS.read_text())[5:8]
     (tmp_path / "p.json").write_text(json.dumps(prompts))

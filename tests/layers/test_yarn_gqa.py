@@ -107,7 +107,8 @@ def test_the_checkpoint_reads_back_with_its_yarn(yarn_checkpoint):
 
 @pytest.mark.parametrize("speculate, forward", [(False, "eager"), (True, "eager"), (True, "circuit")])
 def test_engine_on_a_yarn_llama_is_token_exact_with_transformers_generate(yarn_checkpoint, speculate, forward):
-    from tests.examples.test_engine_hf import assert_same_greedy, hf_greedy
+    from tests.examples.greedy_reference import assert_same_greedy
+    from tests.examples.test_engine_hf import hf_greedy
     prompts, new = [[5, 9, 2, 33, 17, 8, 41, 3, 12, 60, 7, 1], [7, 1, 44], [2, 2, 50, 61, 19]], 40  # to position 51
     ck = dataclasses.replace(load_checkpoint(yarn_checkpoint, with_mtp=speculate), eos_token_id=None)
     engine = Engine(ck, EngineConfig(speculate=speculate, forward=forward, num_drafts=3, max_batch=3,
