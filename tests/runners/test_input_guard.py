@@ -18,12 +18,13 @@ from draft_circuit.runners.input_guard import InputGuard, check_runner_faults
 from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+from tests.runners.guard_helpers import SCRATCH, PendingFault, edited, inert
 
 CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                 num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
 KV = KvLayout(num_blocks=40, block_size=8, max_blocks_per_seq=4)
-K, N, SCRATCH = 3, 4, 0
+K, N = 3, 4
 GUARD = get_op("input_guard")
 
 
@@ -107,23 +108,6 @@ CASES = [  # (input, row, col, value, message)
 ]
 
 
-def _edited(batch, name, row, col, value):
-    inputs = {k: v.clone() for k, v in batch.inputs.items()}
-    if col is None:
-        inputs[name][row] = value
-    else:
-        inputs[name][row, col] = value
-    return inputs
-
-
-def _inert(batch, row):
-    """What the guard makes of a bad row, by hand: the neutral fill of padding."""
-    inputs = {k: v.clone() for k, v in batch.inputs.items()}
-    inputs["tokens"][row], inputs["live_rows"][row], inputs["active"][row] = 0, 0, 0
-    inputs["block_tables"][row] = SCRATCH
-    return inputs
-
-
 def _runner(kind, chain, states):
     circuit, params, compiled = chain
     if kind == "eager":
@@ -155,11 +139,11 @@ def test_a_bad_row_runs_inert_and_is_reported(chain, kind, case):
     batch = random_draft_batch(CFG, KV, N, seed=7, num_drafts=K)
     want_states = batch.clone_states()
     _, run_want = _runner(kind, chain, want_states)
-    want = run_want(_inert(batch, row))
+    want = run_want(inert(batch, row))
     states = batch.clone_states()
     before = {k: v.clone() for k, v in states.items()}
     runner, run = _runner(kind, chain, states)
-    got = run(_edited(batch, name, row, col, value))
+    got = run(edited(batch, name, row, col, value))
     assert got["drafts"][row].eq(-1).all()
     for k in want:
         assert torch.equal(got[k], want[k]), k
@@ -180,7 +164,7 @@ def test_eager_run_raises_after_the_run_by_default(chain):
     batch = random_draft_batch(CFG, KV, N, seed=9, num_drafts=K)
     eager = EagerRunner(circuit, params, batch.clone_states())
     with pytest.raises(RunnerInputError, match="row 2: block id -1"):
-        eager.run(_edited(batch, "block_tables", 2, 0, -1))
+        eager.run(edited(batch, "block_tables", 2, 0, -1))
     eager.run(batch.inputs)  # nothing left pending
 
 
@@ -188,7 +172,7 @@ def test_inert_rows_out_of_range_are_fixed_without_a_fault(chain):
     """An inactive row drafts nothing, so its out-of-range values are no error; the guard still
     points its table at scratch so no kernel reads through it."""
     batch = random_draft_batch(CFG, KV, N, seed=11, num_drafts=K)
-    inputs = _edited(batch, "active", 1, None, 0)
+    inputs = edited(batch, "active", 1, None, 0)
     inputs["live_rows"][1] = 10_000
     inputs["block_tables"][1] = -5
     states = batch.clone_states()
@@ -223,34 +207,13 @@ def test_circuit_draft_runner_on_cpu_raises_at_the_end_of_run(chain):
     batch = random_draft_batch(CFG, KV, N, seed=13, num_drafts=K)
     runner = CircuitDraftRunner(compiled["program"], batch.clone_states(), scratch_block=SCRATCH)
     with pytest.raises(RunnerInputError, match="row 3: live_rows -4") as err:
-        runner.run(N, _edited(batch, "live_rows", 3, None, -4))
+        runner.run(N, edited(batch, "live_rows", 3, None, -4))
     assert err.value.input == "live_rows"
     check_runner_faults(runner)  # cleared
     runner.run(N, batch.inputs)
 
 
 # ---- the proposer reads its chain's record where it syncs ----
-class _PendingFault:
-    """A DraftRunner that runs the real one and then holds a fault, as a GPU runner whose guard
-    fired would until the host reads its record."""
-
-    def __init__(self, runner):
-        self.runner, self.pending, self.checks = runner, False, 0
-        self.widths, self.max_width = runner.widths, runner.max_width
-        self.serves, self.plan = runner.serves, runner.plan
-
-    def run(self, n, inputs):
-        self.pending = True
-        return self.runner.run(n, inputs)
-
-    def check_faults(self):
-        self.checks += 1
-        if self.pending:
-            self.pending = False
-            raise RunnerInputError("row 0: block id -1 at table entry 0", row=0,
-                                   input="block_tables", value=-1)
-
-
 def test_the_proposer_checks_its_chain_after_it_syncs():
     from draft_circuit.runners.proposer import MtpProposer
     head = MtpHead(CFG)
@@ -260,7 +223,7 @@ def test_the_proposer_checks_its_chain_after_it_syncs():
     states = [p.alloc_state() for _ in range(2)]
     for i, s in enumerate(states):
         p.prefill_drafter([3, 4, 5, 6], torch.randn(4, CFG.hidden_size), s)
-    fake = _PendingFault(p.chain_runner())
+    fake = PendingFault(p.chain_runner(), "row 0: block id -1 at table entry 0", row=0, input="block_tables", value=-1)
     p.set_circuit_draft(fake)
     with pytest.raises(RunnerInputError, match="row 0: block id -1"):
         p.propose_batch([7, 8], torch.randn(2, CFG.hidden_size), [4, 4], K, states)

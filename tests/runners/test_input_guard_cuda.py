@@ -16,12 +16,13 @@ from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.testing import (assert_no_allocation, cuda, random_draft_batch,
                                            random_mtp_weights)
+from tests.runners.guard_helpers import SCRATCH, edited, inert
 
 CFG = MtpConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
                 num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=4096)
 KV = KvLayout(num_blocks=8 * 16 + 1, block_size=16, max_blocks_per_seq=16)
-K, N, SCRATCH = 4, 8, 0
+K, N = 4, 8
 WIDTHS = [1, 2, 4, 8]
 CASES = [  # (input, row, col, value, message)
     ("block_tables", 1, 0, -1, "row 1: block id -1 at table entry 0"),
@@ -44,22 +45,6 @@ def built():
 def _batch(seed):
     return random_draft_batch(CFG, KV, N, seed=seed, num_drafts=K, dtype=torch.bfloat16,
                               device="cuda")
-
-
-def _edited(batch, name, row, col, value):
-    inputs = {k: v.clone() for k, v in batch.inputs.items()}
-    if col is None:
-        inputs[name][row] = value
-    else:
-        inputs[name][row, col] = value
-    return inputs
-
-
-def _inert(batch, row):
-    inputs = {k: v.clone() for k, v in batch.inputs.items()}
-    inputs["tokens"][row], inputs["live_rows"][row], inputs["active"][row] = 0, 0, 0
-    inputs["block_tables"][row] = SCRATCH
-    return inputs
 
 
 def _graphs(compiled, states, guard=True):
@@ -98,11 +83,11 @@ def test_a_bad_row_replays_inert_and_is_reported(built, case):
     name, row, col, value, message = case
     batch = _batch(seed=3)
     want_states = batch.clone_states()
-    want = _replay(_graphs(compiled, want_states), _inert(batch, row))
+    want = _replay(_graphs(compiled, want_states), inert(batch, row))
     states = batch.clone_states()
     before = {k: v.clone() for k, v in states.items()}
     runner = _graphs(compiled, states)
-    got = _replay(runner, _edited(batch, name, row, col, value))  # no sync, no raise
+    got = _replay(runner, edited(batch, name, row, col, value))  # no sync, no raise
     torch.cuda.synchronize()
     assert got["drafts"][row].eq(-1).all()
     for k in want:
@@ -149,7 +134,7 @@ def test_program_runner_on_cuda_reports_at_check_faults(built):
     _, _, compiled = built
     batch = _batch(seed=5)
     runner = ProgramRunner(compiled, batch.clone_states(), scratch_block=SCRATCH)
-    out = runner.run(_edited(batch, "block_tables", 4, 0, -1))  # no host check on CUDA
+    out = runner.run(edited(batch, "block_tables", 4, 0, -1))  # no host check on CUDA
     assert out["drafts"][4].eq(-1).all()
     with pytest.raises(RunnerInputError, match="row 4: block id -1"):
         runner.check_faults()
@@ -165,7 +150,7 @@ def test_circuit_draft_runner_and_split_plans_name_the_part(built):
     runner = CircuitDraftRunner(compiled, batch.clone_states(), scratch_block=SCRATCH,
                                 policy=WidthPolicy(allow_padding=False))
     assert runner.plan(n).parts == ((4, 4), (2, 2), (1, 1))
-    out = runner.run(n, _edited(batch, "live_rows", 5, None, -1))  # caller row 5: part row 1
+    out = runner.run(n, edited(batch, "live_rows", 5, None, -1))  # caller row 5: part row 1
     assert out["drafts"][5].eq(-1).all()
     with pytest.raises(RunnerInputError, match=r"row 1: live_rows -1 .* split into parts starting "
                                                r"at caller rows 0 \(width 4\), 4 \(width 2\), 6"):

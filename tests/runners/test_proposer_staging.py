@@ -21,6 +21,7 @@ from draft_circuit.runners.draft import CircuitDraftRunner
 from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.staging import INTS, ChainStaging
 from draft_circuit.runners.testing import assert_no_allocation, cuda
+from tests.runners.guard_helpers import PendingFault
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
 
 CONSTRUCTORS = ("tensor", "as_tensor", "ones", "zeros", "full", "empty", "arange", "stack",
@@ -380,34 +381,14 @@ def test_steady_state_stages_in_one_host_to_device_copy_on_cuda(monkeypatch):
     assert len(set(counts.values())) == 1, counts
 
 
-class PendingFault:
-    """A runner that runs the real one and then holds a fault, as a GPU runner whose guard fired
-    would until the host reads its record (it keeps no device record: it is asked)."""
-
-    def __init__(self, runner):
-        self.runner, self.pending, self.checks = runner, False, 0
-        self.widths, self.max_width = runner.widths, runner.max_width
-        self.serves, self.plan = runner.serves, runner.plan
-
-    def run(self, n, inputs):
-        self.pending = True
-        return self.runner.run(n, inputs)
-
-    def check_faults(self):
-        self.checks += 1
-        if self.pending:
-            self.pending = False
-            raise RunnerInputError("row 1: token 999 is outside the vocabulary", row=1,
-                                   input="tokens", value=999)
-
-
 def test_a_device_batch_raises_its_chains_fault_when_it_settles():
     """The device-resident path checks its chain's (and the catch-up chain's) input-guard
     records at the batch's one read, after recording every state: the step's read raises the
     bad row, the states are settled all the same."""
     p = make("eager", num_blocks=80, max_blocks_per_seq=12)
     states = [prefilled(p, 95 + i, length=9)[0] for i in range(2)]
-    fake = PendingFault(p.chain_runner())
+    fake = PendingFault(p.chain_runner(), "row 1: token 999 is outside the vocabulary", row=1, input="tokens",
+                        value=999)
     p.set_circuit_draft(fake)
     pos = [p.last_pair_key(s) + 2 for s in states]
     assert p.propose_batch_on_device([5, 6], hidden(96, 2), pos, K, states) is not None
