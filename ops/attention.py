@@ -84,22 +84,33 @@ def _inv_freq(r: int, theta: float, device: torch.device) -> torch.Tensor:
 
 def _rope_angles(positions: torch.Tensor, theta: float, pos_offset: int, r: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [n, 1, R/2] of each row's angles (q and k of a row share them)."""
+    """cos and sin [n, 1, 1, R/2] of each row's angles (q and k of a row share them)."""
     pos = positions.float()
     if pos_offset or pos.dtype != positions.dtype:  # + 0 is the identity on integer positions
         pos = pos + pos_offset
     angle = pos.unsqueeze(-1) * _inv_freq(r, theta, positions.device)  # [n, R/2]
-    return angle.cos().unsqueeze(1), angle.sin().unsqueeze(1)
+    shape = (angle.shape[0], 1, 1, r // 2)
+    return angle.cos().view(shape), angle.sin().view(shape)
+
+
+_SIGN: dict[torch.device, torch.Tensor] = {}
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
-    """Rotate-half of x [n, heads * head_dim] in fp32 -> [n, heads, head_dim] in x's dtype."""
-    xf = x.float().view(x.shape[0], -1, head_dim)
-    x1, x2 = xf[..., : r // 2], xf[..., r // 2: r]
-    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    """Rotate-half of x [n, heads * head_dim] in fp32 -> [n, heads, head_dim] in x's dtype:
+    with halves [x1, x2] of each head's first R dims, [x1 cos, x2 cos] + [x2 sin, x1 sin] * [-1, 1]
+    = [x1 cos - x2 sin, x2 cos + x1 sin] in every bit (a - b is a + (-b), and a product by +-1
+    is exact, fused into the add or not)."""
+    n = x.shape[0]
+    sign = _SIGN.get(x.device)
+    if sign is None:
+        sign = _SIGN.setdefault(x.device, torch.tensor([[-1.0], [1.0]], device=x.device))
+    xf = x.float().view(n, -1, head_dim)
+    halves = (xf if r == head_dim else xf[..., :r]).unflatten(-1, (2, r // 2))  # [n, heads, 2, R/2]
+    rot = torch.addcmul(halves * cos, (halves * sin).flip(2), sign).view(n, -1, r)
     if r < head_dim:
-        parts.append(xf[..., r:])
-    return torch.cat(parts, dim=-1).to(x.dtype)
+        rot = torch.cat([rot, xf[..., r:]], dim=-1)
+    return rot.to(x.dtype)
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
@@ -240,9 +251,10 @@ def _rope_kv_write(t: list[torch.Tensor], a: RopeKvWriteAttrs) -> tuple[torch.Te
     else:
         qk = _rotate(torch.cat([q, k], dim=1), cos, sin, a.head_dim, r)  # [n, q + kv heads, d]
         q_heads = q.shape[1] // a.head_dim
-        q_rot, k_rot = qk[:, :q_heads].reshape(q.shape), qk[:, q_heads:]
-    _write_rows(kc, vc, k_rot.view(-1, heads, dim), v.view(-1, heads, dim), tables, live, active,
-                a.row_offset)
+        q_rot, k_rot = qk[:, :q_heads].reshape(q.shape), qk[:, q_heads:]  # k_rot [n, kv heads, d]
+    if k_rot.shape[1:] != kc.shape[2:]:  # the cache's heads need not be rope's
+        k_rot = k_rot.reshape(-1, heads, dim)
+    _write_rows(kc, vc, k_rot, v.view(-1, heads, dim), tables, live, active, a.row_offset)
     return q_rot, kc, vc
 
 

@@ -151,6 +151,12 @@ def test_kv_write_edge_rows_match_the_plain_write():
             plain_kv_write(kc.clone(), vc.clone(), k, v, tables, far, active, 0)
         with pytest.raises(RuntimeError):
             kv([kc.clone(), vc.clone(), k, v, tables, far, *([] if active is None else [active])], KvWriteAttrs())
+    # a cache whose heads are not rope's (k of 2 rope heads of 8 in 1 cache head of 16)
+    kc16, vc16 = rnd(g, 9, bs, 1, 16), rnd(g, 9, bs, 1, 16)
+    q = rnd(g, n, 32)
+    a = RopeKvWriteAttrs(head_dim=8, pos_offset=1)
+    got = REGISTRY["rope_kv_write"].reference([q, k, v, live.long(), kc16.clone(), vc16.clone(), tables, live], a)
+    same(got, plain_rope_kv_write([q, k, v, live.long(), kc16.clone(), vc16.clone(), tables, live], a))
     x = rnd(g, 4, 32)
     x[0, 3], x[1, 5], x[2, 9] = float("nan"), float("inf"), -0.0
     for pos in (torch.arange(4), torch.tensor([0.0, -0.0, 2.5, 1e7])):
