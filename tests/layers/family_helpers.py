@@ -1,15 +1,16 @@
 """What the model-family layer tests (Qwen2/3, GLM-4.5, Qwen3-Next, the YaRN MoE head) share on
 our side of their transformers comparisons: the small KV layout and chain length most of them
 draft with, `eager_chain` (our eager draft chain over one sequence whose drafter KV starts as
-transformers' cache of a prefix), and the checkpoint-level program-vs-eager checks (bitwise at
-every width; the interpreted Triton kernels, closely).
+transformers' cache of a prefix) and `assert_chain_matches` (its outputs and K rows against
+transformers' chain), and the checkpoint-level program-vs-eager checks (bitwise at every width;
+the interpreted Triton kernels, closely).
 
 Each test keeps its own assertions on what these return; this module holds only the setup that
 was written again in each of them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -19,6 +20,9 @@ from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import DraftBatch, assert_program_matches_eager, random_draft_batch
+
+if TYPE_CHECKING:  # hf_family_reference imports transformers, which its callers importorskip first
+    from tests.layers.hf_family_reference import HfChain
 
 KV = KvLayout(num_blocks=40, block_size=4, max_blocks_per_seq=4)
 PREFIX, DRAFTS = 6, 3
@@ -45,6 +49,18 @@ def eager_chain(head: MtpHead, params: dict[str, torch.Tensor], keys: torch.Tens
     states = {"k_cache": k_cache, "v_cache": v_cache}
     out = EagerRunner(emit_draft_chain(head, num_drafts, max_width=1, kv=kv), params, states).run(inputs)
     return out, states["k_cache"][blocks, slots]
+
+
+def assert_chain_matches(out: dict, k_rows: torch.Tensor, ref: HfChain, prefix: int, *,
+                         hidden_atol: float = 1e-5) -> None:
+    """eager_chain's (out, k_rows) against transformers' chain over the same prefix: the drafts
+    equal, the confidences within 1e-5, the last hidden within `hidden_atol` (rtol 1e-5), and the
+    drafts' own K rows (past `prefix`: norms, biases and RoPE as transformers caches them) within
+    1e-5."""
+    assert out["drafts"][0].tolist() == ref.drafts
+    torch.testing.assert_close(out["confidences"][0], torch.tensor(ref.confidences), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["hidden_out"][0], ref.hidden, atol=hidden_atol, rtol=1e-5)
+    torch.testing.assert_close(k_rows[prefix:], ref.keys[prefix:], atol=1e-5, rtol=1e-5)
 
 
 def assert_checkpoint_program_matches_eager(root: Path, widths: Sequence[int], *, kv: KvLayout = KV,

@@ -22,8 +22,9 @@ from draft_circuit.ops.moe import MoeRouteAttrs, route_select
 
 transformers = pytest.importorskip("transformers")
 from tests.layers.hf_family_reference import L, family_checkpoint, hf_draft_chain, set_config  # noqa: E402
-from tests.layers.family_helpers import (DRAFTS, PREFIX, assert_checkpoint_program_matches_eager,  # noqa: E402
-                                         eager_chain, interpreted_kernels_match_eager)
+from tests.layers.family_helpers import (DRAFTS, PREFIX, assert_chain_matches,  # noqa: E402
+                                         assert_checkpoint_program_matches_eager, eager_chain,
+                                         interpreted_kernels_match_eager)
 
 MOE = dict(n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=1)
 VARIANTS = {  # GLM-4.5 355B-like (bias, q/k norm, groups) and Air-like (bias only), top-1 routing
@@ -72,10 +73,7 @@ def test_eager_chain_equals_transformers_decoder_layer(checkpoint) -> None:
     prefix, hidden, token = torch.randn(PREFIX, h, generator=g), torch.randn(h, generator=g), 5
     hf = hf_draft_chain(root, weights, prefix, token, hidden, DRAFTS)
     out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, PREFIX, DRAFTS)
-    assert out["drafts"][0].tolist() == hf.drafts
-    torch.testing.assert_close(out["confidences"][0], torch.tensor(hf.confidences), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out["hidden_out"][0], hf.hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_rows[PREFIX:], hf.keys[PREFIX:], atol=1e-5, rtol=1e-5)
+    assert_chain_matches(out, k_rows, hf, PREFIX)
 
 
 @pytest.mark.parametrize("top_k, n_group, topk_group", [(1, 1, 1), (2, 2, 1), (3, 4, 2)])

@@ -29,7 +29,8 @@ from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain, rope_op
 from draft_circuit.circuit.layers.rope import INV_FREQ
 
 transformers = pytest.importorskip("transformers")
-from tests.layers.family_helpers import assert_checkpoint_program_matches_eager, eager_chain  # noqa: E402
+from tests.layers.family_helpers import (assert_chain_matches, assert_checkpoint_program_matches_eager,  # noqa: E402
+                                         eager_chain)
 from tests.layers.hf_family_reference import family_checkpoint, hf_draft_chain  # noqa: E402
 
 ORIG, DRAFTS = 16, 3
@@ -98,10 +99,7 @@ def test_eager_chain_equals_transformers_glm4_moe_layer_with_yarn(roots, prefix)
     hf = hf_draft_chain(glm, weights, prefix_x, token, hidden, DRAFTS)
     out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, prefix, DRAFTS, kv=KV,
                               tables=_tables(prefix))
-    assert out["drafts"][0].tolist() == hf.drafts
-    torch.testing.assert_close(out["confidences"][0], torch.tensor(hf.confidences), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out["hidden_out"][0], hf.hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_rows[prefix:], hf.keys[prefix:], atol=1e-5, rtol=1e-5)  # roped by rope_freqs
+    assert_chain_matches(out, k_rows, hf, prefix)  # the K rows roped by rope_freqs
     # the check sees YaRN: the same head over default RoPE misses the oracle's keys
     plain = MoeMtpHead(dataclasses.replace(head.config, rope_scaling=None))
     _, plain_k = eager_chain(plain, plain.bind(weights), hf.keys, hf.values, token, hidden, prefix, DRAFTS, kv=KV,

@@ -20,8 +20,9 @@ from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.mtp import MtpHead, emit_draft_chain
 
 transformers = pytest.importorskip("transformers")
-from tests.layers.family_helpers import (DRAFTS, KV, PREFIX, assert_checkpoint_program_matches_eager,  # noqa: E402
-                                         eager_chain, interpreted_kernels_match_eager)
+from tests.layers.family_helpers import (DRAFTS, KV, PREFIX, assert_chain_matches,  # noqa: E402
+                                         assert_checkpoint_program_matches_eager, eager_chain,
+                                         interpreted_kernels_match_eager)
 from tests.layers.hf_family_reference import L, family_checkpoint, hf_draft_chain, set_config  # noqa: E402
 
 FAMILIES = {"Qwen2": {"qkv_bias": True, "qk_norm": False}, "Qwen3": {"qkv_bias": False, "qk_norm": True}}
@@ -67,11 +68,9 @@ def test_eager_chain_equals_transformers_decoder_layer(checkpoint) -> None:
     prefix, hidden, token = torch.randn(PREFIX, h, generator=g), torch.randn(h, generator=g), 11
     hf = hf_draft_chain(root, weights, prefix, token, hidden, DRAFTS)
     out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, PREFIX, DRAFTS)
-    assert out["drafts"][0].tolist() == hf.drafts
-    torch.testing.assert_close(out["confidences"][0], torch.tensor(hf.confidences), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out["hidden_out"][0], hf.hidden, atol=1e-5, rtol=1e-5)
-    # the drafter's own KV rows: q/k norm, bias and RoPE as transformers caches them
-    torch.testing.assert_close(k_rows[PREFIX:], hf.keys[PREFIX:], atol=1e-5, rtol=1e-5)
+    # drafts, confidences, hidden, and the drafter's own KV rows: q/k norm, bias and RoPE as
+    # transformers caches them
+    assert_chain_matches(out, k_rows, hf, PREFIX)
 
 
 def test_program_equals_eager_bitwise_at_widths_1_to_8(checkpoint) -> None:
