@@ -106,7 +106,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     if sign is None:
         sign = _SIGN.setdefault(x.device, torch.tensor([[-1.0], [1.0]], device=x.device))
     xf = x.float().view(n, -1, head_dim)
-    halves = (xf if r == head_dim else xf[..., :r]).unflatten(-1, (2, r // 2))  # [n, heads, 2, R/2]
+    halves = (xf if r == head_dim else xf[..., :r]).view(n, -1, 2, r // 2)  # [n, heads, 2, R/2]
     rot = torch.addcmul(halves * cos, (halves * sin).flip(2), sign).view(n, -1, r)
     if r < head_dim:
         rot = torch.cat([rot, xf[..., r:]], dim=-1)
