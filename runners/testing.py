@@ -1,6 +1,7 @@
 """Public test helpers for draft runners: random weights and batches for the MTP chain, runner
-comparison against the eager oracle (`assert_program_matches_eager`: a compiled draft equals
-EagerRunner bitwise, outputs and states, at every width), arena poisoning, and the `cuda` pytest
+comparison against the eager oracle (`run_side_by_side` runs one call both ways over copies of
+its states; `assert_program_matches_eager`: a compiled draft equals EagerRunner bitwise, outputs
+and states, at every width), arena poisoning, and the `cuda` pytest
 mark (marks and skips).
 
 Host engines use these in their own test suites; the project's tests use them too.
@@ -130,6 +131,32 @@ def run_draft_runner(compiled: CompiledDraft, states: dict[str, torch.Tensor], w
                               policy=WidthPolicy(allow_split=False)).run(width, inputs)
 
 
+@dataclass
+class SideBySide:
+    """One call run by the eager oracle and by a compiled draft, each over its own copy of the
+    same states (written in place: the KV pools after the call)."""
+
+    want: dict[str, torch.Tensor]  # the eager oracle's outputs (and its `keep` values)
+    got: Mapping[str, torch.Tensor]  # the compiled draft's outputs
+    want_states: dict[str, torch.Tensor]
+    got_states: dict[str, torch.Tensor]
+
+
+def run_side_by_side(chain: Circuit, params: Tensors, compiled: CompiledDraft, inputs: Tensors,
+                     states: Tensors, *, keep: tuple[str, ...] = (), width: int | None = None,
+                     run_program: RunProgram | None = None) -> SideBySide:
+    """Run `inputs` through EagerRunner(chain) and through `run_program` (default: a ProgramRunner
+    over `compiled`), each over a clone of `states`; `keep` names eager intermediates to return
+    with its outputs, `width` the call's rows for run_program (default: the first input's). The
+    caller compares what it needs (bitwise: assert_program_matches_eager; kernels: closely)."""
+    want_states = {k: v.clone() for k, v in states.items()}
+    got_states = {k: v.clone() for k, v in states.items()}
+    want = EagerRunner(chain, params, want_states).run(inputs, keep=keep)
+    rows = width if width is not None else int(next(iter(inputs.values())).shape[0])
+    got = (run_program or _run_program_runner)(compiled, got_states, rows, inputs)
+    return SideBySide(want, got, want_states, got_states)
+
+
 def assert_program_matches_eager(chain: Circuit, params: Tensors, widths: Sequence[int],
                                  batch_for: Callable[[int], DraftBatch | tuple[Tensors, Tensors]], *,
                                  compiled: CompiledDraft | None = None,
@@ -138,24 +165,20 @@ def assert_program_matches_eager(chain: Circuit, params: Tensors, widths: Sequen
 
     For each width, `batch_for(width)` gives the call (a DraftBatch, or (inputs, states)); the
     eager runner runs `chain` over one copy of the states and `run_program` (default: a
-    ProgramRunner over `compiled`) over another, and every eager output and every state (the KV
-    pools, written in place) must be torch.equal between the two; a failure names (width, name).
-    `compiled` defaults to compile_draft(chain, params, widths) on CPU. Returns the compiled draft
-    (so a caller can check its launches)."""
+    ProgramRunner over `compiled`) over another (run_side_by_side), and every eager output and
+    every state (the KV pools, written in place) must be torch.equal between the two; a failure
+    names (width, name). `compiled` defaults to compile_draft(chain, params, widths) on CPU.
+    Returns the compiled draft (so a caller can check its launches)."""
     if compiled is None:
         compiled = compile_draft(chain, params, list(widths))
-    run = run_program or _run_program_runner
     for width in widths:
         batch = batch_for(width)
         inputs, states = (batch.inputs, batch.states()) if isinstance(batch, DraftBatch) else batch
-        want_states = {k: v.clone() for k, v in states.items()}
-        got_states = {k: v.clone() for k, v in states.items()}
-        want = EagerRunner(chain, params, want_states).run(inputs)
-        got = run(compiled, got_states, width, inputs)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (width, name)
-        for name in want_states:
-            assert torch.equal(got_states[name], want_states[name]), (width, name)
+        r = run_side_by_side(chain, params, compiled, inputs, states, width=width, run_program=run_program)
+        for name in r.want:
+            assert torch.equal(r.got[name], r.want[name]), (width, name)
+        for name in r.want_states:
+            assert torch.equal(r.got_states[name], r.want_states[name]), (width, name)
     return compiled
 
 

@@ -18,8 +18,8 @@ from draft_circuit.circuit.layers.heads import load_head
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import DraftBatch, assert_program_matches_eager, random_draft_batch
+from draft_circuit.runners.testing import (DraftBatch, assert_program_matches_eager, random_draft_batch,
+                                           run_side_by_side)
 
 if TYPE_CHECKING:  # hf_family_reference imports transformers, which its callers importorskip first
     from tests.layers.hf_family_reference import HfChain
@@ -89,8 +89,7 @@ def interpreted_kernels_match_eager(root: Path, *, kv: KvLayout = KV, num_drafts
     chain = emit_draft_chain(head, num_drafts, max_width=4, kv=kv)
     compiled = compile_draft(chain, params, [width], options=CompileOptions(interpret_kernels=True))
     b = random_draft_batch(head.config, kv, width, seed=9, num_drafts=num_drafts)
-    want = EagerRunner(chain, params, b.clone_states()).run(b.inputs)
-    got = ProgramRunner(compiled, b.clone_states()).run(b.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=1e-4, rtol=1e-4)
+    r = run_side_by_side(chain, params, compiled, b.inputs, b.states())
+    assert torch.equal(r.got["drafts"], r.want["drafts"])
+    torch.testing.assert_close(r.got["hidden_out"], r.want["hidden_out"], atol=1e-4, rtol=1e-4)
     return {(x.op, x.kernel) for x in compiled.programs[width].launches}

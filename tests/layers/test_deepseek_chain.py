@@ -10,8 +10,7 @@ from draft_circuit.circuit.layers.deepseek import DeepseekMtpHead, mtp_checkpoin
 from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch
+from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch, run_side_by_side
 
 from tests.layers.deepseek_fixtures import random_weights, tiny_config
 
@@ -73,11 +72,8 @@ def test_interpreted_kernels_draft_what_eager_drafts(chain):
     kernels = {x.op: x.kernel for x in compiled.programs[3].launches}
     assert kernels["mla_decode_attention"] == "triton_mla_decode" and kernels["head_linear"] == "triton_head_linear"
     assert kernels["mla_kv_write"] == "triton_mla_kv_write" and kernels["rope_freqs"] == "triton_rope_freqs"
-    inputs, states = batch(c, head, 3, seed=4)
-    eager_states = {k: v.clone() for k, v in states.items()}
-    want = EagerRunner(circuit, params, eager_states).run(inputs)
-    got = ProgramRunner(compiled, states).run(inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=1e-4, rtol=1e-4)
-    for name in states:
-        torch.testing.assert_close(states[name], eager_states[name], atol=1e-5, rtol=1e-5)
+    r = run_side_by_side(circuit, params, compiled, *batch(c, head, 3, seed=4))
+    assert torch.equal(r.got["drafts"], r.want["drafts"])
+    torch.testing.assert_close(r.got["hidden_out"], r.want["hidden_out"], atol=1e-4, rtol=1e-4)
+    for name in r.want_states:
+        torch.testing.assert_close(r.got_states[name], r.want_states[name], atol=1e-5, rtol=1e-5)

@@ -19,9 +19,8 @@ from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops.sampling import allowed_tokens, mask_words
 from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import (assert_program_matches_eager, random_draft_batch, random_mtp_weights,
-                                           run_draft_runner)
+                                           run_draft_runner, run_side_by_side)
 
 CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -129,12 +128,10 @@ def test_triton_fused_subset_head_matches_eager(width):
     compiled = compile_draft(sub, sub_params, [width], options=CompileOptions(interpret_kernels=True))
     # the final norm rides in the fused lm-head's prologue (issue 15: fuse_rmsnorm_argmax)
     assert "triton_rmsnorm_linear_argmax_logprob" in {x.kernel for x in compiled.programs[width].launches}
-    want_states = {**batch.clone_states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
-    got_states = {k: v.clone() for k, v in want_states.items()}
-    want = EagerRunner(sub, sub_params, want_states).run(batch.inputs)
-    got = ProgramRunner(compiled, got_states).run(batch.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)
+    states = {**batch.states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
+    r = run_side_by_side(sub, sub_params, compiled, batch.inputs, states)
+    assert torch.equal(r.got["drafts"], r.want["drafts"])
+    torch.testing.assert_close(r.got["confidences"], r.want["confidences"], atol=1e-5, rtol=1e-5)
 
 
 def lm_head_bytes(width_report) -> int:

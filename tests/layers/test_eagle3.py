@@ -14,8 +14,7 @@ from draft_circuit.circuit.layers.eagle3 import Eagle3Config, Eagle3Head
 from draft_circuit.circuit.layers.mtp import emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import assert_program_matches_eager, run_draft_runner
+from draft_circuit.runners.testing import assert_program_matches_eager, run_draft_runner, run_side_by_side
 
 from tests.layers.eagle3_reference import CFG, KV, K, checkpoint, eager_inputs, paged_rows, reference_chain
 
@@ -85,12 +84,10 @@ def test_triton_program_matches_eager(width):
     # the final norm rides in the fused lm-head's prologue (issue 15: fuse_rmsnorm_argmax)
     assert {"triton_rmsnorm_linear_argmax_logprob", "triton_rope_kv_write", "triton_decode_attention"} <= kernels
     batch = eager_inputs(width, seed=50 + width)
-    want_states = {**batch.clone_states(), "embed_target": torch.zeros(4, CFG.hidden_size)}
-    got_states = {k: v.clone() for k, v in want_states.items()}
-    want = EagerRunner(chain, params, want_states).run(batch.inputs)
-    got = ProgramRunner(compiled, got_states).run(batch.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)
+    states = {**batch.states(), "embed_target": torch.zeros(4, CFG.hidden_size)}
+    r = run_side_by_side(chain, params, compiled, batch.inputs, states)
+    assert torch.equal(r.got["drafts"], r.want["drafts"])
+    torch.testing.assert_close(r.got["confidences"], r.want["confidences"], atol=1e-5, rtol=1e-5)
 
 
 def test_a_further_reduced_vocabulary_lies_inside_the_drafters_own():

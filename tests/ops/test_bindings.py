@@ -16,7 +16,7 @@ from draft_circuit.ops.bindings import CUDA, KERNEL_FLOATS, TRITON, Applies, Con
 from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch, random_mtp_weights
+from draft_circuit.runners.testing import compare_drafts, cuda, random_draft_batch, random_mtp_weights, run_side_by_side
 
 CFG = MtpConfig(vocab_size=133, hidden_size=40, intermediate_size=72, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -44,14 +44,17 @@ def test_triton_chain_matches_eager(width):
     batch = random_draft_batch(CFG, KV, width, seed=width, num_drafts=K, bitmask=True)
     batch.inputs["bitmask"][:, 0] |= 1  # token 0 allowed: no all-masked row here
     batch.inputs["log_tau"] = torch.full((width,), math.log(0.004))
-    want_states = {**batch.clone_states(), "embed_target": torch.zeros(4, CFG.hidden_size)}
-    got_states = {k: v.clone() for k, v in want_states.items()}
-    want = EagerRunner(chain, params, want_states).run(batch.inputs)
-    got = ProgramRunner(compiled, got_states).run(batch.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)
-    for k in want_states:
-        torch.testing.assert_close(got_states[k], want_states[k], atol=1e-5, rtol=1e-5)
+    _assert_drafts_as_eager(chain, params, compiled, batch.inputs,
+                            {**batch.states(), "embed_target": torch.zeros(4, CFG.hidden_size)})
+
+
+def _assert_drafts_as_eager(chain, params, compiled, inputs, states):
+    """The kernels' program drafts what eager drafts; confidences and every state within 1e-5."""
+    r = run_side_by_side(chain, params, compiled, inputs, states)
+    assert torch.equal(r.got["drafts"], r.want["drafts"])
+    torch.testing.assert_close(r.got["confidences"], r.want["confidences"], atol=1e-5, rtol=1e-5)
+    for k in r.want_states:
+        torch.testing.assert_close(r.got_states[k], r.want_states[k], atol=1e-5, rtol=1e-5)
 
 
 def S(dtype, *shape):
@@ -105,14 +108,7 @@ def test_attention_kernel_is_planned_only_for_block_sizes_it_takes(block_size, a
         get_op("decode_attention").parse_attrs({}))
     assert why == (None if attention_kernel != "reference" else "needs block_size a power of two >= 8")
     batch = random_draft_batch(CFG, kv, width, seed=block_size, num_drafts=K)
-    want_states = batch.clone_states()
-    got_states = {k: v.clone() for k, v in want_states.items()}
-    want = EagerRunner(chain, params, want_states).run(batch.inputs)
-    got = ProgramRunner(compiled, got_states).run(batch.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["confidences"], want["confidences"], atol=1e-5, rtol=1e-5)
-    for k in want_states:
-        torch.testing.assert_close(got_states[k], want_states[k], atol=1e-5, rtol=1e-5)
+    _assert_drafts_as_eager(chain, params, compiled, batch.inputs, batch.states())
 
 
 def test_importing_the_vocabulary_imports_no_kernel():

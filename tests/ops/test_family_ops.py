@@ -17,8 +17,7 @@ from draft_circuit.circuit.passes import run_passes
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops.attention import rope_ref
 from draft_circuit.ops.registry import MATMUL, NORM, REDUCTION, CostContext, ShapeError, get_op
-from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import assert_program_matches_eager, run_side_by_side
 
 transformers = pytest.importorskip("transformers")
 
@@ -208,14 +207,7 @@ def test_biased_linear_fuses_into_nothing_that_drops_its_bias():
 def test_family_block_program_equals_eager_bitwise(width):
     c = attention_block()
     params, inputs, states = block_values(c, width, seed=width)
-    want_states = {k: t.clone() for k, t in states.items()}
-    want = EagerRunner(c, params, want_states).run(inputs)
-    got_states = {k: t.clone() for k, t in states.items()}
-    got = ProgramRunner(compile_draft(c, params, [width]), got_states).run(inputs)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    for k in want_states:
-        assert torch.equal(got_states[k], want_states[k]), k
+    assert_program_matches_eager(c, params, [width], lambda _: (inputs, states))
 
 
 def test_family_block_with_interpreted_kernels():
@@ -225,11 +217,8 @@ def test_family_block_with_interpreted_kernels():
     kernels = {(x.op, x.kernel) for x in compiled.programs[3].launches}
     assert {("linear", "triton_linear"), ("head_rmsnorm", "triton_head_rmsnorm"),
             ("rope_kv_write", "triton_rope_kv_write")} <= kernels
-    want_states = {k: t.clone() for k, t in states.items()}
-    want = EagerRunner(c, params, want_states).run(inputs)
-    got_states = {k: t.clone() for k, t in states.items()}
-    got = ProgramRunner(compiled, got_states).run(inputs)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=1e-4)
-    for k in want_states:
-        torch.testing.assert_close(got_states[k], want_states[k], atol=1e-4, rtol=1e-4)
+    r = run_side_by_side(c, params, compiled, inputs, states)
+    for k in r.want:
+        torch.testing.assert_close(r.got[k], r.want[k], atol=1e-4, rtol=1e-4)
+    for k in r.want_states:
+        torch.testing.assert_close(r.got_states[k], r.want_states[k], atol=1e-4, rtol=1e-4)

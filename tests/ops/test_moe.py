@@ -19,9 +19,7 @@ from draft_circuit.circuit.layers.config import ConfigError
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, MoeWeightError, quantize_blocks, random_moe_weights
 from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
 from draft_circuit.ops.registry import CostContext, ShapeError, get_op
-from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.program import ProgramRunner
-from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch
+from draft_circuit.runners.testing import assert_program_matches_eager, random_draft_batch, run_side_by_side
 
 CFG = MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -226,10 +224,9 @@ def test_moe_chain_with_interpreted_kernels_matches_eager(chain, monkeypatch):
     kernels = {x.op: x.kernel for x in compiled.programs[3].launches}
     assert kernels["moe_experts"] == "triton_moe_grouped" and kernels["moe_route"] == "triton_moe_route"
     b = random_draft_batch(CFG, KV, 3, seed=9, num_drafts=K)
-    want = EagerRunner(circuit, params, b.clone_states()).run(b.inputs)
-    got = ProgramRunner(compiled, b.clone_states()).run(b.inputs)
-    assert torch.equal(got["drafts"], want["drafts"])
-    torch.testing.assert_close(got["hidden_out"], want["hidden_out"], atol=1e-4, rtol=1e-4)
+    r = run_side_by_side(circuit, params, compiled, b.inputs, b.states())
+    assert torch.equal(r.got["drafts"], r.want["drafts"])
+    torch.testing.assert_close(r.got["hidden_out"], r.want["hidden_out"], atol=1e-4, rtol=1e-4)
     monkeypatch.setenv(ops_moe.KILL_SWITCH, "1")  # read at planning: the plan shows the reference
     killed = compile_draft(circuit, params, [3], options=opts)
     assert {x.kernel for x in killed.programs[3].launches if x.op == "moe_experts"} == {"reference"}
@@ -249,9 +246,8 @@ def test_fp8_and_softmax_heads_bind_and_run(variant):
     circuit = emit_draft_chain(head, K, max_width=8, kv=KV)
     assert {n.op for n in circuit.nodes} >= {"moe_route", "moe_experts_fp8" if variant == "fp8" else "moe_experts"}
     b = random_draft_batch(cfg, KV, 4, seed=2, num_drafts=K)
-    want = EagerRunner(circuit, params, b.clone_states()).run(b.inputs)
-    got = ProgramRunner(compile_draft(circuit, params, [4]), b.clone_states()).run(b.inputs)
-    assert torch.equal(got["drafts"], want["drafts"]) and ((want["drafts"] >= 0) & (want["drafts"] < 97)).all()
+    r = run_side_by_side(circuit, params, compile_draft(circuit, params, [4]), b.inputs, b.states())
+    assert torch.equal(r.got["drafts"], r.want["drafts"]) and ((r.want["drafts"] >= 0) & (r.want["drafts"] < 97)).all()
 
 
 # ---- config ----
