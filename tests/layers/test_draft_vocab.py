@@ -2,7 +2,6 @@
 subset (drafts, subset-renormalised confidences, the grammar mask remapped), ids outside the
 subset are never drafted, programs equal the eager oracle bitwise on CPU, the plan's bytes shrink
 by the lm-head rows left out; token lists load, build and refuse by name."""
-from __future__ import annotations
 
 import json
 import math
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.draft_vocab import (DRAFT_VOCAB_IDS, DraftVocab, DraftVocabError,
                                                       bind_draft_vocab, build_draft_vocab,
                                                       load_draft_vocab, main, save_draft_vocab)
@@ -21,10 +19,9 @@ from draft_circuit.ops.sampling import allowed_tokens, mask_words
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.testing import (assert_program_matches_eager, random_draft_batch, random_mtp_weights,
                                            run_draft_runner, run_side_by_side)
+from tests.runners.tiny_chain import tiny_config
 
-CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
+CFG = tiny_config()
 KV = KvLayout(num_blocks=80, block_size=8, max_blocks_per_seq=4)
 K, S = 3, 45  # 45 ids: the subset mask's last word is partial
 

@@ -3,17 +3,14 @@ padded rows inert (no KV write anywhere, stale rows from an earlier call harmles
 import pytest
 import torch
 
-from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.circuit.layers.config import MtpConfig
-from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.layers.mtp import KvLayout
 from draft_circuit.circuit.binding import WidthError
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy, plan_widths
 from draft_circuit.runners.eager import EagerRunner
-from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+from draft_circuit.runners.testing import random_draft_batch
+from tests.runners.tiny_chain import tiny_chain, tiny_config
 
-CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
+CFG = tiny_config()
 KV = KvLayout(num_blocks=80, block_size=8, max_blocks_per_seq=4)
 K = 3
 
@@ -32,10 +29,7 @@ def test_plan_widths_picks_own_pad_or_split_by_cost():
 
 @pytest.fixture(scope="module")
 def compiled():
-    head = MtpHead(CFG)
-    chain = emit_draft_chain(head, K, max_width=8, kv=KV, embed_target=True)
-    params = head.bind(random_mtp_weights(CFG, seed=5))
-    return chain, params, compile_draft(chain, params, [1, 2, 4, 8])
+    return tiny_chain(CFG, KV, K, [1, 2, 4, 8], seed=5, embed_target=True)
 
 
 def _states(batch, width):

@@ -5,16 +5,14 @@ import math
 import pytest
 import torch
 
-from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import MtpHead
 from draft_circuit.runners.proposer import MtpProposer
 from draft_circuit.runners.proposer_args import ProposerArgumentError
 from draft_circuit.runners.proposer_state import ProposerError
 from draft_circuit.runners.testing import random_mtp_weights
+from tests.runners.tiny_chain import tiny_config
 
-CFG = MtpConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
+CFG = tiny_config(vocab_size=90)
 HEAD = MtpHead(CFG)
 PARAMS = HEAD.bind(random_mtp_weights(CFG, seed=11))
 GOOD = dict(num_drafts=3, num_blocks=40, block_size=8, max_blocks_per_seq=6, max_width=4,

@@ -5,15 +5,13 @@ import pytest
 import torch
 
 from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner, RebindError
 from draft_circuit.runners.testing import cuda, random_draft_batch, random_mtp_weights
+from tests.runners.tiny_chain import tiny_config
 
-CFG = MtpConfig(vocab_size=150, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
+CFG = tiny_config()
 KV = KvLayout(num_blocks=40, block_size=8, max_blocks_per_seq=4)
 K = 2
 

@@ -6,19 +6,16 @@ import threading
 import pytest
 import torch
 
-from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.circuit.layers.config import MtpConfig
-from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
 from draft_circuit.runners.draft import CircuitDraftRunner
 from draft_circuit.runners.eager import EagerRunner
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.proposer import MtpProposer
 from draft_circuit.runners.single_caller import ConcurrentCallError, single_caller
 from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+from tests.runners.tiny_chain import tiny_chain, tiny_config
 
-CFG = MtpConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=512)
+CFG = tiny_config(vocab_size=90)
 KV = KvLayout(num_blocks=40, block_size=8, max_blocks_per_seq=4)
 K = 2
 
@@ -59,10 +56,7 @@ def _blocking_launch(runner: ProgramRunner, width: int):
 
 @pytest.fixture(scope="module")
 def compiled():
-    head = MtpHead(CFG)
-    chain = emit_draft_chain(head, K, max_width=4, kv=KV)
-    params = head.bind(random_mtp_weights(CFG, seed=3))
-    return chain, params, compile_draft(chain, params, [1, 2, 4])
+    return tiny_chain(CFG, KV, K, [1, 2, 4], seed=3)
 
 
 @pytest.mark.parametrize("wrap", ["program", "draft"])
