@@ -100,6 +100,8 @@ class CircuitDraftRunner:
         report = compiled.report()
         costs = {w.width: w.floor_us for w in report.widths if backend.serves(w.width)}
         self.plans = plan_widths(costs, compiled.max_width, policy) if costs else {}
+        # read once a catch-up (its chunk width): a max over up to several hundred plans
+        self._max_width = max(self.plans, default=0)
         self._row_states = [n for n, v in root_states(compiled.circuit).items()
                             if v.shape and v.shape[0] == ROW]
         # the split path's snapshot of each row-dim state (allocated once, not per run)
@@ -122,7 +124,7 @@ class CircuitDraftRunner:
 
     @property
     def max_width(self) -> int:
-        return max(self.plans, default=0)
+        return self._max_width
 
     def serves(self, n: int) -> bool:
         return n in self.plans

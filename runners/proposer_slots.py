@@ -169,6 +169,9 @@ class SlotBlocks(SequenceBlocks):
     """A state's block table whose row count and blocks are mirrored into its slot's columns
     (`rows`, `capacity`, `tables`); every rule is `SequenceBlocks`'."""
 
+    _list: list[int]
+    _mirrored: int  # entries of the list in the slot's table row (the row past them: scratch)
+
     def __init__(self, pool: BlockPool, block_size: int, max_blocks: int, table: SlotTable,
                  slot: int) -> None:
         self._table, self._slot = table, slot
@@ -189,8 +192,15 @@ class SlotBlocks(SequenceBlocks):
     @_blocks.setter
     def _blocks(self, blocks: list[int]) -> None:
         # every change of the list goes through here (`+=` included): the host table follows
+        t, s, m = self._table, self._slot, len(blocks)
+        had = self._mirrored if blocks is getattr(self, "_list", None) else -1
         self._list = blocks
-        t, s = self._table, self._slot
-        t.capacity[s] = len(blocks) * self.block_size
-        t.tables[s, :len(blocks)] = blocks
-        t.tables[s, len(blocks):] = t.scratch
+        t.capacity[s] = m * self.block_size
+        if 0 <= had < m:  # the same list grown in place (`+=`: ensure_rows): only its new
+            # entries (the row past them is scratch already); a whole row of BlockIds is a
+            # conversion per entry, microseconds a growth, and a batch grows several a step
+            t.tables[s, had:m] = blocks[had:]
+        else:  # a new list (release, take, install, free): the whole row
+            t.tables[s, :m] = blocks
+            t.tables[s, m:] = t.scratch
+        self._mirrored = m

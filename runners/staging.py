@@ -6,8 +6,10 @@ straight into the buffers the chain's program reads.
   (`staged_inputs(n)`); its int32 inputs (tokens, positions, block tables, live rows, active)
   are views of one contiguous device region (runners/program.py). The staging keeps a host
   mirror of that region laid out like it (pinned on CUDA, written through numpy views: no tensor
-  is built from a Python list) and fills it whole, every row past n at its neutral value, so
-  one `non_blocking` host-to-device copy stages every integer input of a run, padding included.
+  is built from a Python list) and keeps it whole, every row past n at its neutral value (those
+  rows and active are rewritten only when n differs from the mirror's latest fill, or after a
+  run the staging did not fill), so one `non_blocking` host-to-device copy stages every integer
+  input of a run, padding included.
   On CPU the mirror is the region itself and nothing is copied. The runner is then given its own
   mapping back and runs with no check, copy or padding of its own (identity, O(1)).
 - A runner without such buffers (the eager oracle, a split plan, a masked chain, a runner of
@@ -78,7 +80,32 @@ class _Mirror:
 
     def __init__(self, flat: np.ndarray, offsets: Mapping[str, int], w: int, m: int) -> None:
         self.rows = {k: flat[offsets[k]:offsets[k] + w] for k in _ROWS}
+        self.values = tuple(self.rows[k] for k in ("tokens", "positions", "live_rows"))
+        self.active = self.rows["active"]
         self.tables = flat[offsets["block_tables"]:offsets["block_tables"] + w * m].reshape(w, m)
+        #: the n of the latest fill: rows [filled:] hold their neutral values and active[:filled]
+        #: is 1 (None: unknown, every row is rewritten); a fill at the same n writes values only
+        self.filled: int | None = None
+
+    def fill(self, n: int, values: tuple[object, object, object], tables: np.ndarray,
+             slots: np.ndarray, nz: Mapping[str, int | float]) -> None:
+        """Rows [:n] of tokens, positions and live rows, active[:n] 1, each row's block table
+        (`tables[slots[i]]`), every row past n neutral: only what differs from the latest fill
+        (a numpy call costs about a microsecond whatever it writes)."""
+        for dst, v in zip(self.values, values):
+            dst[:n] = v
+        tables.take(slots, axis=0, out=self.tables[:n])
+        filled = self.filled
+        if filled == n:
+            return
+        if filled is None or filled > n:  # rows past n may hold a wider fill's values
+            end = None if filled is None else filled
+            for k, dst in self.rows.items():
+                dst[n:end] = nz[k]
+            self.tables[n:end] = nz["block_tables"]
+        if filled is None or filled < n:
+            self.active[:n] = 1
+        self.filled = n
 
 
 class _Region:
@@ -103,6 +130,7 @@ class _Region:
         self.tokens = devs["tokens"]
         # rows [0:hidden_dirty) of hidden may hold values; log_tau's (value, n) as filled
         self.hidden_dirty = w
+        self.hidden_rows: dict[int, torch.Tensor] = {}  # hidden[:n], per n
         self.tau: tuple[float, int] | None = None
         self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
         # the staging's own region: views handed out per (n, with log_tau), made once
@@ -236,15 +264,13 @@ class ChainStaging:
             # the copy two runs back must have read this mirror (steady state: long done)
             if not region.copied[turn].query():  # type: ignore[no-untyped-call]
                 region.copied[turn].synchronize()
-        mirror = region.mirrors[turn]
-        rows, nz = mirror.rows, region.neutral
-        for name, values in (("tokens", tokens), ("positions", positions), ("live_rows", live)):
-            rows[name][:n] = values
-            rows[name][n:] = nz[name]
-        rows["active"][:n] = 1
-        rows["active"][n:] = nz["active"]
-        np.take(tables, slots, axis=0, out=mirror.tables[:n])
-        mirror.tables[n:] = nz["block_tables"]
+        if region.runner is not None:
+            seen = getattr(region.runner, "unstaged_runs", 0)
+            if seen != region.unstaged:  # a run the staging did not fill wrote its buffers
+                region.unstaged, region.hidden_dirty, region.tau = seen, region.width, None
+                for m in region.mirrors:
+                    m.filled = None
+        region.mirrors[turn].fill(n, (tokens, positions, live), tables, slots, region.neutral)
         if region.copies:
             region.flat.copy_(region.hosts[turn], non_blocking=True)
         if region.cuda:
@@ -276,15 +302,14 @@ class ChainStaging:
         rows past n neutral (a padded program reads them): zeroed when n shrank, or when an
         unstaged run wrote them."""
         hidden = region.hidden
-        if region.runner is not None:
-            seen = getattr(region.runner, "unstaged_runs", 0)
-            if seen != region.unstaged:
-                region.unstaged, region.hidden_dirty, region.tau = seen, region.width, None
+        rows = region.hidden_rows.get(n)
+        if rows is None:  # a view made once a width (a slice is a torch op, microseconds)
+            rows = region.hidden_rows[n] = hidden[:n]
         if len(hiddens) == 1:
-            hidden[:n].copy_(hiddens[0], non_blocking=True)
+            rows.copy_(hiddens[0], non_blocking=True)
         elif set(map(_DTYPE, hiddens)) == {hidden.dtype} and \
                 set(map(_DEVICE, hiddens)) == {hidden.device}:  # C-level passes, no row loop
-            torch.cat(list(hiddens), out=hidden[:n])  # the buffer's device is resolved
+            torch.cat(list(hiddens), out=rows)  # the buffer's device is resolved
         else:
             start = 0
             for h in hiddens:

@@ -1,0 +1,82 @@
+"""The proposer's per-step host shortcuts (issue 14 item 2) keep what they skip exact: a block
+table grown in place writes only its new entries into the host table, and the staging rewrites
+rows past n and active only when n differs from a mirror's latest fill. Each test holds the
+state the shortcut relies on against the one a full rewrite gives."""
+import random
+
+import numpy as np
+import torch
+
+from draft_circuit.runners.kv_cache import BlockPool
+from draft_circuit.runners.proposer_slots import SlotBlocks, SlotTable
+from tests.runners.test_proposer import K, hidden, make, prefilled
+
+
+class _Handle:
+    pass
+
+
+def _table_row_is_the_blocks(table, b):
+    row = table.tables[b._slot]
+    m = len(b.blocks)
+    return row[:m].tolist() == list(b.blocks) and (row[m:] == table.scratch).all() \
+        and table.capacity[b._slot] == m * b.block_size
+
+
+def test_a_block_table_grown_in_place_mirrors_every_change():
+    """ensure_rows (in place: only the new entries written), then release, take, install and
+    free (new lists: the whole row), in a random order: the host row is the blocks, scratch past
+    them, after every call."""
+    rng = random.Random(3)
+    table = SlotTable(max_blocks=6, max_drafts=K, scratch_block=0, slots=2)
+    pool = BlockPool(200, reserved=1)
+    handles = [_Handle() for _ in range(3)]
+    blocks = [SlotBlocks(pool, 4, 6, table, table.alloc(h)) for h in handles]
+    for _ in range(300):
+        b = rng.choice(blocks)
+        op = rng.randrange(5)
+        if op <= 1:
+            b.ensure_rows(rng.randint(0, 24))
+        elif op == 2:
+            b.set_rows(rng.randint(0, b.capacity_rows))
+            b.release_unused()
+        elif op == 3 and b.blocks:
+            rows = b.num_rows
+            taken, rows = b.take()
+            assert _table_row_is_the_blocks(table, b)
+            assert b.install(taken, rows)
+        else:
+            b.free()
+        for other in blocks:
+            assert _table_row_is_the_blocks(table, other)
+
+
+def test_catch_up_rows_past_n_stay_neutral_as_n_grows_and_shrinks():
+    """A catch-up's row count changes every step: the KV-only runner's buffers keep rows [:n]
+    active and every row past n neutral through growing, shrinking and repeated widths (the
+    staging skips what its latest fill left right), and the pools stay the oracle's."""
+    mine, oracle = make("circuit", num_blocks=200, max_blocks_per_seq=12), \
+        make("eager", num_blocks=200, max_blocks_per_seq=12)
+    runner = mine.chains.kv_only()[0]
+    pairs = [(prefilled(mine, 30 + i, length=9)[0], prefilled(oracle, 30 + i, length=9)[0])
+             for i in range(4)]
+    for step, counts in enumerate(([2, 1, 0, 3], [1, 0, 0, 0], [1, 0, 0, 0], [3, 3, 2, 1],
+                                   [0, 2, 0, 0], [2, 2, 2, 2])):
+        for p, states in ((mine, [a for a, _ in pairs]), (oracle, [b for _, b in pairs])):
+            keys = p.last_pair_keys(states)
+            p.catchup_batch([[7 + step] * c for c in counts],
+                            [hidden(50 + step + i, c) if c else hidden(1, 1)[:0]
+                             for i, c in enumerate(counts)],
+                            [k + 2 for k in keys], states)
+        n = sum(counts)
+        static = runner.backend.static_inputs
+        assert (static["active"][:n] == 1).all() and (static["active"][n:] == 0).all()
+        assert (static["block_tables"][n:] == 0).all()
+        for name in ("tokens", "positions", "live_rows"):
+            assert (static[name][n:] == 0).all(), name
+        assert (static["hidden"][n:runner.plan(n).parts[0][0]] == 0).all()
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(mine.states[name], oracle.states[name])
+    assert [mine.drafter_rows(a) for a, _ in pairs] == [oracle.drafter_rows(b) for _, b in pairs]
+    assert np.array_equal(mine.slots.rows[[a.slot for a, _ in pairs]],
+                          [oracle.drafter_rows(b) for _, b in pairs])
