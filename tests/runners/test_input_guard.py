@@ -18,7 +18,8 @@ from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
 from tests.runners.tiny_chain import tiny_config
-from tests.runners.guard_helpers import SCRATCH, PendingFault, edited, inert
+from tests.runners.guard_helpers import (SCRATCH, PendingFault, assert_ran_inert, assert_reported_once, edited,
+                                         inert)
 
 CFG = tiny_config()
 KV = KvLayout(num_blocks=40, block_size=8, max_blocks_per_seq=4)
@@ -120,14 +121,6 @@ def _runner(kind, chain, states):
     return program, run
 
 
-def _own_blocks(batch, rows):
-    own = set()
-    for r in rows:
-        used = (batch.lives[r] + K - 1) // KV.block_size + 1
-        own |= set(batch.inputs["block_tables"][r, :used].tolist())
-    return own
-
-
 @pytest.mark.parametrize("kind", ["program", "eager", "triton"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}={c[3]}" for c in CASES])
 def test_a_bad_row_runs_inert_and_is_reported(chain, kind, case):
@@ -142,19 +135,9 @@ def test_a_bad_row_runs_inert_and_is_reported(chain, kind, case):
     before = {k: v.clone() for k, v in states.items()}
     runner, run = _runner(kind, chain, states)
     got = run(edited(batch, name, row, col, value))
-    assert got["drafts"][row].eq(-1).all()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    good = [r for r in range(N) if r != row]
-    untouched = [b for b in range(KV.num_blocks) if b not in _own_blocks(batch, good)]
-    for k in states:
-        assert torch.equal(states[k], want_states[k]), k
-        assert torch.equal(states[k][untouched], before[k][untouched]), k
-    with pytest.raises(RunnerInputError, match=message) as err:
-        runner.check_faults()
-    assert (err.value.row, err.value.input, err.value.value) == (row, name, value)
-    assert "input guard in a 4-row run" in str(err.value)
-    runner.check_faults()  # cleared: nothing pending
+    assert_ran_inert(got, want, states, want_states, before, batch, row, kv=KV, num_drafts=K)
+    err = assert_reported_once(runner, message, row, name, value)
+    assert "input guard in a 4-row run" in str(err)
 
 
 def test_eager_run_raises_after_the_run_by_default(chain):

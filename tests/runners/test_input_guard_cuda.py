@@ -16,7 +16,7 @@ from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.testing import (assert_no_allocation, cuda, random_draft_batch,
                                            random_mtp_weights)
-from tests.runners.guard_helpers import SCRATCH, edited, inert
+from tests.runners.guard_helpers import SCRATCH, assert_ran_inert, assert_reported_once, edited, inert
 
 CFG = MtpConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -89,20 +89,8 @@ def test_a_bad_row_replays_inert_and_is_reported(built, case):
     runner = _graphs(compiled, states)
     got = _replay(runner, edited(batch, name, row, col, value))  # no sync, no raise
     torch.cuda.synchronize()
-    assert got["drafts"][row].eq(-1).all()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    own = set()
-    for r in (r for r in range(N) if r != row):
-        own |= set(batch.inputs["block_tables"][r, :(batch.lives[r] + K - 1) // KV.block_size + 1].tolist())
-    untouched = torch.tensor([b for b in range(KV.num_blocks) if b not in own], device="cuda")
-    for k in states:
-        assert torch.equal(states[k], want_states[k]), k
-        assert torch.equal(states[k][untouched], before[k][untouched]), k
-    with pytest.raises(RunnerInputError, match=message) as err:
-        runner.check_faults()
-    assert (err.value.row, err.value.input, err.value.value) == (row, name, value)
-    runner.check_faults()  # cleared
+    assert_ran_inert(got, want, states, want_states, before, batch, row, kv=KV, num_drafts=K)
+    assert_reported_once(runner, message, row, name, value)
     _replay(runner, batch.inputs)
     runner.check_faults()  # a valid replay after a fault records nothing
 
