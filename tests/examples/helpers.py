@@ -1,5 +1,6 @@
 """Helpers the engine's tests share: a small random config in the Llama + DeepSeek-V3 MTP
-layout, random requests of varied lengths, and one-call generation."""
+layout, random requests of varied lengths, one-call generation, and a target whose first verify
+ends in a row with no finite logit."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,3 +32,18 @@ def random_requests(vocab: int, count: int, seed: int, *, max_prompt: int = 30,
 def generate(path, requests, **config) -> tuple[list[list[int]], Engine]:
     engine = Engine(load_checkpoint(path, with_mtp=config.get("speculate", True)), EngineConfig(**config))
     return engine.generate(requests).outputs, engine
+
+
+def nan_at_first_verify(engine: Engine, monkeypatch) -> list[int]:
+    """Patch the engine's target so its second forward (the first verify, after the prefill)
+    returns -1 (no finite logit) for its last row; returns the list of each forward's row count."""
+    forward, calls = engine.target.model.forward, []
+
+    def later_nan(rows):
+        tokens, hidden = forward(rows)
+        calls.append(len(tokens))
+        if len(calls) == 2:  # the first verify: its last row has no finite logit
+            tokens = [*tokens[:-1], -1]
+        return tokens, hidden
+    monkeypatch.setattr(engine.target.model, "forward", later_nan)
+    return calls

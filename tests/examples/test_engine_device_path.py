@@ -14,7 +14,7 @@ import pytest
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from examples.engine.speculate import usable
-from tests.examples.helpers import SMALL, generate, random_requests
+from tests.examples.helpers import SMALL, generate, nan_at_first_verify, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
 
@@ -171,15 +171,7 @@ def test_device_path_names_a_non_finite_verify_row(small_checkpoint, monkeypatch
     from examples.engine.runner import NonFiniteLogitsError
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(widths=(1,), max_batch=1))
     engine.device_drafts = True
-    forward, calls = engine.target.model.forward, []
-
-    def later_nan(rows):
-        tokens, hidden = forward(rows)
-        calls.append(len(tokens))
-        if len(calls) == 2:  # the first verify: its last row has no finite logit
-            tokens = [*tokens[:-1], -1]
-        return tokens, hidden
-    monkeypatch.setattr(engine.target.model, "forward", later_nan)
+    calls = nan_at_first_verify(engine, monkeypatch)
     with pytest.raises(NonFiniteLogitsError, match=r"request 0: .* position \d+, decode step \d+ "):
         engine.generate([Request([1, 2, 3], 12)])
     assert calls[1] == engine.k + 1  # the verify ran on the device path: k + 1 rows

@@ -12,6 +12,7 @@ import torch
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from examples.engine.runner import NonFiniteLogitsError
+from tests.examples.helpers import nan_at_first_verify
 
 
 def _nan_checkpoint(path, weight="model.layers.0.mlp.down_proj.weight", speculate=True):
@@ -35,16 +36,7 @@ def test_nan_at_a_later_step_names_that_step(small_checkpoint, monkeypatch):
     """Rows go non-finite only after the prefill: the error names the decode step."""
     import examples.engine.runner as runner_module
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(widths=(1,), max_batch=1))
-    forward = engine.target.model.forward
-    calls = []
-
-    def later_nan(rows):
-        tokens, hidden = forward(rows)
-        calls.append(len(tokens))
-        if len(calls) == 2:  # the first verify: its last row has no finite logit
-            tokens = [*tokens[:-1], -1]
-        return tokens, hidden
-    monkeypatch.setattr(engine.target.model, "forward", later_nan)
+    nan_at_first_verify(engine, monkeypatch)
     with pytest.raises(runner_module.NonFiniteLogitsError, match=r"request 0: .* position \d+, "
                                                                  r"decode step \d+ "):
         engine.generate([Request([1, 2, 3], 12)])
