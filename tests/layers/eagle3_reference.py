@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config, eagle3_checkpoint_shapes
 from draft_circuit.circuit.layers.mtp import KvLayout
 from draft_circuit.runners.testing import random_draft_batch
+from tests.plain_reference import rms, rope
 
 CFG = Eagle3Config(vocab_size=160, hidden_size=32, intermediate_size=56, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -36,18 +37,6 @@ def checkpoint(cfg: Eagle3Config = CFG, seed: int = 3, ascending: bool = False) 
 
 
 # ---- the reference: vLLM's llama_eagle3.py / SGLang's llama_eagle3.py, one sequence at a time ----
-def rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x, pos, d, theta):
-    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
-    ang = pos * inv
-    x = x.view(-1, d)
-    x1, x2 = x[:, : d // 2], x[:, d // 2:]
-    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
-
-
 def reference_chain(w, cfg, k, token, aux, pos, keys, vals):
     """k greedy drafts from the tapped hiddens `aux` [3 * target_hidden]: (target ids, logprobs, last hidden)."""
     d, hq, hk, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.runners.eager import EagerRunner
+from tests.plain_reference import rms, rope
 
 CFG = MtpConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -27,18 +28,6 @@ def random_weights(cfg: MtpConfig, seed: int) -> dict[str, torch.Tensor]:
         t = torch.randn(shape, generator=g)
         out[name] = 1 + 0.1 * t if len(shape) == 1 else t / math.sqrt(shape[-1])
     return out
-
-
-def rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x, pos, d, theta):
-    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
-    ang = pos * inv
-    x = x.view(-1, d)
-    x1, x2 = x[:, : d // 2], x[:, d // 2:]
-    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
 
 
 def reference_chain(w, cfg, k, token, hidden, pos, keys, vals):
