@@ -1,8 +1,9 @@
 """What the model-family layer tests (Qwen2/3, GLM-4.5, Qwen3-Next, the YaRN MoE head) share on
 our side of their transformers comparisons: the small KV layout and chain length most of them
 draft with, `eager_chain` (our eager draft chain over one sequence whose drafter KV starts as
-transformers' cache of a prefix) and `assert_chain_matches` (its outputs and K rows against
-transformers' chain), and the checkpoint-level program-vs-eager checks (bitwise at every width;
+transformers' cache of a prefix), `draft_beside_transformers` (one random prefix drafted by
+transformers' chain and by ours) and `assert_chain_matches` (our outputs and K rows against
+transformers'), and the checkpoint-level program-vs-eager checks (bitwise at every width;
 the interpreted Triton kernels, closely).
 
 Each test keeps its own assertions on what these return; this module holds only the setup that
@@ -10,7 +11,7 @@ was written again in each of them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -49,6 +50,24 @@ def eager_chain(head: MtpHead, params: dict[str, torch.Tensor], keys: torch.Tens
     states = {"k_cache": k_cache, "v_cache": v_cache}
     out = EagerRunner(emit_draft_chain(head, num_drafts, max_width=1, kv=kv), params, states).run(inputs)
     return out, states["k_cache"][blocks, slots]
+
+
+def draft_beside_transformers(head: MtpHead, weights: dict[str, torch.Tensor], oracle_root: Path, *, seed: int,
+                              token: int, prefix: int = PREFIX, num_drafts: int = DRAFTS,
+                              **eager_kw: Any) -> tuple[dict, torch.Tensor, HfChain, torch.Tensor]:
+    """A random prefix of `prefix` rows and target hidden (torch.Generator seeded `seed`, prefix
+    first), drafted from `token` by transformers' chain over `oracle_root`'s checkpoint
+    (hf_family_reference.hf_draft_chain) and by eager_chain over the KV transformers cached
+    (`eager_kw`: its kv / tables); returns (out, k_rows, transformers' chain, the hidden)."""
+    from tests.layers.hf_family_reference import hf_draft_chain
+
+    g = torch.Generator().manual_seed(seed)
+    h = head.config.hidden_size
+    rows, hidden = torch.randn(prefix, h, generator=g), torch.randn(h, generator=g)
+    hf = hf_draft_chain(oracle_root, weights, rows, token, hidden, num_drafts)
+    out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, prefix, num_drafts,
+                              **eager_kw)
+    return out, k_rows, hf, hidden
 
 
 def assert_chain_matches(out: dict, k_rows: torch.Tensor, ref: HfChain, prefix: int, *,

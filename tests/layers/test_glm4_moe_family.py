@@ -21,9 +21,9 @@ from draft_circuit.circuit.layers.moe import GATE, MoeConfig, MoeMtpHead
 from draft_circuit.ops.moe import MoeRouteAttrs, route_select
 
 transformers = pytest.importorskip("transformers")
-from tests.layers.hf_family_reference import L, family_checkpoint, hf_draft_chain, set_config  # noqa: E402
-from tests.layers.family_helpers import (DRAFTS, PREFIX, assert_chain_matches,  # noqa: E402
-                                         assert_checkpoint_program_matches_eager, eager_chain,
+from tests.layers.hf_family_reference import L, family_checkpoint, set_config  # noqa: E402
+from tests.layers.family_helpers import (PREFIX, assert_chain_matches,  # noqa: E402
+                                         assert_checkpoint_program_matches_eager, draft_beside_transformers,
                                          interpreted_kernels_match_eager)
 
 MOE = dict(n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=1)
@@ -68,11 +68,7 @@ def test_real_names_load_strict(checkpoint) -> None:
 def test_eager_chain_equals_transformers_decoder_layer(checkpoint) -> None:
     _, root = checkpoint
     head, weights = load_head(root)
-    g = torch.Generator().manual_seed(3)
-    h = head.config.hidden_size
-    prefix, hidden, token = torch.randn(PREFIX, h, generator=g), torch.randn(h, generator=g), 5
-    hf = hf_draft_chain(root, weights, prefix, token, hidden, DRAFTS)
-    out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, PREFIX, DRAFTS)
+    out, k_rows, hf, _ = draft_beside_transformers(head, weights, root, seed=3, token=5)
     assert_chain_matches(out, k_rows, hf, PREFIX)
 
 
@@ -124,11 +120,8 @@ def test_a_top_level_rotary_factor_is_read_as_transformers_reads_it(tmp_path) ->
     (root / "config.json").write_text(json.dumps(d))
     assert read_config(root).rotary_dim == 2
     head, weights = load_head(root)
-    g = torch.Generator().manual_seed(4)
-    prefix, hidden = torch.randn(PREFIX, 32, generator=g), torch.randn(32, generator=g)
-    hf = hf_draft_chain(root, weights, prefix, 9, hidden, DRAFTS)
+    out, _, hf, _ = draft_beside_transformers(head, weights, root, seed=4, token=9)
     assert transformers.AutoConfig.from_pretrained(root).rope_parameters["partial_rotary_factor"] == 0.25
-    out, _ = eager_chain(head, head.bind(weights), hf.keys, hf.values, 9, hidden, PREFIX, DRAFTS)
     torch.testing.assert_close(out["hidden_out"][0], hf.hidden, atol=1e-5, rtol=1e-5)
     d["rope_parameters"].pop("partial_rotary_factor", None)
     d.pop("partial_rotary_factor")  # absent everywhere: the class's 0.5

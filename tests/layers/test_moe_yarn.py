@@ -30,8 +30,8 @@ from draft_circuit.circuit.layers.rope import INV_FREQ
 
 transformers = pytest.importorskip("transformers")
 from tests.layers.family_helpers import (assert_chain_matches, assert_checkpoint_program_matches_eager,  # noqa: E402
-                                         eager_chain)
-from tests.layers.hf_family_reference import family_checkpoint, hf_draft_chain  # noqa: E402
+                                         draft_beside_transformers, eager_chain)
+from tests.layers.hf_family_reference import family_checkpoint  # noqa: E402
 
 ORIG, DRAFTS = 16, 3
 KV = KvLayout(num_blocks=72, block_size=4, max_blocks_per_seq=16)  # 64 rows a sequence, 4 sequences
@@ -93,12 +93,9 @@ def test_the_llama_moe_head_reads_yarn_and_declares_the_table(roots) -> None:
 def test_eager_chain_equals_transformers_glm4_moe_layer_with_yarn(roots, prefix) -> None:
     glm, llama = roots
     head, weights = load_head(llama)
-    g = torch.Generator().manual_seed(prefix)
-    h = head.config.hidden_size
-    prefix_x, hidden, token = torch.randn(prefix, h, generator=g), torch.randn(h, generator=g), 7
-    hf = hf_draft_chain(glm, weights, prefix_x, token, hidden, DRAFTS)
-    out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, prefix, DRAFTS, kv=KV,
-                              tables=_tables(prefix))
+    token = 7
+    out, k_rows, hf, hidden = draft_beside_transformers(head, weights, glm, seed=prefix, token=token, prefix=prefix,
+                                                        num_drafts=DRAFTS, kv=KV, tables=_tables(prefix))
     assert_chain_matches(out, k_rows, hf, prefix)  # the K rows roped by rope_freqs
     # the check sees YaRN: the same head over default RoPE misses the oracle's keys
     plain = MoeMtpHead(dataclasses.replace(head.config, rope_scaling=None))

@@ -20,10 +20,10 @@ from draft_circuit.circuit.layers.heads import describe_head, load_head
 from draft_circuit.circuit.layers.mtp import MtpHead, emit_draft_chain
 
 transformers = pytest.importorskip("transformers")
-from tests.layers.family_helpers import (DRAFTS, KV, PREFIX, assert_chain_matches,  # noqa: E402
-                                         assert_checkpoint_program_matches_eager, eager_chain,
+from tests.layers.family_helpers import (KV, PREFIX, assert_chain_matches,  # noqa: E402
+                                         assert_checkpoint_program_matches_eager, draft_beside_transformers,
                                          interpreted_kernels_match_eager)
-from tests.layers.hf_family_reference import L, family_checkpoint, hf_draft_chain, set_config  # noqa: E402
+from tests.layers.hf_family_reference import L, family_checkpoint, set_config  # noqa: E402
 
 FAMILIES = {"Qwen2": {"qkv_bias": True, "qk_norm": False}, "Qwen3": {"qkv_bias": False, "qk_norm": True}}
 
@@ -63,11 +63,7 @@ def test_real_names_load_strict_and_bind(checkpoint) -> None:
 def test_eager_chain_equals_transformers_decoder_layer(checkpoint) -> None:
     family, root = checkpoint
     head, weights = load_head(root)
-    g = torch.Generator().manual_seed(5)
-    h = head.config.hidden_size
-    prefix, hidden, token = torch.randn(PREFIX, h, generator=g), torch.randn(h, generator=g), 11
-    hf = hf_draft_chain(root, weights, prefix, token, hidden, DRAFTS)
-    out, k_rows = eager_chain(head, head.bind(weights), hf.keys, hf.values, token, hidden, PREFIX, DRAFTS)
+    out, k_rows, hf, _ = draft_beside_transformers(head, weights, root, seed=5, token=11)
     # drafts, confidences, hidden, and the drafter's own KV rows: q/k norm, bias and RoPE as
     # transformers caches them
     assert_chain_matches(out, k_rows, hf, PREFIX)
