@@ -305,5 +305,36 @@ class SequenceBlocks:
                         f"({len(self._blocks)} blocks held, max_blocks={self.max_blocks})")
 
 
+def ensure_rows_all(tables: Sequence[SequenceBlocks], rows: Sequence[int]) -> None:
+    """`tables[i].ensure_rows(rows[i])` for every i, all or nothing: when every table stays
+    within its `max_blocks` and one pool holds all the blocks, they are taken in one draw (the
+    ids sequential calls would get: lowest first, table after table); otherwise the calls run
+    in order and the first refusal raises its own error once the tables grown before it have
+    released what they took."""
+    need: list[int] = []
+    pool = tables[0].pool if tables else None
+    for t, r in zip(tables, rows):
+        if t.pool is not pool or not _is_int(r) or not 0 <= r <= t.max_blocks * t.block_size:
+            break
+        need.append(max(-(-r // t.block_size) - len(t._blocks), 0))
+    else:
+        if pool is not None and len(tables) == len(rows) and sum(need) <= pool.num_free:
+            taken, at = pool._take_free(sum(need), _TABLED), 0
+            for t, k in zip(tables, need):
+                if k:
+                    t._blocks += taken[at:at + k]
+                    at += k
+            return
+    grown: list[SequenceBlocks] = []
+    try:
+        for t, r in zip(tables, rows):
+            t.ensure_rows(r)
+            grown.append(t)
+    except Exception:
+        for t in grown:
+            t.release_unused()
+        raise
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import chain
-from operator import methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -16,6 +16,7 @@ from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
 from draft_circuit.ops.tokens import TokenError
 from draft_circuit.ops.sampling import mask_words
+from draft_circuit.runners.kv_cache import ensure_rows_all
 from draft_circuit.runners.proposer_slots import SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
 
@@ -164,15 +165,12 @@ def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor]
             if type(hs) is not torch.Tensor or hs.dim() != 2 or hs.shape[1] != hidden_size \
                     or hs.shape[0] != len(ts):
                 return False
-    elif hiddens:  # C-level passes: types, ranks, then every shape in one array comparison
-        if set(map(type, hiddens)) != {torch.Tensor}:
-            return False
-        sizes = list(map(torch.Tensor.size, hiddens))
-        if set(map(len, sizes)) != {2}:
-            return False
-        shape = np.array(sizes, dtype=np.int64)
-        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-        if (shape[:, 1] != hidden_size).any() or (shape[:, 0] != lens).any():
+    elif hiddens:  # C-level passes: types, ranks, widths, then every row count in one list
+        if set(map(type, hiddens)) != {torch.Tensor}:  # comparison (an array of torch.Sizes
+            return False                                # costs more than the passes)
+        shapes = list(map(_SHAPE, hiddens))
+        if set(map(len, shapes)) != {2} or set(map(_WIDTH, shapes)) != {hidden_size} \
+                or list(map(_FIRST, shapes)) != list(map(len, tokens)):
             return False
     flat = list(chain.from_iterable(tokens))
     if not plain_ints(flat) or (flat and (min(flat) < 0 or max(flat) >= vocab)):
@@ -203,15 +201,8 @@ def grow_all(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerSt
                  if r > c]
     else:
         short = np.flatnonzero(rows > table.capacity[slots]).tolist()
-    grown: list[MtpProposerState] = []
-    try:
-        for i in short:
-            states[i].blocks.ensure_rows(int(rows[i]))
-            grown.append(states[i])
-    except Exception:
-        for s in grown:
-            s.blocks.release_unused()
-        raise
+    if short:  # one pool draw for them all (kv_cache.ensure_rows_all: the same ids and errors)
+        ensure_rows_all([states[i].blocks for i in short], rows[short].tolist())
 
 
 @dataclass(frozen=True)
@@ -231,10 +222,11 @@ class ChainRows:
 
 
 _ROWS = methodcaller("size", 0)
+_SHAPE, _FIRST, _WIDTH = attrgetter("shape"), itemgetter(0), itemgetter(1)
 
 def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                  first_pos: Sequence[int], slots: np.ndarray, bases: np.ndarray,
-                 width: int) -> list[ChainRows] | None:
+                 width: int, exact: bool) -> list[ChainRows] | None:
     """`catchup_chunks` of at most SMALL_BATCH sequences whose rows fit one run, as Python
     lists (None when they do not fit: the array path splits them)."""
     toks: list[int] = []
@@ -249,7 +241,7 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
             pos += range(p, p + m)
             live += range(b, b + m)
             owners += [s] * m
-            segs.append(h if h.shape[0] == m else h[:m])
+            segs.append(h if exact or h.shape[0] == m else h[:m])
     if len(toks) > width:
         return None
     if not toks:
@@ -260,19 +252,23 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
 
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                    first_pos: Sequence[int], slots: np.ndarray, bases: np.ndarray,
-                   width: int) -> list[ChainRows]:
+                   width: int, *, counts: np.ndarray | None = None,
+                   exact: bool = False) -> list[ChainRows]:
     """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
     row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
     first_pos[i] + k and is written at drafter row bases[i] + k of slot slots[i], attending to
     the rows before it (earlier chunks, or earlier rows of the same kv_write launch). Built as
     array operations over all rows (np.repeat of each sequence's values, one arange), the
     hiddens as whole-sequence segments sliced only where a chunk boundary cuts one: this is
-    per-step host work, O(chunks) Python."""
+    per-step host work, O(chunks) Python. `counts`: each sequence's token count when the caller
+    has it; `exact`: every hiddens[i] has exactly that many rows (the caller checked: no spare
+    row to cut, and no row count read a sequence)."""
     if len(tokens) <= SMALL_BATCH:
-        small = _small_chunk(tokens, hiddens, first_pos, slots, bases, width)
+        small = _small_chunk(tokens, hiddens, first_pos, slots, bases, width, exact)
         if small is not None:
             return small
-    counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    if counts is None:
+        counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     total = int(counts.sum())
     if total == 0:
         return []
@@ -284,9 +280,10 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     live = np.repeat(np.asarray(bases, dtype=np.int64), counts) + k
     owners = np.repeat(np.asarray(slots), counts)
     segs = list(hiddens)
-    rows = np.fromiter(map(_ROWS, segs), dtype=np.int64, count=len(segs))
-    for i in np.flatnonzero(rows != counts).tolist():  # a spare row, or an empty sequence
-        segs[i] = segs[i][:int(counts[i])]
+    if not exact:
+        rows = np.fromiter(map(_ROWS, segs), dtype=np.int64, count=len(segs))
+        for i in np.flatnonzero(rows != counts).tolist():  # a spare row
+            segs[i] = segs[i][:int(counts[i])]
     chunks = []
     for lo in range(0, total, width):
         hi = min(lo + width, total)

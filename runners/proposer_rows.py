@@ -39,12 +39,14 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     """Append sequence i's rows (states[i], at slots[i]), tokens[i][k] with hiddens[i][k] at
     RoPE first_pos[i] + k, as one-step runs of at most `width` rows in row order (a row attends
     to the rows before it); the newest key is then first_pos[i] + len - 2 for every sequence
-    that wrote a row. Returns the rows written."""
+    that wrote a row. hiddens[i] has exactly len(tokens[i]) rows (both callers' checks make
+    sure). Returns the rows written."""
     bases = table.rows[slots]  # a copy (fancy indexing): the rows before
     counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     grow_all(table, slots, states, bases + counts)
     try:
-        for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width):
+        for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width,
+                                    counts=counts, exact=True):
             execute(1, chunk, None)
     except Exception:
         _release(states)

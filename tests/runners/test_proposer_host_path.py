@@ -5,9 +5,10 @@ state the shortcut relies on against the one a full rewrite gives."""
 import random
 
 import numpy as np
+import pytest
 import torch
 
-from draft_circuit.runners.kv_cache import BlockPool
+from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.proposer_slots import SlotBlocks, SlotTable
 from tests.runners.test_proposer import K, hidden, make, prefilled
 
@@ -80,3 +81,37 @@ def test_catch_up_rows_past_n_stay_neutral_as_n_grows_and_shrinks():
     assert [mine.drafter_rows(a) for a, _ in pairs] == [oracle.drafter_rows(b) for _, b in pairs]
     assert np.array_equal(mine.slots.rows[[a.slot for a, _ in pairs]],
                           [oracle.drafter_rows(b) for _, b in pairs])
+
+
+def _pool_and_tables(n, num_blocks=40):
+    pool = BlockPool(num_blocks, reserved=1)
+    tables = [SequenceBlocks(pool, 4, 5) for _ in range(n)]
+    for i, t in enumerate(tables):  # some blocks held already, interleaved
+        t.ensure_rows(4 * (i % 3))
+        t.set_rows(4 * (i % 3))  # full: a rollback (release_unused) frees only what it grew
+    return pool, tables
+
+
+def test_ensure_rows_all_takes_the_ids_sequential_calls_take_and_refuses_the_same():
+    """One pool draw for many tables gives each the ids a call a table gives (lowest first, in
+    order); a table past its max_blocks or a pool too small raises the error the sequential
+    calls raise at the first refusal, with every table and the pool as they were."""
+    from draft_circuit.runners.kv_cache import PoolExhausted, TableTooLong, ensure_rows_all
+    rows = [5, 0, 13, 9, 20, 3]
+    pool_a, a = _pool_and_tables(6)
+    pool_b, b = _pool_and_tables(6)
+    ensure_rows_all(a, rows)
+    for t, r in zip(b, rows):
+        t.ensure_rows(r)
+    assert [t.blocks for t in a] == [t.blocks for t in b] and pool_a.num_free == pool_b.num_free
+    for bad, error in (([5, 0, 21, 9], TableTooLong), ([20, 20, 20, 20, 20, 20], PoolExhausted)):
+        pool, tables = _pool_and_tables(6, num_blocks=20)
+        before, free = [t.blocks for t in tables], pool.num_free
+        seq_pool, seq = _pool_and_tables(6, num_blocks=20)
+        with pytest.raises(error) as want:
+            for t, r in zip(seq, bad):
+                t.ensure_rows(r)
+        with pytest.raises(error) as got:
+            ensure_rows_all(tables, bad)
+        assert str(got.value) == str(want.value)
+        assert [t.blocks for t in tables] == before and pool.num_free == free
