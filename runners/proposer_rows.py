@@ -56,7 +56,7 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
         for c, m, p in zip(cols, counts.tolist(), first_pos):
             if m:
                 c[ROWS], c[KEY], c[HAS_KEY] = c[ROWS] + m, p + m - 2, 1
-        table.cols[slots] = cols
+        table.scatter(slots, cols)
         return int(counts.sum())
     some = counts > 0
     table.rows[slots] = bases + counts

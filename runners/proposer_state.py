@@ -234,7 +234,7 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
                 c[KEY] = max(c[KEY] - trim, 0)
             c[AWAITING] = 0
             trims.append(trim)
-        table.cols[slots] = rows  # one scatter
+        table.scatter(slots, rows)  # one scatter
         return np.array(trims, dtype=np.int64)
     cols = table.cols[slots]  # every int column of the states: one gather, one scatter below
     drafted = cols[:, DRAFTED]

@@ -115,3 +115,31 @@ def test_ensure_rows_all_takes_the_ids_sequential_calls_take_and_refuses_the_sam
             ensure_rows_all(tables, bad)
         assert str(got.value) == str(want.value)
         assert [t.blocks for t in tables] == before and pool.num_free == free
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_a_large_batchs_record_is_the_small_batchs_rule(stops):
+    """SlotTable.record past SMALL_BATCH (its no-stop shortcut, and the array rule when a row
+    stopped) leaves the columns and drafts the per-row rule leaves (rows recorded a few at a
+    time, the small path), with keys and flags set as they were before."""
+    from draft_circuit.runners.proposer_slots import SMALL_BATCH
+    rng = np.random.default_rng(7)
+    n, k = SMALL_BATCH + 9, 4
+    big, small = (SlotTable(max_blocks=4, max_drafts=k, scratch_block=0, slots=n) for _ in "ab")
+    handles = [_Handle() for _ in range(2 * n)]
+    slots = np.array([big.alloc(h) for h in handles[:n]], dtype=np.intp)
+    assert [small.alloc(h) for h in handles[n:]] == slots.tolist()
+    big.cols[slots] = rng.integers(0, 9, (n, big.cols.shape[1]))
+    big.has_key[slots], big.awaiting[slots] = rng.integers(0, 2, n), rng.integers(0, 2, n)  # flags
+    small.cols[slots] = big.cols[slots]
+    drafts = rng.integers(0, 90, (n, k))
+    if stops:
+        drafts[::3, rng.integers(0, k)] = -1
+    before, positions = rng.integers(0, 30, n), rng.integers(1, 50, n).tolist()
+    kept = big.record(slots, drafts, before, positions)
+    want = []
+    for lo in range(0, n, 4):
+        want += small.record(slots[lo:lo + 4], drafts[lo:lo + 4], before[lo:lo + 4],
+                             positions[lo:lo + 4])
+    assert kept == want
+    assert np.array_equal(big.cols, small.cols) and np.array_equal(big.drafts, small.drafts)
