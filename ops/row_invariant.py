@@ -9,13 +9,20 @@ position. That is measured, not argued: tests/ops/test_row_invariant.py checks a
 against the same row at every position of batches of 1..3 * ROW_TILE rows, bitwise, for the
 engine's and the drafter's shapes and odd ones, fp32 / fp16 / bf16, at 1 and 2 threads.
 Elsewhere (another device or dtype, where nothing was measured) it stays one row at a time,
-which is row-invariant by construction and a row per weight read.
+each row copied first (gemv's path depends on the vector's address), and a row per weight read.
+
+Its attention, `row_invariant_attention`, is batched the same way (fixed-shape tiles of query
+rows and key chunks), measured the same way (tests/ops/test_attention_row_invariant.py); at a
+decode's shapes its cost is per-op dispatch, so its index plan is built in numpy once per
+(tables, lengths) and each call is a few dozen flat-indexed torch ops (issue 20).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 # rows per GEMM call; a verify of k + 1 rows (or a batch's decode rows) fits in a tile or two,
 # so it reads each weight once or twice instead of once per row (issue 20)
@@ -35,7 +42,9 @@ def row_invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not tiled(x):
         out = x.new_empty(x.shape[0], w.shape[0])
         for i in range(x.shape[0]):
-            torch.mv(w, x[i], out=out[i])
+            # a fresh copy: MKL's float64 gemv takes another path (other bits) for a vector at an
+            # address a row of a batch has and a row alone has not (measured: [97, 131])
+            torch.mv(w, x[i].clone(), out=out[i])
         return out
     n, k = x.shape
     wt = w.t()  # a view: the GEMM reads w transposed, never a copy of it
@@ -62,23 +71,22 @@ KEY_TILE = 32
 
 @dataclass(frozen=True)
 class _TilePlan:
-    """Where each row sits and what each chunk reads: the index work of one (tables, lengths),
+    """Where each row sits and what each GEMM reads: the index work of one (tables, lengths),
     which every layer of a pass shares. nt tiles of QUERY_TILE slots; P (tile, chunk) pairs, the
-    tiles' last chunks first (pair t: tile t's), then their other chunks, tile by tile."""
+    tiles' last chunks first (pair t: tile t's), then their other chunks, tile by tile. Every
+    index is over a flat view, so a call's gathers and scatters are one index op each."""
 
     tables: torch.Tensor       # the call's values, to know the next call of the same pass
     lengths: torch.Tensor
-    tile: torch.Tensor         # [n] the row's tile
-    slot: torch.Tensor         # [n] its slot: its position % QUERY_TILE
-    rows: torch.Tensor         # [n] tile * QUERY_TILE + slot
     pair_tile: torch.Tensor    # [P]
+    peak_index: torch.Tensor   # pair_tile expanded over [P, kv_heads * tq * group, 1] (scatter_reduce_'s)
+    q_rows: torch.Tensor       # [P * kv_heads * tq] rows of q viewed [n * kv_heads, group * dim]
     key_rows: torch.Tensor     # [P * kv_heads * KEY_TILE] rows of the cache viewed [-1, head_dim]
+    value_rows: torch.Tensor   # key_rows, then the diagonal blocks' rows, [nt, kv_heads, tq slots, tq keys]
+    value_zero: torch.Tensor   # those zeroed: the last chunks' from the diagonal on, the diagonal's past the slot
     last_past: torch.Tensor    # the last chunks' scores past the slot's length, [nt, kv_heads, tq, group, kt] flat
-    last_shared: torch.Tensor  # the last chunks' value rows from the diagonal block on, [nt, kv_heads, kt] flat
-    diag_rows: torch.Tensor    # [nt * kv_heads * tq] the diagonal block's rows of the cache view
-    diag_vals: torch.Tensor    # [nt * kv_heads * tq slots * tq keys] those rows, a zero row past the slot
-    diag_part: torch.Tensor    # [nt] the block's QUERY_TILE-key part of the last chunk
-    tiles: torch.Tensor        # [nt] 0..nt - 1
+    diag_weights: torch.Tensor  # [nt * kv_heads * tq * group] rows of the weights viewed [-1, tq]: the diagonal block's
+    out_rows: torch.Tensor     # [n * kv_heads] rows of the output viewed [-1, group * dim]
     num_tiles: int
 
 
@@ -88,16 +96,19 @@ _MAX_PLANS = 8
 
 
 def _tile_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_heads: int,
-               group: int) -> _TilePlan:
+               group: int) -> _TilePlan | None:
     """The plan of (tables, lengths), from the cache when an earlier call had the same values
-    (every layer of a pass asks for the same one): values compared, so a hit is that plan."""
+    (every layer of a pass asks for the same one): values compared, so a hit is that plan (the
+    engine writes the same tensors in place between calls). None when a row has no keys."""
     geometry = (block_size, kv_heads, group, QUERY_TILE, KEY_TILE, tables.dtype, tables.shape, lengths.shape)
     for i in range(len(_PLANS) - 1, -1, -1):
         key, plan = _PLANS[i]
         if key == geometry and torch.equal(plan.lengths, lengths) and torch.equal(plan.tables, tables):
             _PLANS.append(_PLANS.pop(i))
             return plan
-    plan = _make_plan(tables.clone(), lengths.clone(), block_size, kv_heads, group)
+    if int(lengths.numpy().min()) <= 0:
+        return None
+    plan = _make_plan(tables, lengths, block_size, kv_heads, group)
     _PLANS.append((geometry, plan))
     del _PLANS[:-_MAX_PLANS]
     return plan
@@ -105,50 +116,60 @@ def _tile_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
 
 def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_heads: int,
                group: int) -> _TilePlan:
-    n, tq, kt = lengths.shape[0], QUERY_TILE, KEY_TILE
-    last = lengths - 1                                  # the row's own position
+    """Built in numpy on the host (small integer arithmetic, where a numpy op costs a
+    microsecond or two and a torch op several: the drafter's chain builds one every step, its
+    lengths growing by one), each finished index made an int64 tensor once."""
+    tables, lengths = tables.clone(), lengths.clone()
+    tab, length = tables.numpy(), lengths.numpy().astype(np.int64, copy=False)
+    n, tq, kt, m = length.shape[0], QUERY_TILE, KEY_TILE, QUERY_TILE * group
+    last = length - 1                                   # the row's own position
     block, slot = last // tq, last % tq
-    new = torch.ones(n, dtype=torch.bool)
-    if n > 1:  # a tile: consecutive rows of one table and one block, slots rising
-        new[1:] = (tables[1:] != tables[:-1]).any(1) | (block[1:] != block[:-1]) | (slot[1:] <= slot[:-1])
-    tile = new.cumsum(0) - 1
-    firsts = new.nonzero().squeeze(1)
-    nt = firsts.numel()
+    new = np.ones(n, dtype=bool)
+    if n > 1:  # a tile: consecutive rows of one table and one block, positions rising
+        new[1:] = (tab[1:] != tab[:-1]).any(1) | (block[1:] != block[:-1]) | (last[1:] <= last[:-1])
+    tile = np.cumsum(new) - 1
+    firsts = np.flatnonzero(new)
+    nt = firsts.shape[0]
     base = block[firsts] * tq                           # [nt] the diagonal block's first key
     last_chunk = base // kt                             # the chunk holding it, the tile's last
-    slot_len = (base + 1).unsqueeze(1).expand(nt, tq).clone()  # an empty slot sees 0..base: finite
-    slot_len[tile, slot] = lengths
-    at = torch.arange(nt)
-    full_tile = at.repeat_interleave(last_chunk)        # the chunks before the last, tile by tile
-    starts = last_chunk.cumsum(0) - last_chunk
-    full_chunk = torch.arange(full_tile.numel()) - starts.repeat_interleave(last_chunk)
-    pair_tile, pair_chunk = torch.cat((at, full_tile)), torch.cat((last_chunk, full_chunk))
-    table = tables[firsts].long()
-    heads = torch.arange(kv_heads)
+    part = (base % kt) // tq                            # the block's QUERY_TILE-key part of it
+    slot_len = np.repeat(base[:, None] + 1, tq, 1)      # an empty slot sees 0..base: finite
+    slot_len[tile, slot] = length
+    slot_row = np.repeat(firsts[:, None], tq, 1)        # an empty slot's query: its tile's first row
+    slot_row[tile, slot] = np.arange(n)
+    at = np.arange(nt)
+    full_tile = np.repeat(at, last_chunk)               # the chunks before the last, tile by tile
+    full_chunk = np.arange(full_tile.shape[0]) - np.repeat(np.cumsum(last_chunk) - last_chunk, last_chunk)
+    pair_tile, pair_chunk = np.concatenate((at, full_tile)), np.concatenate((last_chunk, full_chunk))
+    heads = np.arange(kv_heads)[:, None]
+    keys = pair_chunk[:, None] * kt + np.arange(kt)     # [P, kt]
     # a key past the tile's longest row reads that row's last key instead (masked or zeroed all
     # the same): table entries past a sequence's rows may name no block (padding, a sentinel)
-    read_max = slot_len.amax(1) - 1                     # [nt]
-
-    def cache_rows(tiles: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[m] tiles, [m, k] their positions -> [m, kv_heads, k] rows of the cache view."""
-        positions = torch.minimum(positions, read_max[tiles].unsqueeze(1))
-        blocks = table[tiles.unsqueeze(1), positions // block_size]
-        return ((blocks * block_size + positions % block_size) * kv_heads).unsqueeze(1) + heads.view(1, -1, 1)
-
-    keys = pair_chunk.unsqueeze(1) * kt + torch.arange(kt)   # [P, kt]
-    dpos = base.unsqueeze(1) + torch.arange(tq)              # [nt, tq]
-    past = (keys[:nt].view(nt, 1, 1, 1, kt) >= slot_len.view(nt, 1, tq, 1, 1)).expand(nt, kv_heads, tq, group, kt)
-    shared = (keys[:nt] >= base.view(nt, 1)).view(nt, 1, kt).expand(nt, kv_heads, kt)
-    # diagonal value row (tile, head, slot, key): the gathered block's row, or the zero row after it
-    dpast = (dpos.view(nt, 1, 1, tq) >= slot_len.view(nt, 1, tq, 1)).expand(nt, kv_heads, tq, tq)
-    drow = (at.view(nt, 1, 1, 1) * kv_heads + heads.view(1, -1, 1, 1)) * tq + torch.arange(tq).view(1, 1, 1, tq)
+    pos = np.minimum(keys, slot_len.max(1)[pair_tile, None] - 1)
+    rows = (tab[firsts[pair_tile, None], pos // block_size].astype(np.int64) * block_size + pos % block_size) * kv_heads
+    key_rows = (rows[:, None] + heads).reshape(-1)      # [P, kv_heads, kt]: rows of the cache view
+    # the diagonal block's value (tile, head, slot, key): the last chunk's row, zeroed past the slot
+    diag = rows[at[:, None], part[:, None] * tq + np.arange(tq)]           # [nt, tq keys]
+    diag_rows = np.broadcast_to((diag[:, None] + heads)[:, :, None], (nt, kv_heads, tq, tq))
+    past = keys[:nt, None, None, None] >= slot_len[:, None, :, None, None]  # [nt, 1, tq, 1, kt]
+    shared = (keys[:nt] >= base[:, None])[:, None]                          # [nt, 1, kt]
+    dpast = (base[:, None] + np.arange(tq))[:, None, None] >= slot_len[:, None, :, None]  # [nt, 1, tq, tq]
+    value_zero = np.concatenate((np.flatnonzero(np.broadcast_to(shared, (nt, kv_heads, kt))),
+                                 key_rows.shape[0] + np.flatnonzero(np.broadcast_to(dpast, (nt, kv_heads, tq, tq)))))
+    pair = torch.from_numpy(pair_tile)
     return _TilePlan(
-        tables=tables, lengths=lengths, tile=tile, slot=slot, rows=tile * tq + slot,
-        pair_tile=pair_tile, key_rows=cache_rows(pair_tile, keys).reshape(-1),
-        last_past=past.reshape(-1).nonzero().squeeze(1), last_shared=shared.reshape(-1).nonzero().squeeze(1),
-        diag_rows=cache_rows(at, dpos).reshape(-1),
-        diag_vals=torch.where(dpast, nt * kv_heads * tq, drow.expand(nt, kv_heads, tq, tq)).reshape(-1),
-        diag_part=(base % kt) // tq, tiles=at, num_tiles=nt)
+        tables=tables, lengths=lengths, pair_tile=pair, peak_index=pair.view(-1, 1, 1).expand(-1, kv_heads * m, 1),
+        q_rows=_index(slot_row[pair_tile][:, None] * kv_heads + heads),
+        key_rows=torch.from_numpy(key_rows), value_rows=_index(np.concatenate((key_rows, diag_rows.reshape(-1)))),
+        value_zero=_index(value_zero),
+        last_past=_index(np.flatnonzero(np.broadcast_to(past, (nt, kv_heads, tq, group, kt)))),
+        diag_weights=_index((at[:, None] * (kv_heads * m) + np.arange(kv_heads * m)) * (kt // tq) + part[:, None]),
+        out_rows=_index((tile[:, None] * kv_heads + heads[:, 0]) * tq + slot[:, None]), num_tiles=nt)
+
+
+def _index(a: NDArray[np.int64]) -> torch.Tensor:
+    """An index array as the int64 tensor torch's index ops take (flat, contiguous)."""
+    return torch.from_numpy(np.ascontiguousarray(a.reshape(-1), dtype=np.int64))
 
 
 def row_invariant_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
@@ -161,44 +182,50 @@ def row_invariant_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
     rows with its table and its p // QUERY_TILE (a decode row alone, a verify's or a prefill's
     rows together), whose diagonal block starts at base = p - p % QUERY_TILE. The tile's keys
     0..base + QUERY_TILE - 1 are KEY_TILE-key chunks, each one fixed-shape GEMM per KV head for
-    the whole tile, batched over every tile's chunks (bmm treats its batch entries alike:
-    measured). Only the last chunk holds keys past a row: their scores are -inf, so exp gives
+    the whole tile, batched over every tile's chunks (bmm treats its batch entries alike, and a
+    fixed-shape GEMM its rows: measured; an empty slot computes a copy of a row beside it, never
+    read). Only the last chunk holds keys past a row: their scores are -inf, so exp gives
     exactly 0. The row's max is exact in any order; its sums run in an order fixed by its own
     length: the last chunk's, then the others' in order (index_add_), values from base on
     zeroed for the whole tile, then the diagonal block's, its values past the row zeroed row by
     row (a later row's non-finite value never meets this row's zero weight). Neither the other
     rows, nor their count, nor other tiles reach a row: tests/ops/test_attention_row_invariant.py.
+    The calls are few (dispatch, not arithmetic, is the cost at a decode's shapes): every index
+    comes from the plan, flat, and fp32 inputs skip their casts.
     """
     block_size, kv_heads, dim = kc.shape[1:]
     n, heads = q.shape[0], q.shape[1] // dim
+    if n == 0:
+        return q.new_empty(0, heads * dim)
     group, tq, kt = heads // kv_heads, QUERY_TILE, KEY_TILE
-    keep = lengths > 0
-    if not bool(keep.all()):  # a row of no keys: the softmax over nothing, zero weights
+    p = _tile_plan(tables, lengths, block_size, kv_heads, group)
+    if p is None:  # a row of no keys: the softmax over nothing, zero weights
+        keep = lengths > 0
         out = torch.zeros_like(q)
         if bool(keep.any()):
             out[keep] = row_invariant_attention(q[keep], kc, vc, tables[keep], lengths[keep], scale)
         return out
-    p = _tile_plan(tables, lengths, block_size, kv_heads, group)
-    nt, m = p.num_tiles, tq * group
-    kflat, vflat = kc.reshape(-1, dim), vc.reshape(-1, dim)
-    keys = kflat.index_select(0, p.key_rows).float().view(-1, kt, dim)  # [P * kv_heads, kt, dim]
-    vals = vflat.index_select(0, p.key_rows).float().view(-1, kv_heads, kt, dim)
-    qt = q.new_zeros(nt * tq, heads * dim, dtype=torch.float32).index_copy_(0, p.rows, q.float() * scale)
-    qt = qt.view(nt, tq, kv_heads, group * dim).transpose(1, 2).reshape(nt, kv_heads * m * dim)
-    qb = qt.index_select(0, p.pair_tile).view(-1, m, dim)              # [P * kv_heads, m, dim]
-    scores = torch.bmm(qb, keys.transpose(1, 2)).view(-1, kv_heads, tq, group, kt)
-    scores[:nt].view(-1).index_fill_(0, p.last_past, float("-inf"))
-    peak = scores.new_empty(nt, kv_heads, tq, group).scatter_reduce_(
-        0, p.pair_tile.view(-1, 1, 1, 1).expand(-1, kv_heads, tq, group), scores.amax(-1), "amax",
-        include_self=False)
-    weights = scores.sub_(peak.index_select(0, p.pair_tile).unsqueeze(-1)).exp_()
-    vals[:nt].view(-1, dim).index_fill_(0, p.last_shared, 0.0)  # the diagonal block's: its own below
-    pv = torch.bmm(weights.view(-1, m, kt), vals.view(-1, kt, dim)).view(-1, kv_heads, m, dim)
-    pv_sum = pv.new_zeros(nt, kv_heads, m, dim).index_add_(0, p.pair_tile, pv)
-    denom = pv.new_zeros(nt, kv_heads, tq, group).index_add_(0, p.pair_tile, weights.sum(-1))
-    dvals = torch.cat((vflat.index_select(0, p.diag_rows).float(), vflat.new_zeros(1, dim, dtype=torch.float32)))
-    dvals = dvals.index_select(0, p.diag_vals)         # [nt * kv_heads * tq slots * tq keys, dim]
-    dweights = weights[:nt].view(nt, kv_heads * m, kt // tq, tq)[p.tiles, :, p.diag_part]
-    dpv = torch.bmm(dweights.reshape(-1, group, tq), dvals.view(-1, tq, dim))
-    o = (pv_sum + dpv.view(nt, kv_heads, m, dim)).view(nt, kv_heads, tq, group, dim) / denom.unsqueeze(-1)
-    return o.view(nt, kv_heads, tq, group * dim)[p.tile, :, p.slot].reshape(n, heads * dim).to(q.dtype)
+    nt, m, gd, fp32 = p.num_tiles, tq * group, group * dim, torch.float32
+    keys = kc.reshape(-1, dim).index_select(0, p.key_rows)
+    vals = vc.reshape(-1, dim).index_select(0, p.value_rows)
+    qs = q * scale if q.dtype == fp32 else q.float() * scale
+    if keys.dtype != fp32:
+        keys, vals = keys.float(), vals.float()
+    qb = qs.view(-1, gd).index_select(0, p.q_rows).view(-1, m, dim)    # [P * kv_heads, m, dim]
+    scores = torch.bmm(qb, keys.view(-1, kt, dim).transpose(1, 2))
+    scores.view(-1).index_fill_(0, p.last_past, float("-inf"))
+    scores = scores.view(-1, kv_heads * m, kt)                          # [P, kv_heads * m, kt]
+    peak = scores.new_empty(nt, kv_heads * m, 1).scatter_reduce_(
+        0, p.peak_index, scores.amax(-1, keepdim=True), "amax", include_self=False)
+    weights = scores.sub_(peak.index_select(0, p.pair_tile)).exp_()
+    # the chunks' values from the diagonal block on (it has its own GEMM), its values past each slot
+    vals.index_fill_(0, p.value_zero, 0.0)
+    split = p.key_rows.shape[0]
+    pv = torch.bmm(weights.view(-1, m, kt), vals[:split].view(-1, kt, dim))
+    pv_sum = pv.new_zeros(nt, kv_heads * m * dim).index_add_(0, p.pair_tile, pv.view(-1, kv_heads * m * dim))
+    denom = pv.new_zeros(nt, kv_heads * m).index_add_(0, p.pair_tile, weights.sum(-1))
+    dweights = weights.view(-1, tq).index_select(0, p.diag_weights)   # [nt * kv_heads * m, tq]
+    dpv = torch.bmm(dweights.view(-1, group, tq), vals[split:].view(-1, tq, dim))
+    o = pv_sum.add_(dpv.view(nt, -1)).view(nt, kv_heads * m, dim).div_(denom.unsqueeze(-1))
+    out = o.view(-1, gd).index_select(0, p.out_rows).view(n, heads * dim)
+    return out if q.dtype == fp32 else out.to(q.dtype)
