@@ -225,8 +225,9 @@ _ROWS = methodcaller("size", 0)
 _SHAPE, _FIRST, _WIDTH = attrgetter("shape"), itemgetter(0), itemgetter(1)
 
 def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                 first_pos: Sequence[int], slots: np.ndarray, bases: np.ndarray,
-                 width: int, exact: bool) -> list[ChainRows] | None:
+                 first_pos: Sequence[int], slots: np.ndarray,
+                 bases: np.ndarray | Sequence[int], width: int,
+                 exact: bool) -> list[ChainRows] | None:
     """`catchup_chunks` of at most SMALL_BATCH sequences whose rows fit one run, as Python
     lists (None when they do not fit: the array path splits them)."""
     toks: list[int] = []
@@ -234,7 +235,9 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
     live: list[int] = []
     owners: list[int] = []
     segs: list[torch.Tensor] = []
-    for ts, h, p, b, s in zip(tokens, hiddens, first_pos, bases.tolist(), slots.tolist()):
+    for ts, h, p, b, s in zip(tokens, hiddens, first_pos,
+                              bases.tolist() if isinstance(bases, np.ndarray) else bases,
+                              slots.tolist()):
         m = len(ts)
         if m:
             toks += ts
@@ -251,8 +254,9 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
 
 
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                   first_pos: Sequence[int], slots: np.ndarray, bases: np.ndarray,
-                   width: int, *, counts: np.ndarray | None = None,
+                   first_pos: Sequence[int], slots: np.ndarray,
+                   bases: np.ndarray | Sequence[int], width: int, *,
+                   counts: np.ndarray | None = None,
                    exact: bool = False) -> list[ChainRows]:
     """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
     row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position

@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
-from draft_circuit.runners.proposer_slots import HAS_KEY, KEY, ROWS, SMALL_BATCH, SlotTable
+from draft_circuit.runners.kv_cache import ensure_rows_all
+from draft_circuit.runners.proposer_slots import (CAPACITY, HAS_KEY, KEY, ROWS, SMALL_BATCH,
+                                                  SlotTable)
 from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
@@ -41,6 +43,8 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     to the rows before it); the newest key is then first_pos[i] + len - 2 for every sequence
     that wrote a row. hiddens[i] has exactly len(tokens[i]) rows (both callers' checks make
     sure). Returns the rows written."""
+    if len(slots) <= SMALL_BATCH:
+        return _write_few(execute, table, width, tokens, hiddens, first_pos, states, slots)
     bases = table.rows[slots]  # a copy (fancy indexing): the rows before
     counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     grow_all(table, slots, states, bases + counts)
@@ -51,13 +55,6 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     except Exception:
         _release(states)
         raise
-    if len(slots) <= SMALL_BATCH:  # the same rule on the gathered columns, as Python ints
-        cols = table.cols[slots].tolist()
-        for c, m, p in zip(cols, counts.tolist(), first_pos):
-            if m:
-                c[ROWS], c[KEY], c[HAS_KEY] = c[ROWS] + m, p + m - 2, 1
-        table.scatter(slots, cols)
-        return int(counts.sum())
     some = counts > 0
     table.rows[slots] = bases + counts
     first = np.fromiter(first_pos, dtype=np.int64, count=len(slots))
@@ -65,6 +62,32 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     table.has_key[slots] |= some
     return int(counts.sum())
 
+
+def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
+               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
+               states: Sequence[MtpProposerState], slots: np.ndarray) -> int:
+    """`write_rows` of at most SMALL_BATCH sequences: the same rule on their gathered columns
+    as Python ints (one gather before, one scatter after; a table that lacks room grows all
+    or nothing first, kv_cache.ensure_rows_all)."""
+    cols = table.cols[slots].tolist()
+    counts = list(map(len, tokens))
+    bases = [c[ROWS] for c in cols]
+    short = [i for i, (c, m) in enumerate(zip(cols, counts)) if c[ROWS] + m > c[CAPACITY]]
+    if short:
+        ensure_rows_all([states[i].blocks for i in short], [bases[i] + counts[i] for i in short])
+        cols = table.cols[slots].tolist()  # their capacities changed
+    try:
+        for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width,
+                                    exact=True):
+            execute(1, chunk, None)
+    except Exception:
+        _release(states)
+        raise
+    for c, m, p in zip(cols, counts, first_pos):
+        if m:
+            c[ROWS], c[KEY], c[HAS_KEY] = c[ROWS] + m, p + m - 2, 1
+    table.scatter(slots, cols)
+    return sum(counts)
 
 def record_batch(table: SlotTable, slots: np.ndarray, drafts: np.ndarray, rows: np.ndarray,
                  positions: Sequence[int]) -> tuple[list[list[int]], list[int]]:
