@@ -29,14 +29,11 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
-_BITS: dict[torch.device, torch.Tensor] = {}
-
-
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, W] int32 words -> [n, vocab] bool."""
-    bits = _BITS.get(bitmask.device)
-    if bits is None:  # one small tensor a device, not one a call (issue 20)
-        bits = _BITS.setdefault(bitmask.device, torch.arange(32, device=bitmask.device, dtype=torch.int64))
+    """[n, W] int32 words -> [n, vocab] bool. The bit table is made every call, not cached by
+    device: a torch binding's launch count is its aten kernels traced on meta tensors
+    (ops/bindings.py), which must not depend on whether an earlier call filled a cache."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int64)
     expanded = (bitmask.long().unsqueeze(-1) >> bits) & 1  # the sign bit is just bit 31
     return expanded.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
