@@ -223,8 +223,12 @@ def _unfused_attention_input(x, nw, ws, caches, tables, live, pos, active, heads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,heads,kv_heads,d", [(3, 40, 4, 2, 10), (17, 70, 2, 1, 64), (1, 33, 3, 3, 16)])
 def test_qkv_rope_is_norm_qkv_then_rope_kv_write(dtype, n, k, heads, kv_heads, d):
-    """kernels.qkv_rope against rmsnorm_linear_qkv then rope_kv_write: bitwise under the
-    interpreter (q, both caches; inactive rows' slots untouched), half-head widths off the tile."""
+    """kernels.qkv_rope against rmsnorm_linear_qkv then rope_kv_write under the interpreter (q,
+    both caches; inactive rows' slots untouched), half-head widths off the tile: bitwise, except
+    the roped fp32 values (q, K) within a few ulp: the interpreter's cos / sin are numpy's, whose
+    SIMD loops give an element different last bits by its position in the array on some CPUs
+    (an AMD EPYC with AVX-512: 3.6e-7 at 3.8; bitwise on CI's machine), and the two kernels lay
+    the angles out differently."""
     g = torch.Generator().manual_seed(n * 19 + d)
     x, nw, ws, caches, tables, live, pos, active = _attention_input(n, k, heads, kv_heads, d, dtype, g)
     kc, vc = (c.clone() for c in caches)
@@ -233,7 +237,12 @@ def test_qkv_rope_is_norm_qkv_then_rope_kv_write(dtype, n, k, heads, kv_heads, d
                               theta=10000.0, pos_offset=1, row_offset=1, active=active)
     want_q, want_kc, want_vc = _unfused_attention_input(x, nw, ws, caches, tables, live, pos, active,
                                                         heads, kv_heads, d)
-    assert torch.equal(q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    assert torch.equal(vc, want_vc)  # no transcendental on V's path
+    if dtype == torch.float16:
+        assert torch.equal(q, want_q) and torch.equal(kc, want_kc)
+    else:
+        torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(kc, want_kc, atol=1e-6, rtol=1e-6)
 
 
 @cuda
