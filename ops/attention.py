@@ -8,6 +8,7 @@ k-step chain needs no integer arithmetic ops: step j writes row live_rows + j at
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -66,20 +67,17 @@ class AttentionAttrs(BaseModel):
 
 
 # ---- rope ----
-# inv_freq by (rotary dims, theta, device): the same values every call computes (issue 20: at the
-# CPU references' tiny shapes every torch op costs microseconds whatever its size)
-_INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
-_MAX_CACHED = 16
-
-
+# inv_freq by (rotary dims, theta, device) and the rotation's sign by device, made once: the same
+# values every call computes (issue 20: at the CPU references' tiny shapes every torch op costs
+# microseconds whatever its size). Never written to by a caller.
+@lru_cache(maxsize=16)
 def _inv_freq(r: int, theta: float, device: torch.device) -> torch.Tensor:
-    key = (r, theta, device)
-    inv = _INV_FREQ.get(key)
-    if inv is None:
-        inv = 1.0 / (theta ** (torch.arange(0, r, 2, device=device).float() / r))
-        if len(_INV_FREQ) < _MAX_CACHED:
-            _INV_FREQ[key] = inv
-    return inv
+    return 1.0 / (theta ** (torch.arange(0, r, 2, device=device).float() / r))
+
+
+@lru_cache(maxsize=16)
+def _sign(device: torch.device) -> torch.Tensor:
+    return torch.tensor([[-1.0], [1.0]], device=device)
 
 
 def _rope_angles(positions: torch.Tensor, theta: float, pos_offset: int, r: int
@@ -93,18 +91,13 @@ def _rope_angles(positions: torch.Tensor, theta: float, pos_offset: int, r: int
     return angle.cos().view(shape), angle.sin().view(shape)
 
 
-_SIGN: dict[torch.device, torch.Tensor] = {}
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, r: int) -> torch.Tensor:
     """Rotate-half of x [n, heads * head_dim] in fp32 -> [n, heads, head_dim] in x's dtype:
     with halves [x1, x2] of each head's first R dims, [x1 cos, x2 cos] + [x2 sin, x1 sin] * [-1, 1]
     = [x1 cos - x2 sin, x2 cos + x1 sin] in every bit (a - b is a + (-b), and a product by +-1
     is exact, fused into the add or not)."""
     n = x.shape[0]
-    sign = _SIGN.get(x.device)
-    if sign is None:
-        sign = _SIGN.setdefault(x.device, torch.tensor([[-1.0], [1.0]], device=x.device))
+    sign = _sign(x.device)
     xf = x.float().view(n, -1, head_dim)
     halves = (xf if r == head_dim else xf[..., :r]).view(n, -1, 2, r // 2)  # [n, heads, 2, R/2]
     rot = torch.addcmul(halves * cos, (halves * sin).flip(2), sign).view(n, -1, r)

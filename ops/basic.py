@@ -3,6 +3,7 @@ linear, silu_mul, linear_silu_mul, with their kernel bindings. References are th
 semantics the kernels match."""
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -138,17 +139,15 @@ def _infer_rmsnorm(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
     return [x]
 
 
-# eps as a 0-dim fp32 tensor: a Python float is rounded to fp32 all the same (the add is fp32),
-# but torch wraps it into a tensor on every call (issue 20: microseconds a norm on CPU)
-_EPS: dict[float, torch.Tensor] = {}
+# eps as a 0-dim fp32 tensor, made once: a Python float is rounded to fp32 all the same (the add
+# is fp32), but torch wraps it into a tensor on every call (issue 20: microseconds a norm on CPU)
+@lru_cache(maxsize=16)
+def _eps(eps: float) -> torch.Tensor:
+    return torch.tensor(eps, dtype=torch.float32)
 
 
 def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    e = _EPS.get(eps)
-    if e is None:
-        e = torch.tensor(eps, dtype=torch.float32)
-        if len(_EPS) < 16:
-            _EPS[eps] = e
+    e = _eps(eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + e)
     return y.to(x.dtype) * w  # HF Llama order: back to the input dtype, then the weight
