@@ -19,6 +19,7 @@ decode's shapes its cost is per-op dispatch, so its index plan is built in numpy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -72,12 +73,11 @@ KEY_TILE = 32
 @dataclass(frozen=True)
 class _TilePlan:
     """Where each row sits and what each GEMM reads: the index work of one (tables, lengths),
-    which every layer of a pass shares. nt tiles of QUERY_TILE slots; P (tile, chunk) pairs, the
-    tiles' last chunks first (pair t: tile t's), then their other chunks, tile by tile. Every
-    index is over a flat view, so a call's gathers and scatters are one index op each."""
+    which every layer of a pass shares (the cache keeps those values' bytes beside it). nt tiles
+    of QUERY_TILE slots; P (tile, chunk) pairs, the tiles' last chunks first (pair t: tile t's),
+    then their other chunks, tile by tile. Every index is over a flat view, so a call's gathers
+    and scatters are one index op each."""
 
-    tables: torch.Tensor       # the call's values, to know the next call of the same pass
-    lengths: torch.Tensor
     pair_tile: torch.Tensor    # [P]
     peak_index: torch.Tensor   # pair_tile expanded over [P, kv_heads * tq * group, 1] (scatter_reduce_'s)
     q_rows: torch.Tensor       # [P * kv_heads * tq] rows of q viewed [n * kv_heads, group * dim]
@@ -98,18 +98,21 @@ _MAX_PLANS = 8
 def _tile_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_heads: int,
                group: int) -> _TilePlan | None:
     """The plan of (tables, lengths), from the cache when an earlier call had the same values
-    (every layer of a pass asks for the same one): values compared, so a hit is that plan (the
-    engine writes the same tensors in place between calls). None when a row has no keys."""
-    geometry = (block_size, kv_heads, group, QUERY_TILE, KEY_TILE, tables.dtype, tables.shape, lengths.shape)
+    (every layer of a pass asks for the same one): keyed by the values' bytes, so a hit is that
+    plan (the engine writes the same tensors in place between calls), and a miss (the drafter's
+    chain, its lengths one longer every step) costs a few byte compares, not a torch.equal per
+    cached plan. None when a row has no keys."""
+    lens = lengths.numpy()
+    key = (block_size, kv_heads, group, QUERY_TILE, KEY_TILE, tables.dtype, tables.shape, lengths.dtype,
+           lens.tobytes(), tables.numpy().tobytes())
     for i in range(len(_PLANS) - 1, -1, -1):
-        key, plan = _PLANS[i]
-        if key == geometry and torch.equal(plan.lengths, lengths) and torch.equal(plan.tables, tables):
+        if _PLANS[i][0] == key:
             _PLANS.append(_PLANS.pop(i))
-            return plan
-    if int(lengths.numpy().min()) <= 0:
+            return _PLANS[-1][1]
+    if int(lens.min()) <= 0:
         return None
     plan = _make_plan(tables, lengths, block_size, kv_heads, group)
-    _PLANS.append((geometry, plan))
+    _PLANS.append((key, plan))
     del _PLANS[:-_MAX_PLANS]
     return plan
 
@@ -118,53 +121,92 @@ def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
                group: int) -> _TilePlan:
     """Built in numpy on the host (small integer arithmetic, where a numpy op costs a
     microsecond or two and a torch op several: the drafter's chain builds one every step, its
-    lengths growing by one), each finished index made an int64 tensor once."""
-    tables, lengths = tables.clone(), lengths.clone()
+    lengths growing by one), each finished index made an int64 tensor once. A pass whose rows
+    are each alone in their tile (a decode, the drafter's chain) skips the slot bookkeeping:
+    every slot of its tile is that row's, and its longest row is itself."""
     tab, length = tables.numpy(), lengths.numpy().astype(np.int64, copy=False)
     n, tq, kt, m = length.shape[0], QUERY_TILE, KEY_TILE, QUERY_TILE * group
     last = length - 1                                   # the row's own position
-    block, slot = last // tq, last % tq
-    new = np.ones(n, dtype=bool)
+    block = last // tq
+    slot = last - block * tq
     if n > 1:  # a tile: consecutive rows of one table and one block, positions rising
+        new = np.empty(n, dtype=bool)
+        new[0] = True
         new[1:] = (tab[1:] != tab[:-1]).any(1) | (block[1:] != block[:-1]) | (last[1:] <= last[:-1])
-    tile = np.cumsum(new) - 1
-    firsts = np.flatnonzero(new)
-    nt = firsts.shape[0]
-    base = block[firsts] * tq                           # [nt] the diagonal block's first key
-    last_chunk = base // kt                             # the chunk holding it, the tile's last
-    part = (base % kt) // tq                            # the block's QUERY_TILE-key part of it
-    slot_len = np.repeat(base[:, None] + 1, tq, 1)      # an empty slot sees 0..base: finite
-    slot_len[tile, slot] = length
-    slot_row = np.repeat(firsts[:, None], tq, 1)        # an empty slot's query: its tile's first row
-    slot_row[tile, slot] = np.arange(n)
-    at = np.arange(nt)
-    full_tile = np.repeat(at, last_chunk)               # the chunks before the last, tile by tile
-    full_chunk = np.arange(full_tile.shape[0]) - np.repeat(np.cumsum(last_chunk) - last_chunk, last_chunk)
-    pair_tile, pair_chunk = np.concatenate((at, full_tile)), np.concatenate((last_chunk, full_chunk))
-    heads = np.arange(kv_heads)[:, None]
-    keys = pair_chunk[:, None] * kt + np.arange(kt)     # [P, kt]
+        alone = bool(new.all())
+    else:
+        alone = True
+    at = np.arange(n) if alone else np.flatnonzero(new)  # alone: tile i is row i; else the tiles' first rows
+    nt = at.shape[0]
+    if alone:
+        tile, firsts, at = at, at, at
+        base = block * tq                               # [nt] the diagonal block's first key
+        # an empty slot sees 0..base (finite), the row's slot its length
+        slot_len = np.where(_arange(tq) == slot[:, None], length[:, None], base[:, None] + 1)
+        longest = last                                  # the tile's longest row's last key
+        q_slot_rows = None
+    else:
+        tile = np.cumsum(new) - 1
+        firsts, at = at, np.arange(nt)
+        base = block[firsts] * tq
+        slot_len = np.repeat(base[:, None] + 1, tq, 1)
+        slot_len[tile, slot] = length
+        slot_row = np.repeat(firsts[:, None], tq, 1)    # an empty slot's query: its tile's first row
+        slot_row[tile, slot] = np.arange(n)
+        longest = slot_len.max(1) - 1
+        q_slot_rows = slot_row
+    last_chunk = base // kt                             # the chunk holding base, the tile's last
+    part = (base - last_chunk * kt) // tq               # the block's QUERY_TILE-key part of it
+    full = int(last_chunk.sum())
+    if full:  # the chunks before the last, tile by tile
+        full_tile = np.repeat(at, last_chunk)
+        full_chunk = np.arange(full) - np.repeat(np.cumsum(last_chunk) - last_chunk, last_chunk)
+        pair_tile, pair_chunk = np.concatenate((at, full_tile)), np.concatenate((last_chunk, full_chunk))
+    else:
+        pair_tile, pair_chunk = at, last_chunk
+    heads = _arange(kv_heads)[:, None]
+    keys = pair_chunk[:, None] * kt + _arange(kt)       # [P, kt]
     # a key past the tile's longest row reads that row's last key instead (masked or zeroed all
     # the same): table entries past a sequence's rows may name no block (padding, a sentinel)
-    pos = np.minimum(keys, slot_len.max(1)[pair_tile, None] - 1)
-    rows = (tab[firsts[pair_tile, None], pos // block_size].astype(np.int64) * block_size + pos % block_size) * kv_heads
-    key_rows = (rows[:, None] + heads).reshape(-1)      # [P, kv_heads, kt]: rows of the cache view
-    # the diagonal block's value (tile, head, slot, key): the last chunk's row, zeroed past the slot
-    diag = rows[at[:, None], part[:, None] * tq + np.arange(tq)]           # [nt, tq keys]
-    diag_rows = np.broadcast_to((diag[:, None] + heads)[:, :, None], (nt, kv_heads, tq, tq))
-    past = keys[:nt, None, None, None] >= slot_len[:, None, :, None, None]  # [nt, 1, tq, 1, kt]
-    shared = (keys[:nt] >= base[:, None])[:, None]                          # [nt, 1, kt]
-    dpast = (base[:, None] + np.arange(tq))[:, None, None] >= slot_len[:, None, :, None]  # [nt, 1, tq, tq]
+    pos = np.minimum(keys, longest[pair_tile, None])
+    blk = pos // block_size
+    rows = (tab[firsts[pair_tile, None], blk].astype(np.int64) * block_size + (pos - blk * block_size)) * kv_heads
+    split = rows.size * kv_heads
+    # the values' rows: the chunks' (key_rows), then the diagonal block's (tile, head, slot, key),
+    # the last chunk's rows, zeroed past the slot
+    value_rows = np.empty(split + nt * kv_heads * tq * tq, dtype=np.int64)
+    key_rows = value_rows[:split].reshape(-1, kv_heads, kt)
+    np.add(rows[:, None], heads, out=key_rows)          # [P, kv_heads, kt]: rows of the cache view
+    diag = rows[:nt].reshape(nt, kt // tq, tq)[at, part]                    # [nt, tq keys]
+    value_rows[split:].reshape(nt, kv_heads, tq, tq)[...] = (diag[:, None] + heads)[:, :, None]
+    first = keys[:nt]
+    past = first[:, None, None, None] >= slot_len[:, None, :, None, None]   # [nt, 1, tq, 1, kt]
+    shared = (first >= base[:, None])[:, None]                              # [nt, 1, kt]
+    dpast = (base[:, None] + _arange(tq))[:, None, None] >= slot_len[:, None, :, None]  # [nt, 1, tq, tq]
     value_zero = np.concatenate((np.flatnonzero(np.broadcast_to(shared, (nt, kv_heads, kt))),
-                                 key_rows.shape[0] + np.flatnonzero(np.broadcast_to(dpast, (nt, kv_heads, tq, tq)))))
+                                 split + np.flatnonzero(np.broadcast_to(dpast, (nt, kv_heads, tq, tq)))))
+    if q_slot_rows is None:  # every slot holds the tile's one row (tile t is row t)
+        q_tile = (pair_tile * kv_heads)[:, None] + heads[:, 0]                  # [P, kv_heads]
+        q_rows = np.broadcast_to(q_tile[:, :, None], (pair_tile.shape[0], kv_heads, tq))
+    else:
+        q_rows = q_slot_rows[pair_tile][:, None] * kv_heads + heads
     pair = torch.from_numpy(pair_tile)
     return _TilePlan(
-        tables=tables, lengths=lengths, pair_tile=pair, peak_index=pair.view(-1, 1, 1).expand(-1, kv_heads * m, 1),
-        q_rows=_index(slot_row[pair_tile][:, None] * kv_heads + heads),
-        key_rows=torch.from_numpy(key_rows), value_rows=_index(np.concatenate((key_rows, diag_rows.reshape(-1)))),
-        value_zero=_index(value_zero),
-        last_past=_index(np.flatnonzero(np.broadcast_to(past, (nt, kv_heads, tq, group, kt)))),
-        diag_weights=_index((at[:, None] * (kv_heads * m) + np.arange(kv_heads * m)) * (kt // tq) + part[:, None]),
+        pair_tile=pair,
+        peak_index=pair.view(-1, 1, 1).expand(-1, kv_heads * m, 1),
+        q_rows=_index(q_rows), key_rows=torch.from_numpy(value_rows[:split]), value_rows=torch.from_numpy(value_rows),
+        value_zero=torch.from_numpy(value_zero),
+        last_past=torch.from_numpy(np.flatnonzero(np.broadcast_to(past, (nt, kv_heads, tq, group, kt)))),
+        diag_weights=_index((at[:, None] * (kv_heads * m) + _arange(kv_heads * m)) * (kt // tq) + part[:, None]),
         out_rows=_index((tile[:, None] * kv_heads + heads[:, 0]) * tq + slot[:, None]), num_tiles=nt)
+
+
+@lru_cache(maxsize=16)
+def _arange(n: int) -> NDArray[np.int64]:
+    """np.arange(n), made once per n (read only: every use makes a new array from it)."""
+    a = np.arange(n)
+    a.flags.writeable = False
+    return a
 
 
 def _index(a: NDArray[np.int64]) -> torch.Tensor:
