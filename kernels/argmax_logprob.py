@@ -11,7 +11,7 @@ import torch
 
 from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
                                            fp32_workspace, launch_kwargs)
-from draft_circuit.kernels.linear_fused import _inv_rms, _load_x
+from draft_circuit.kernels.linear_fused import _inv_rms, _norm_x, _raw_x
 
 # Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
 CHUNK = 2048  # vocab entries per step of the per-row loop in argmax_logprob
@@ -122,15 +122,22 @@ def _linear_partials_kernel(
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:  # the final norm in the prologue (kernels.linear_fused): a pass over the row first
         inv = _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        if NORM:
-            xt = _load_x(x_ptr, row_off, row_ok, kk, K, inv, nw_ptr, True)
-        else:
+    if NORM:  # x's next tile a K step ahead, by hand (kernels.linear_fused._raw_x says why)
+        xr, nw = _raw_x(x_ptr, row_off, row_ok, ks, K, nw_ptr, True)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            xr2, nw2 = _raw_x(x_ptr, row_off, row_ok, kk + BLOCK_K, K, nw_ptr, True)
+            xt = _norm_x(xr, nw, inv, True)
+            wt = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk < K)[:, None], other=0.0)
+            acc = tl.dot(xt, wt, acc, input_precision="ieee")
+            xr, nw = xr2, nw2
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
             xt = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-        wt = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk < K)[:, None], other=0.0)
-        # ieee: fp32 inputs must not be rounded to tf32; no effect on fp16 / bf16 inputs
-        acc = tl.dot(xt, wt, acc, input_precision="ieee")
+            wt = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk < K)[:, None], other=0.0)
+            # ieee: fp32 inputs must not be rounded to tf32; no effect on fp16 / bf16 inputs
+            acc = tl.dot(xt, wt, acc, input_precision="ieee")
     idx = tl.broadcast_to(cols[None, :], [BLOCK_M, BLOCK_V])
     # rows past n must not read the bitmask either: its tensor has only n rows
     mask_rows = mask_ptr + rows.to(tl.int64)[:, None] * stride_mask
