@@ -91,6 +91,10 @@ class BlockPool:
         self._num_blocks, self._reserved = num_blocks, reserved
         self._state = bytearray([_RESERVED] * reserved + [_UNUSED] * (num_blocks - reserved))
         self._free_heap = list(range(reserved, num_blocks))  # ascending, hence already a heap
+        # each block's tagged id, made the first time it is handed out and reused after (a
+        # BlockId is immutable: one object an id serves every hand-out; making one costs more
+        # than the rest of a block's allocation)
+        self._ids: list[BlockId | None] = [None] * num_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -137,10 +141,21 @@ class BlockPool:
             raise PoolExhausted(
                 f"requested {count} blocks but only {len(self._free_heap)} of {self._num_blocks} "
                 f"are free ({self._reserved} reserved, {self.num_used} in use)")
-        taken: list[int] = [BlockId(heapq.heappop(self._free_heap), self.serial) for _ in range(count)]
-        for block in taken:
-            self._state[block] = state
+        taken: list[int] = []
+        heap, ids, states = self._free_heap, self._ids, self._state
+        for _ in range(count):
+            block = heapq.heappop(heap)
+            states[block] = state
+            tag = ids[block]
+            taken.append(tag if tag is not None else self._tag(block))
         return taken
+
+    def _tag(self, block: int) -> BlockId:
+        """Block `block`'s id tagged with this pool (made once, then reused)."""
+        tag = self._ids[block]
+        if tag is None:
+            tag = self._ids[block] = BlockId(block, self.serial)
+        return tag
 
     def _move(self, blocks: Iterable[int], expected: int, to: int, action: str) -> list[int]:
         """Move every block from `expected` to `to` state, or raise having moved none."""
@@ -163,7 +178,7 @@ class BlockPool:
             seen.add(block)
             if self._state[block] != expected:
                 raise self._wrong_state(block, action)
-            ids.append(BlockId(block, self.serial))
+            ids.append(self._tag(block))
         return ids
 
     def _wrong_state(self, block: int, action: str) -> KVCacheError:
@@ -235,7 +250,12 @@ class SequenceBlocks:
         self._check_rows(rows, self.max_blocks * self.block_size, "ensure_rows", TableTooLong)
         needed = -(-rows // self.block_size) - len(self._blocks)
         if needed > 0:
-            self._blocks += self.pool._take_free(needed, _TABLED)
+            self._extend(self.pool._take_free(needed, _TABLED))
+
+    def _extend(self, blocks: list[int]) -> None:
+        """Append freshly taken blocks to the table (the one way a table grows; a subclass that
+        mirrors the table elsewhere follows here)."""
+        self._blocks += blocks
 
     def set_rows(self, rows: int) -> None:
         """Set the live row count within existing storage; shrinking frees nothing."""
@@ -322,7 +342,7 @@ def ensure_rows_all(tables: Sequence[SequenceBlocks], rows: Sequence[int]) -> No
             taken, at = pool._take_free(sum(need), _TABLED), 0
             for t, k in zip(tables, need):
                 if k:
-                    t._blocks += taken[at:at + k]
+                    t._extend(taken[at:at + k])
                     at += k
             return
     grown: list[SequenceBlocks] = []

@@ -28,11 +28,10 @@ from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.kv_cache import BlockPool
 from draft_circuit.runners.protocol import DraftRunner
 from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
-                                                   check_catchup_counts, check_drafter_pairs,
-                                                   check_propose, confidence_log_tau,
-                                                   drafter_pools)
+                                                   check_drafter_pairs, check_propose,
+                                                   confidence_log_tau, drafter_pools)
 from draft_circuit.runners.proposer_args import check_proposer_args
-from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal,
+from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal, catchup_all,
                                                   last_drafts_of, last_pair_keys_of,
                                                   settled_slots, warn_once)
 from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_device
@@ -101,6 +100,7 @@ class MtpProposer:
         self.device_drafts = DeviceDrafts(max_width=max_width, num_drafts=num_drafts, device=device)
         self.stats: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.last_served: Served | None = None
+        self._served: dict[tuple[ServedKind, int], Served] = {}
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -264,10 +264,11 @@ class MtpProposer:
         if reason is not None:
             self.last_served = Served("refused", n, reason)
             return None
-        mine = cast("list[MtpProposerState]", list(states))  # _batch_refusal found (and settled) each
+        mine = cast("list[MtpProposerState]", states)  # _batch_refusal found (and settled) each
         mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                              num_drafts_max=self.num_drafts, config=self.head.config,
-                             device=self.device, hidden_size=self.head.hidden_in_size)
+                             device=self.device, hidden_size=self.head.hidden_in_size,
+                             distinct=self.slots.distinct(slots))
         kind: ServedKind = "empty"
         if num_drafts:
             out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine,
@@ -281,7 +282,9 @@ class MtpProposer:
         else:  # zero drafts: nothing runs, every row drafts nothing
             rows = self.slots.rows[slots]
             drafts, confs = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
-        self.last_served = Served(kind, n)
+        served = self._served.get((kind, n))  # immutable: one a (kind, width), not one a call
+        self.last_served = served if served is not None else \
+            self._served.setdefault((kind, n), Served(kind, n))
         result, counts = record_batch(self.slots, slots, drafts, rows, positions)
         if out_conf is not None:
             out_conf[:] = [c[:d] for c, d in zip(confs.tolist(), counts)]
@@ -364,14 +367,7 @@ class MtpProposer:
         """tokens[i][k] with hiddens[i][k] at RoPE first_pos[i] + k, appended at each state's row
         count; every count is checked before anything runs (0 when a state is not this
         proposer's)."""
-        c = self.head.config
-        check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=self.head.hidden_in_size,
-                             vocab=c.vocab_size)
-        slots = self._slots(states)
-        if slots is None:  # a state of another proposer among them
-            return 0
-        return write_rows(self._execute, self.slots, self.chains.kv_only()[0].max_width, tokens,
-                          hiddens, first_pos, cast("Sequence[MtpProposerState]", states), slots)
+        return catchup_all(self, tokens, hiddens, first_pos, states)
 
     # ---- after verify and hand-over ----
     def after_verify(self, num_accepted: int, state: MtpProposerState) -> None:

@@ -2,9 +2,10 @@
 of a decode step as array operations on the `SlotTable` columns (runners/proposer_slots.py).
 
 `MtpProposer` keeps the contract (its methods' docstrings); this module does the work: the
-batch refusal and its one ownership check, `after_verify_batch`'s trims, `last_drafts` and
-`last_pair_keys` read from the columns. Each checks that every state is the proposer's with
-one pass of C-level maps over the states, not a call a state.
+batch refusal and its one ownership check, `after_verify_batch`'s trims, `catchup_batch`'s
+checks, `last_drafts` and `last_pair_keys` read from the columns. Each checks that every state is the proposer's with
+one pass of C-level maps over the states, not a call a state (a batch an earlier call found
+the proposer's and distinct: one tuple of its ids, `SlotTable.slots_of`).
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import logging
 from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
+import torch
 
-from draft_circuit.runners.proposer_inputs import check_num_drafts
+from draft_circuit.runners.proposer_inputs import check_catchup_counts, check_num_drafts
+from draft_circuit.runners.proposer_rows import write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
                                                   settle, trim_after_verify_batch)
 
@@ -81,12 +84,28 @@ def after_verify_all(p: "MtpProposer", num_accepted: Sequence[int],
         for s in states:
             p._own(s)  # names the first state that is not this proposer's
     assert slots is not None
-    if len(set(map(id, states))) != len(states):
+    if not p.slots.distinct(slots) and len(set(map(id, states))) != len(states):
         raise ProposerError("after_verify_batch: a state appears twice (it would be trimmed "
                             "twice for one verify)")
     trim_after_verify_batch(p.slots, slots, num_accepted,
                             cast("Sequence[MtpProposerState]", states),
                             kv_exact=p.kv_exact, refeed=p.refeed)
+
+
+def catchup_all(p: "MtpProposer", tokens: Sequence[Sequence[int]],
+                hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
+                states: Sequence[object]) -> int:
+    """`MtpProposer.catchup_batch` (its docstring states the contract)."""
+    t = p.slots
+    known = t.slots_of(states, MtpProposerState)  # changes no state: the checks come first
+    check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=p.head.hidden_in_size,
+                         vocab=p.head.config.vocab_size,
+                         distinct=known is not None and t.distinct(known))
+    slots = settled_slots(p, states)  # the same ids: the batch just known (or None again)
+    if slots is None:  # a state of another proposer among them
+        return 0
+    return write_rows(p._execute, t, p.chains.kv_only()[0].max_width, tokens, hiddens, first_pos,
+                      cast("Sequence[MtpProposerState]", states), slots)
 
 
 def last_drafts_of(p: "MtpProposer", states: Sequence[object]) -> list[list[int]]:

@@ -4,10 +4,9 @@ check raises before anything changes."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter, itemgetter, methodcaller
-from typing import Iterable, Sequence
+from itertools import chain, repeat
+from operator import attrgetter, methodcaller
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -91,16 +90,19 @@ def check_num_drafts(k: object, num_drafts: int) -> None:
 def check_propose(tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int], k: int,
                   states: Sequence[MtpProposerState], bitmask: torch.Tensor | None, *,
                   num_drafts_max: int, config: MtpConfig,
-                  device: str | torch.device, hidden_size: int | None = None) -> torch.Tensor | None:
+                  device: str | torch.device, hidden_size: int | None = None,
+                  distinct: bool = False) -> torch.Tensor | None:
     """Every check a propose makes before anything changes; returns the checked bitmask on the
-    proposer's device. `hidden_size`: the head's `hidden_in_size` (None: config.hidden_size)."""
+    proposer's device. `hidden_size`: the head's `hidden_in_size` (None: config.hidden_size);
+    `distinct`: the states are known distinct (`SlotTable.distinct`), else counted here."""
     n, c = len(tokens), config
     width = c.hidden_size if hidden_size is None else hidden_size
     check_num_drafts(k, num_drafts_max)
     if hiddens.dim() == 2 and hiddens.shape[1] != width:
         raise HiddenWidthError(f"hiddens must be [{n}, {width}], got {list(hiddens.shape)}: target hiddens "
                                f"{hiddens.shape[1]} wide, the head reads {width} (its hidden_in_size)")
-    if len(set(map(id, states))) != n or len(positions) != n or hiddens.shape != (n, width):
+    if len(states) != n or (not distinct and len(set(map(id, states))) != n) \
+            or len(positions) != n or hiddens.shape != (n, width):
         raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
                             f"[{n}, {width}]; got {len(states)} states, "
                             f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
@@ -132,16 +134,17 @@ def _num_hiddens(hiddens: object, hidden_size: int, what: str) -> int:
 
 def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                          first_pos: Sequence[int], states: Sequence[object], *, hidden_size: int,
-                         vocab: int) -> None:
+                         vocab: int, distinct: bool = False) -> None:
     """catchup_batch's counts, all before anything runs: one token list, hidden list, first
-    position and state per sequence, as many hiddens as tokens in each, distinct states, valid
-    positions and token ids. Each error names the sequence and the counts."""
+    position and state per sequence, as many hiddens as tokens in each, distinct states
+    (`distinct`: known so, `SlotTable.distinct`), valid positions and token ids. Each error
+    names the sequence and the counts."""
     counts = (len(tokens), len(hiddens), len(first_pos), len(states))
     if len(set(counts)) != 1:
         raise ProposerError(f"catchup_batch: {counts[0]} token lists, {counts[1]} hidden lists, "
                             f"{counts[2]} first positions and {counts[3]} states: one of each per "
                             "sequence")
-    if len(set(map(id, states))) != len(states):
+    if not distinct and len(set(map(id, states))) != len(states):
         raise ProposerError("catchup_batch: a state appears twice (its rows would be written twice "
                             "at the same row)")
     if _catchup_ok(tokens, hiddens, first_pos, hidden_size, vocab):
@@ -165,12 +168,10 @@ def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor]
             if type(hs) is not torch.Tensor or hs.dim() != 2 or hs.shape[1] != hidden_size \
                     or hs.shape[0] != len(ts):
                 return False
-    elif hiddens:  # C-level passes: types, ranks, widths, then every row count in one list
-        if set(map(type, hiddens)) != {torch.Tensor}:  # comparison (an array of torch.Sizes
-            return False                                # costs more than the passes)
-        shapes = list(map(_SHAPE, hiddens))
-        if set(map(len, shapes)) != {2} or set(map(_WIDTH, shapes)) != {hidden_size} \
-                or list(map(_FIRST, shapes)) != list(map(len, tokens)):
+    elif hiddens:  # C-level passes: types, then every shape against (its tokens, width) in
+        if set(map(type, hiddens)) != {torch.Tensor}:  # one list comparison (a torch.Size is
+            return False                                # a tuple: rank, rows and width at once)
+        if list(map(_SHAPE, hiddens)) != list(zip(map(len, tokens), repeat(hidden_size))):
             return False
     flat = list(chain.from_iterable(tokens))
     if not plain_ints(flat) or (flat and (min(flat) < 0 or max(flat) >= vocab)):
@@ -205,8 +206,7 @@ def grow_all(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerSt
         ensure_rows_all([states[i].blocks for i in short], rows[short].tolist())
 
 
-@dataclass(frozen=True)
-class ChainRows:
+class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen dataclass's time
     """The rows of one chain run: row i is slot slots[i]'s (its block table), holds `live[i]`
     drafter rows before this run and writes its first row at RoPE position `positions[i]`.
     `states`: the states of the rows (one each for a propose; a catch-up's chunks leave it
@@ -222,7 +222,7 @@ class ChainRows:
 
 
 _ROWS = methodcaller("size", 0)
-_SHAPE, _FIRST, _WIDTH = attrgetter("shape"), itemgetter(0), itemgetter(1)
+_SHAPE = attrgetter("shape")
 
 def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                  first_pos: Sequence[int], slots: np.ndarray,
@@ -288,6 +288,9 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
         rows = np.fromiter(map(_ROWS, segs), dtype=np.int64, count=len(segs))
         for i in np.flatnonzero(rows != counts).tolist():  # a spare row
             segs[i] = segs[i][:int(counts[i])]
+    if total <= width:  # one run (the common case): every sequence with rows, whole
+        part = segs if counts.all() else [h for h, c in zip(segs, counts.tolist()) if c]
+        return [ChainRows(toks, part, pos, owners, live, kv_only=True)]
     chunks = []
     for lo in range(0, total, width):
         hi = min(lo + width, total)

@@ -55,11 +55,18 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     except Exception:
         _release(states)
         raise
-    some = counts > 0
-    table.rows[slots] = bases + counts
     first = np.fromiter(first_pos, dtype=np.int64, count=len(slots))
-    table.pair_key[slots] = np.where(some, first + counts - 2, table.pair_key[slots])
-    table.has_key[slots] |= some
+    cols = table.cols[slots]  # after the growth (its capacities): one gather, one scatter
+    if counts.all():  # every sequence wrote rows (the common case): the rule, fewer calls
+        cols[:, ROWS] += counts
+        cols[:, KEY] = first + (counts - 2)
+        cols[:, HAS_KEY] = 1
+    else:
+        some = counts > 0
+        cols[:, ROWS] += counts
+        cols[:, KEY] = np.where(some, first + counts - 2, cols[:, KEY])
+        cols[:, HAS_KEY] |= some
+    table.cols[slots] = cols
     return int(counts.sum())
 
 

@@ -4,7 +4,8 @@ Every `MtpProposerState` is a handle to one slot of its proposer's `SlotTable`: 
 drafter rows, storage (capacity), newest pair key, drafts of its last propose, whether it awaits
 a verify, its block table (padded with the scratch block) and its pending deferred drafts all
 live in numpy columns indexed by the slot. A batch call turns its states into one slot array
-(`SlotTable.slots_of`: ownership checked once, with C-level passes over the states) and does
+(`SlotTable.slots_of`: ownership checked once, with C-level passes over the states, and a
+batch of distinct states seen by an earlier call of the step known again by its ids) and does
 its bookkeeping, the trims after verify and the catch-up's row counts, as array operations:
 O(1) Python calls and O(n) numpy, not O(n) Python statements.
 
@@ -20,6 +21,7 @@ doubling when more states are alive than slots (a host allocation only then).
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from operator import attrgetter
 from typing import TYPE_CHECKING, Sequence
 
@@ -42,6 +44,9 @@ ROWS, CAPACITY, KEY, HAS_KEY, DRAFTED, KEPT, AWAITING = range(len(COLUMNS))
 #: proposer_host.py on CPU: the two cross between n = 8 and n = 32). Both paths apply the same
 #: rules; tests compare them at widths on either side.
 SMALL_BATCH = 16
+#: batches of distinct states `SlotTable.slots_of` keeps (a step's full batch and its
+#: catch-up's subset)
+KNOWN = 2
 #: up to this many slots a scatter of Python rows writes a slot at a time: numpy converts a
 #: nested list for a fancy assignment as a whole (~2 us however short), a row costs ~0.4 us
 FEW = 4
@@ -64,6 +69,9 @@ class SlotTable:
         #: how many slots hold one (kept by every writer of `pending`): 0 lets a batch call
         #: skip its settle check altogether (the host path's steady state)
         self.num_pending = 0
+        #: the latest batches `slots_of` found all this table's and distinct, by their states'
+        #: ids (see `slots_of`); emptied whenever a slot is given back
+        self._known: OrderedDict[tuple[int, ...], tuple[type, np.ndarray]] = OrderedDict()
         self._resize(max(slots, 1))
 
     def _resize(self, size: int) -> None:
@@ -96,6 +104,7 @@ class SlotTable:
         return slot
 
     def _release(self, slot: int) -> None:
+        self._known.clear()  # a dead state's id may be a new object's from here on
         if self.pending[slot] is not None:
             self.num_pending -= 1
         self.pending[slot] = None  # a dropped state keeps no device batch alive
@@ -107,12 +116,37 @@ class SlotTable:
 
     def slots_of(self, states: Sequence[object], state_type: type) -> np.ndarray | None:
         """The slots of `states` as one int array when every one is a `state_type` of this
-        table (one pass of C-level maps: types, tables, slots), else None."""
+        table (one pass of C-level maps: types, tables, slots), else None.
+
+        A decode step passes the same states to several calls (propose, after_verify, the next
+        step's propose): the last `KNOWN` batches found this table's and distinct are kept by
+        their states' ids, and the same ids in the same order are that batch again, checked by
+        one tuple of ids. That is exact while no slot has been given back since: every state
+        of a known batch is then alive (a state gives its slot back only when it dies), ids
+        are unique among live objects, and a slot and its table never change, so an object
+        with a known state's id is that state (`_release` forgets every batch). Such a
+        batch's array is read-only and shared; `distinct` knows it."""
         if not states:
             return np.zeros(0, dtype=np.intp)
+        ids = tuple(map(id, states))
+        known = self._known.get(ids)
+        if known is not None and known[0] is state_type:
+            self._known.move_to_end(ids)
+            return known[1]
         if set(map(type, states)) != {state_type} or set(map(_TABLE, states)) != {self}:
             return None
-        return np.fromiter(map(_SLOT, states), dtype=np.intp, count=len(states))
+        slots = np.fromiter(map(_SLOT, states), dtype=np.intp, count=len(states))
+        if len(set(ids)) == len(ids):
+            slots.flags.writeable = False
+            self._known[ids] = (state_type, slots)
+            if len(self._known) > KNOWN:
+                self._known.popitem(last=False)
+        return slots
+
+    def distinct(self, slots: np.ndarray) -> bool:
+        """True when `slots` is the array `slots_of` gave for a batch of distinct states (a
+        known batch: no state twice); False says nothing (the caller checks itself)."""
+        return any(known is slots for _, known in self._known.values())
 
     def pending_at(self, slots: np.ndarray) -> np.ndarray:
         """Which of `slots` hold deferred drafts (bool per slot)."""
@@ -214,7 +248,7 @@ class SlotBlocks(SequenceBlocks):
 
     @_blocks.setter
     def _blocks(self, blocks: list[int]) -> None:
-        # every change of the list goes through here (`+=` included): the host table follows
+        # every other change of the list goes through here (`+=` included): the host table follows
         t, s, m = self._table, self._slot, len(blocks)
         had = self._mirrored if blocks is getattr(self, "_list", None) else -1
         self._list = blocks
@@ -226,4 +260,18 @@ class SlotBlocks(SequenceBlocks):
         else:  # a new list (release, take, install, free): the whole row
             t.tables[s, :m] = blocks
             t.tables[s, m:] = t.scratch
+        self._mirrored = m
+
+    def _extend(self, blocks: list[int]) -> None:
+        # a growth (ensure_rows, ensure_rows_all): only the new entries into the host row, one
+        # numpy scalar write for the common single block (a slice write converts a list, ~0.5 us)
+        have = self._list
+        had = len(have)
+        have += blocks
+        t, s, m = self._table, self._slot, len(have)
+        t.capacity[s] = m * self.block_size
+        if m == had + 1:
+            t.tables[s, had] = have[had]
+        else:
+            t.tables[s, had:m] = blocks
         self._mirrored = m

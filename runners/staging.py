@@ -130,6 +130,10 @@ class _Region:
         self.tokens = devs["tokens"]
         # rows [0:hidden_dirty) of hidden may hold values; log_tau's (value, n) as filled
         self.hidden_dirty = w
+        # on CPU a numpy view of the hidden buffer zeroes rows past n in a third of a torch
+        # slice-and-fill's time (dtypes numpy has; bfloat16 keeps the torch fill)
+        self.hidden_np = hidden.numpy() if hidden.device.type == "cpu" and not hidden.requires_grad \
+            and hidden.dtype in (torch.float16, torch.float32, torch.float64) else None
         self.hidden_rows: dict[int, torch.Tensor] = {}  # hidden[:n], per n
         self.tau: tuple[float, int] | None = None
         self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
@@ -218,6 +222,13 @@ class ChainStaging:
                             neutral, w=w, m=m, cuda=self.cuda, runner=None)
         self._regions: weakref.WeakKeyDictionary[object, _Region | None] = \
             weakref.WeakKeyDictionary()
+        # the same by the runner's id, checked by a weak reference (a WeakKeyDictionary lookup
+        # makes a weakref every call, a microsecond; two runners alternate every step)
+        self._by_id: dict[int, tuple[weakref.ref[object], _Region]] = {}
+        # CPU: numpy views of the output tensors a run hands back (a staged runner's are its
+        # own buffers, the same tensors every run; `.numpy()` costs a microsecond each)
+        self._host_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self._records: dict[int, tuple[weakref.ref[object], np.ndarray | None]] = {}
         self._last: Mapping[str, torch.Tensor] | None = None
         k2 = 2 * self.max_drafts
         # drafts and confidences, then up to two runners' fault records (chain and catch-up)
@@ -230,6 +241,9 @@ class ChainStaging:
     def _region(self, runner: object | None) -> _Region:
         if runner is None:
             return self._own
+        hot = self._by_id.get(id(runner))
+        if hot is not None and hot[0]() is runner:  # the same live object: its region
+            return hot[1]
         try:
             region = self._regions[runner]
         except KeyError:
@@ -237,7 +251,11 @@ class ChainStaging:
                 runner, max_w=self.width, m=self.max_blocks, device=self.device, scratch=self.scratch)
         except TypeError:  # an object that cannot be weakly referenced: stage in our own
             return self._own
-        return self._own if region is None else region
+        region = self._own if region is None else region
+        if len(self._by_id) >= 8:  # runners replaced since (their entries are dead)
+            self._by_id.clear()
+        self._by_id[id(runner)] = (weakref.ref(runner), region)
+        return region
 
     # ---- inputs ----
     def inputs(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
@@ -317,7 +335,10 @@ class ChainStaging:
                 start += h.shape[0]
         if region.runner is not None:
             if region.hidden_dirty > n:
-                hidden[n:region.hidden_dirty].fill_(region.neutral["hidden"])
+                if region.hidden_np is not None:
+                    region.hidden_np[n:region.hidden_dirty] = region.neutral["hidden"]
+                else:
+                    hidden[n:region.hidden_dirty].fill_(region.neutral["hidden"])
             region.hidden_dirty = n
 
     def tokens(self, n: int) -> torch.Tensor:
@@ -327,6 +348,36 @@ class ChainStaging:
         return self._last["tokens"]
 
     # ---- outputs ----
+    def _fault_word(self, runner: object) -> np.ndarray | None:
+        """A numpy view of a CPU runner's fault record (word 0 nonzero: a fault), None for a
+        runner without one; kept by the runner's id, checked by a weak reference (the record
+        is the guard's one tensor, cleared in place)."""
+        hot = self._records.get(id(runner))
+        if hot is not None and hot[0]() is runner:
+            return hot[1]
+        record = fault_record(runner)
+        view = record.numpy() if record is not None and record.device.type == "cpu" else None
+        try:
+            ref = weakref.ref(runner)
+        except TypeError:
+            return view
+        if len(self._records) >= 8:
+            self._records.clear()
+        self._records[id(runner)] = (ref, view)
+        return view
+
+    def _host_view(self, t: torch.Tensor) -> np.ndarray:
+        """`t.numpy()` of a CPU tensor, kept for the next run that hands back the same tensor
+        (held here, so its id stays its own while the entry lives)."""
+        hot = self._host_views.get(id(t))
+        if hot is not None and hot[0] is t:
+            return hot[1]
+        if len(self._host_views) >= 8:  # a runner that hands back new tensors (the oracle)
+            self._host_views.clear()
+        view = t.numpy()
+        self._host_views[id(t)] = (t, view)
+        return view
+
     def read(self, drafts: torch.Tensor, confidences: torch.Tensor,
              runners: Sequence[object] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Drafts [n, k] and confidences [n, k] as host arrays (views valid until the next read;
@@ -335,9 +386,11 @@ class ChainStaging:
         read in the same copy, and a fault raises `RunnerInputError` (FAULTS 20, 25) once the
         drafts are read: a bad row surfaces at this sync, with no read of its own."""
         if not self.cuda:
-            rows = drafts.numpy(), confidences.numpy()
+            rows = self._host_view(drafts), self._host_view(confidences)
             for r in runners:  # a CPU runner raised in its run; nothing pending, no sync
-                check_runner_faults(r)
+                word = self._fault_word(r)
+                if word is None or word[0]:  # a fault recorded (or no record): its own check
+                    check_runner_faults(r)   # reads, clears and raises it, as on CUDA
             return rows
         n, k = drafts.shape
         end = n * 2 * k
