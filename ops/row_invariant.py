@@ -179,15 +179,19 @@ def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
     np.add(rows[:, None], heads, out=key_rows)          # [P, kv_heads, kt]: rows of the cache view
     diag = rows[:nt].reshape(nt, kt // tq, tq)[at, part]                    # [nt, tq keys]
     value_rows[split:].reshape(nt, kv_heads, tq, tq)[...] = (diag[:, None] + heads)[:, :, None]
-    first = keys[:nt]
-    past = first[:, None, None, None] >= slot_len[:, None, :, None, None]   # [nt, 1, tq, 1, kt]
-    shared = (first >= base[:, None])[:, None]                              # [nt, 1, kt]
-    dpast = (base[:, None] + _arange(tq))[:, None, None] >= slot_len[:, None, :, None]  # [nt, 1, tq, tq]
-    value_zero = np.concatenate((np.flatnonzero(np.broadcast_to(shared, (nt, kv_heads, kt))),
-                                 split + np.flatnonzero(np.broadcast_to(dpast, (nt, kv_heads, tq, tq)))))
+    # the masks written whole by their comparisons (no broadcast copies); their flat indices are
+    # what index_fill_ takes
+    first = keys[:nt, None, None, None]                 # [nt, 1, 1, 1, kt] the last chunks' keys
+    past = np.empty((nt, kv_heads, tq, group, kt), dtype=bool)  # the scores past a slot's length
+    np.greater_equal(first, slot_len[:, None, :, None, None], out=past)
+    # the values zeroed: the last chunks' from base on, then (after the other chunks', none
+    # zeroed) the diagonal block's past each slot, so one flatnonzero gives the index
+    zero = np.zeros(value_rows.shape[0], dtype=bool)
+    np.greater_equal(first[:, :, 0, 0], base[:, None, None], out=zero[:nt * kv_heads * kt].reshape(nt, kv_heads, kt))
+    np.greater_equal((base[:, None] + _arange(tq))[:, None, None], slot_len[:, None, :, None],
+                     out=zero[split:].reshape(nt, kv_heads, tq, tq))
     if q_slot_rows is None:  # every slot holds the tile's one row (tile t is row t)
-        q_tile = (pair_tile * kv_heads)[:, None] + heads[:, 0]                  # [P, kv_heads]
-        q_rows = np.broadcast_to(q_tile[:, :, None], (pair_tile.shape[0], kv_heads, tq))
+        q_rows = np.repeat(((pair_tile * kv_heads)[:, None] + heads[:, 0]).reshape(-1), tq)
     else:
         q_rows = q_slot_rows[pair_tile][:, None] * kv_heads + heads
     pair = torch.from_numpy(pair_tile)
@@ -195,8 +199,8 @@ def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
         pair_tile=pair,
         peak_index=pair.view(-1, 1, 1).expand(-1, kv_heads * m, 1),
         q_rows=_index(q_rows), key_rows=torch.from_numpy(value_rows[:split]), value_rows=torch.from_numpy(value_rows),
-        value_zero=torch.from_numpy(value_zero),
-        last_past=torch.from_numpy(np.flatnonzero(np.broadcast_to(past, (nt, kv_heads, tq, group, kt)))),
+        value_zero=torch.from_numpy(np.flatnonzero(zero)),
+        last_past=torch.from_numpy(np.flatnonzero(past)),
         diag_weights=_index((at[:, None] * (kv_heads * m) + _arange(kv_heads * m)) * (kt // tq) + part[:, None]),
         out_rows=_index((tile[:, None] * kv_heads + heads[:, 0]) * tq + slot[:, None]), num_tiles=nt)
 
