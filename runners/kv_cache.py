@@ -333,13 +333,16 @@ def ensure_rows_all(tables: Sequence[SequenceBlocks], rows: Sequence[int]) -> No
     released what they took."""
     need: list[int] = []
     pool = tables[0].pool if tables else None
-    for t, r in zip(tables, rows):
-        if t.pool is not pool or not _is_int(r) or not 0 <= r <= t.max_blocks * t.block_size:
+    for t, r in zip(tables, rows):  # per-step host work: a plain int takes this path (any
+        bs = t.block_size           # other passes to the calls below, which judge it)
+        if t.pool is not pool or type(r) is not int or not 0 <= r <= t.max_blocks * bs:
             break
-        need.append(max(-(-r // t.block_size) - len(t._blocks), 0))
+        k = -(-r // bs) - len(t._blocks)
+        need.append(k if k > 0 else 0)
     else:
-        if pool is not None and len(tables) == len(rows) and sum(need) <= pool.num_free:
-            taken, at = pool._take_free(sum(need), _TABLED), 0
+        total = sum(need)
+        if pool is not None and len(tables) == len(rows) and total <= len(pool._free_heap):
+            taken, at = pool._take_free(total, _TABLED), 0
             for t, k in zip(tables, need):
                 if k:
                     t._extend(taken[at:at + k])

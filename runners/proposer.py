@@ -164,6 +164,7 @@ class MtpProposer:
         # a masked draft's confidence is not measured in the reference: a masked chain never stops
         log_tau = float("-inf") if bitmask is not None else self.log_tau
         # the runner's own input buffers, filled in place (it then skips its checks and copies)
+        assert rows.live is not None  # run_chain read it
         inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.slots,
                                      rows.hiddens, log_tau, runner, tables=self.slots.tables)
         if bitmask is not None:  # a masked chain stages in the staging's own (read-only) views
@@ -175,6 +176,7 @@ class MtpProposer:
         host's installed one-step chain."""
         (runner, kv_only), n = self.chains.kv_only(), len(rows.tokens)
         self.stats[runner.plan(n).kind][n] += 1
+        assert rows.live is not None  # a catch-up chunk's own
         inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.slots,
                                      rows.hiddens, None if kv_only else self.log_tau, runner,
                                      tables=self.slots.tables)
@@ -324,12 +326,12 @@ class MtpProposer:
 
     def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
                    k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None,
-                   slots: np.ndarray | None = None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+                   slots: np.ndarray | None = None
+                   ) -> tuple[dict[str, torch.Tensor], Sequence[int] | np.ndarray]:
         if slots is None:
             slots = np.fromiter((s.slot for s in states), dtype=np.intp, count=len(states))
         return run_chain(self._execute, self.slots,
-                         ChainRows(tokens, (hiddens,), positions, slots, self.slots.rows[slots],
-                                   states), k, bitmask)
+                         ChainRows(tokens, (hiddens,), positions, slots, None, states), k, bitmask)
 
     def read_deferred_draft_token(self) -> int:
         """The last kept draft of the latest deferred propose (this is where the host syncs)."""

@@ -38,9 +38,16 @@ def warn_once(key: str, message: str) -> None:
 def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | None:
     """The slots of `states` when every one is `p`'s (None otherwise), each settled: the
     batch's one ownership check."""
+    slots = p.slots.slots_of(states, MtpProposerState)
+    if slots is not None:
+        settle_held(p, states, slots)
+    return slots
+
+
+def settle_held(p: "MtpProposer", states: Sequence[object], slots: np.ndarray) -> None:
+    """Settle whatever deferred drafts `states` (`p`'s, at `slots`) hold."""
     t = p.slots
-    slots = t.slots_of(states, MtpProposerState)
-    if slots is not None and t.num_pending:  # else no slot holds deferred drafts: nothing to do
+    if t.num_pending:  # else no slot holds deferred drafts: nothing to do
         pending = t.pending[slots]
         held = pending[pending != None].tolist()  # noqa: E711  (elementwise)
         if held:  # a device batch's drafts (one read for all its states), or deferred ones
@@ -50,7 +57,6 @@ def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | No
             else:
                 for s in cast("Sequence[MtpProposerState]", states):
                     settle(s)
-    return slots
 
 
 def batch_refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object],
@@ -97,15 +103,15 @@ def catchup_all(p: "MtpProposer", tokens: Sequence[Sequence[int]],
                 states: Sequence[object]) -> int:
     """`MtpProposer.catchup_batch` (its docstring states the contract)."""
     t = p.slots
-    known = t.slots_of(states, MtpProposerState)  # changes no state: the checks come first
-    check_catchup_counts(tokens, hiddens, first_pos, states, hidden_size=p.head.hidden_in_size,
-                         vocab=p.head.config.vocab_size,
-                         distinct=known is not None and t.distinct(known))
-    slots = settled_slots(p, states)  # the same ids: the batch just known (or None again)
+    slots = t.slots_of(states, MtpProposerState)  # changes no state: the checks come first
+    ids = check_catchup_counts(tokens, hiddens, first_pos, states,
+                               hidden_size=p.head.hidden_in_size, vocab=p.head.config.vocab_size,
+                               distinct=slots is not None and t.distinct(slots))
     if slots is None:  # a state of another proposer among them
         return 0
+    settle_held(p, states, slots)
     return write_rows(p._execute, t, p.chains.kv_only()[0].max_width, tokens, hiddens, first_pos,
-                      cast("Sequence[MtpProposerState]", states), slots)
+                      cast("Sequence[MtpProposerState]", states), slots, ids)
 
 
 def last_drafts_of(p: "MtpProposer", states: Sequence[object]) -> list[list[int]]:

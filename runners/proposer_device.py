@@ -151,7 +151,8 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask, slots)
     chain = p.chains.get(num_drafts, mask is not None)
     dev.fill(out, p.staging.tokens(n), n, num_drafts, (chain, p.chains.kv_only()[0]))
-    batch = PendingBatch(drafts, rows, list(positions), mine, slots, p.slots, read=dev.read,
+    batch = PendingBatch(drafts, np.asarray(rows, dtype=np.int64), list(positions), mine, slots,
+                         p.slots, read=dev.read,
                          check=dev.check_faults)
     p.slots.pending[slots] = batch  # every state settles with the batch (each held none before:
     p.slots.num_pending += n        # _batch_refusal settled them)

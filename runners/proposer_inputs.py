@@ -134,11 +134,12 @@ def _num_hiddens(hiddens: object, hidden_size: int, what: str) -> int:
 
 def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                          first_pos: Sequence[int], states: Sequence[object], *, hidden_size: int,
-                         vocab: int, distinct: bool = False) -> None:
+                         vocab: int, distinct: bool = False) -> list[int] | None:
     """catchup_batch's counts, all before anything runs: one token list, hidden list, first
     position and state per sequence, as many hiddens as tokens in each, distinct states
     (`distinct`: known so, `SlotTable.distinct`), valid positions and token ids. Each error
-    names the sequence and the counts."""
+    names the sequence and the counts. Returns the token ids in row order when the check made
+    that list (past SMALL_BATCH sequences: the catch-up's rows are built from it)."""
     counts = (len(tokens), len(hiddens), len(first_pos), len(states))
     if len(set(counts)) != 1:
         raise ProposerError(f"catchup_batch: {counts[0]} token lists, {counts[1]} hidden lists, "
@@ -147,8 +148,9 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torc
     if not distinct and len(set(map(id, states))) != len(states):
         raise ProposerError("catchup_batch: a state appears twice (its rows would be written twice "
                             "at the same row)")
-    if _catchup_ok(tokens, hiddens, first_pos, hidden_size, vocab):
-        return  # per-step host work: the loop below runs only to name what is wrong
+    ok, flat = _catchup_ok(tokens, hiddens, first_pos, hidden_size, vocab)
+    if ok:
+        return flat  # per-step host work: the loop below runs only to name what is wrong
     for i, (ts, hs, p) in enumerate(zip(tokens, hiddens, first_pos)):
         m = _num_hiddens(hs, hidden_size, f"catchup_batch sequence {i}")
         if m != len(ts):
@@ -156,27 +158,38 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torc
                                 "(token k pairs with hidden k)")
         check_position(p, f"catchup_batch sequence {i}: first position")
         check_tokens(list(ts), vocab, f" of sequence {i}")
+    return None  # (the fast pass is stricter than the loop: what it refused, the loop admits)
 
 
 def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                first_pos: Sequence[int], hidden_size: int, vocab: int) -> bool:
-    """True when every check of `check_catchup_counts`' loop passes, in as few Python steps a
-    sequence as it takes (False: the loop runs and names the first failure; anything unusual,
-    such as a tensor subclass or a bool, takes the loop too)."""
+                first_pos: Sequence[int], hidden_size: int,
+                vocab: int) -> tuple[bool, list[int] | None]:
+    """(True, ...) when every check of `check_catchup_counts`' loop passes, in as few Python
+    steps a sequence as it takes (False: the loop runs and names the first failure; anything
+    unusual, such as a tensor subclass or a bool, takes the loop too), and past SMALL_BATCH
+    sequences the token ids in row order (the list the range check read)."""
+    if not plain_ints(first_pos) or (first_pos and min(first_pos) < 1):
+        return False, None
     if 0 < len(hiddens) <= SMALL_BATCH:  # a few sequences: a bounded loop costs less
         for ts, hs in zip(tokens, hiddens):
             if type(hs) is not torch.Tensor or hs.dim() != 2 or hs.shape[1] != hidden_size \
                     or hs.shape[0] != len(ts):
-                return False
-    elif hiddens:  # C-level passes: types, then every shape against (its tokens, width) in
-        if set(map(type, hiddens)) != {torch.Tensor}:  # one list comparison (a torch.Size is
-            return False                                # a tuple: rank, rows and width at once)
-        if list(map(_SHAPE, hiddens)) != list(zip(map(len, tokens), repeat(hidden_size))):
-            return False
+                return False, None
+        flat = list(chain.from_iterable(tokens))
+        ok = plain_ints(flat) and (not flat or (min(flat) >= 0 and max(flat) < vocab))
+        return ok, None
+    if not hiddens:
+        return True, None
+    # C-level passes: types, then every shape against (its tokens, width) in one list
+    # comparison (a torch.Size is a tuple: rank, rows and width at once), the token types,
+    # then their range on the array the rows are built from
+    if set(map(type, hiddens)) != {torch.Tensor} or \
+            list(map(_SHAPE, hiddens)) != list(zip(map(len, tokens), repeat(hidden_size))):
+        return False, None
     flat = list(chain.from_iterable(tokens))
     if not plain_ints(flat) or (flat and (min(flat) < 0 or max(flat) >= vocab)):
-        return False
-    return plain_ints(first_pos) and (not first_pos or min(first_pos) >= 1)
+        return False, None
+    return True, flat
 
 
 def check_drafter_pairs(tokens: Sequence[int], hiddens: torch.Tensor, pos_base: int, *,
@@ -216,7 +229,7 @@ class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen datac
     hiddens: Sequence[torch.Tensor]  # the rows' hiddens: segments [m, H] adding up to n rows
     positions: Sequence[int] | np.ndarray
     slots: np.ndarray
-    live: np.ndarray
+    live: Sequence[int] | np.ndarray | None  # a propose's: None, run_chain reads it
     states: Sequence[MtpProposerState] = ()
     kv_only: bool = False   # catch-up rows: only their K/V is wanted (the KV-only chain)
 
@@ -249,14 +262,13 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
         return None
     if not toks:
         return []
-    return [ChainRows(toks, segs, pos, np.array(owners, dtype=np.intp), np.array(live),
-                      kv_only=True)]
+    return [ChainRows(toks, segs, pos, np.array(owners, dtype=np.intp), live, kv_only=True)]
 
 
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
                    first_pos: Sequence[int], slots: np.ndarray,
                    bases: np.ndarray | Sequence[int], width: int, *,
-                   counts: np.ndarray | None = None,
+                   counts: np.ndarray | None = None, ids: list[int] | None = None,
                    exact: bool = False) -> list[ChainRows]:
     """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
     row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
@@ -265,7 +277,8 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     array operations over all rows (np.repeat of each sequence's values, one arange), the
     hiddens as whole-sequence segments sliced only where a chunk boundary cuts one: this is
     per-step host work, O(chunks) Python. `counts`: each sequence's token count when the caller
-    has it; `exact`: every hiddens[i] has exactly that many rows (the caller checked: no spare
+    has it; `ids`: the token ids flattened in row order when it has them (check_catchup_counts
+    made them); `exact`: every hiddens[i] has exactly that many rows (the caller checked: no spare
     row to cut, and no row count read a sequence)."""
     if len(tokens) <= SMALL_BATCH:
         small = _small_chunk(tokens, hiddens, first_pos, slots, bases, width, exact)
@@ -279,7 +292,9 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     ends = np.cumsum(counts)
     starts = ends - counts
     k = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-    toks = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=total)
+    # from a flat list when the check made one (half a chain's time)
+    toks = np.fromiter(chain.from_iterable(tokens) if ids is None else ids, dtype=np.int64,
+                       count=total)
     pos = np.repeat(np.asarray(first_pos, dtype=np.int64), counts) + k
     live = np.repeat(np.asarray(bases, dtype=np.int64), counts) + k
     owners = np.repeat(np.asarray(slots), counts)

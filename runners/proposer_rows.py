@@ -25,11 +25,22 @@ def _release(states: Sequence[MtpProposerState]) -> None:
 
 
 def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,
-              bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-    """Room for k more rows in every table, then one run; returns (outputs, rows before)."""
-    grow_all(table, rows.slots, rows.states, rows.live + k)
+              bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], Sequence[int] | np.ndarray]:
+    """Room for k more rows in every table, then one run; returns (outputs, rows before).
+    The rows before are read here with the capacities (a few rows: one gather of their columns,
+    Python ints after) and the run's rows carry them (`rows.live` comes in None)."""
+    if len(rows.slots) <= SMALL_BATCH:
+        cols = table.gather(rows.slots)
+        live: Sequence[int] | np.ndarray = [c[ROWS] for c in cols]
+        short = [i for i, c in enumerate(cols) if c[ROWS] + k > c[CAPACITY]]
+        if short:  # one pool draw for them all (ensure_rows_all: the same ids and errors)
+            ensure_rows_all([rows.states[i].blocks for i in short], [live[i] + k for i in short])
+    else:
+        before = table.rows[rows.slots]  # a copy (fancy indexing)
+        grow_all(table, rows.slots, rows.states, before + k)
+        live = before
     try:
-        return execute(k, rows, bitmask), rows.live
+        return execute(k, rows._replace(live=live), bitmask), live
     except Exception:
         _release(rows.states)
         raise
@@ -37,12 +48,14 @@ def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,
 
 def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
                hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
-               states: Sequence[MtpProposerState], slots: np.ndarray) -> int:
+               states: Sequence[MtpProposerState], slots: np.ndarray,
+               ids: list[int] | None = None) -> int:
     """Append sequence i's rows (states[i], at slots[i]), tokens[i][k] with hiddens[i][k] at
     RoPE first_pos[i] + k, as one-step runs of at most `width` rows in row order (a row attends
     to the rows before it); the newest key is then first_pos[i] + len - 2 for every sequence
     that wrote a row. hiddens[i] has exactly len(tokens[i]) rows (both callers' checks make
-    sure). Returns the rows written."""
+    sure); `ids`: the token ids flattened, when the caller's check made them. Returns the
+    rows written."""
     if len(slots) <= SMALL_BATCH:
         return _write_few(execute, table, width, tokens, hiddens, first_pos, states, slots)
     bases = table.rows[slots]  # a copy (fancy indexing): the rows before
@@ -50,7 +63,7 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     grow_all(table, slots, states, bases + counts)
     try:
         for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width,
-                                    counts=counts, exact=True):
+                                    counts=counts, ids=ids, exact=True):
             execute(1, chunk, None)
     except Exception:
         _release(states)
@@ -76,13 +89,13 @@ def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     """`write_rows` of at most SMALL_BATCH sequences: the same rule on their gathered columns
     as Python ints (one gather before, one scatter after; a table that lacks room grows all
     or nothing first, kv_cache.ensure_rows_all)."""
-    cols = table.cols[slots].tolist()
+    cols = table.gather(slots)
     counts = list(map(len, tokens))
     bases = [c[ROWS] for c in cols]
     short = [i for i, (c, m) in enumerate(zip(cols, counts)) if c[ROWS] + m > c[CAPACITY]]
     if short:
         ensure_rows_all([states[i].blocks for i in short], [bases[i] + counts[i] for i in short])
-        cols = table.cols[slots].tolist()  # their capacities changed
+        cols = table.gather(slots)  # their capacities changed
     try:
         for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width,
                                     exact=True):
@@ -96,7 +109,8 @@ def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     table.scatter(slots, cols)
     return sum(counts)
 
-def record_batch(table: SlotTable, slots: np.ndarray, drafts: np.ndarray, rows: np.ndarray,
+def record_batch(table: SlotTable, slots: np.ndarray, drafts: np.ndarray,
+                 rows: Sequence[int] | np.ndarray,
                  positions: Sequence[int]) -> tuple[list[list[int]], list[int]]:
     """What a batch propose leaves (`SlotTable.record`) and each row's kept drafts as lists
     (the drafts before its first -1): (kept drafts, their counts)."""

@@ -153,6 +153,14 @@ class SlotTable:
         held: np.ndarray = self.pending[slots] != None  # noqa: E711  (elementwise, object array)
         return held
 
+    def gather(self, slots: np.ndarray) -> list[list[int]]:
+        """`self.cols[slots].tolist()`, a slot at a time for a few (a fancy gather is ~1 us
+        however short, a row ~0.2 us)."""
+        if len(slots) <= FEW:
+            table = self.cols
+            return [table[slot].tolist() for slot in slots.tolist()]
+        return self.cols[slots].tolist()  # type: ignore[no-any-return]
+
     def scatter(self, slots: np.ndarray, cols: list[list[int]]) -> None:
         """`self.cols[slots] = cols` (distinct slots), a slot at a time for a few."""
         if len(cols) <= FEW:
@@ -175,7 +183,7 @@ class SlotTable:
         n, k = drafts.shape
         rows = drafts.tolist()
         if n <= SMALL_BATCH:
-            cols = self.cols[slots].tolist()
+            cols = self.gather(slots)
             kept_rows = []
             before = rows_before.tolist() if isinstance(rows_before, np.ndarray) else rows_before
             for c, row, r, p in zip(cols, rows, before, positions):

@@ -220,7 +220,7 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
     at 0); a state not awaiting its verify trims nothing. Returns the counts trimmed."""
     n = len(slots)
     if n <= SMALL_BATCH and len(num_accepted) == n:  # a few states: the scalar rule, each
-        rows = table.cols[slots].tolist()  # one gather; Python ints from here on
+        rows = table.gather(slots)  # one gather; Python ints from here on
         for a, c in zip(num_accepted, rows):  # every count checked before any trim
             if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= c[DRAFTED]:
                 raise ProposerError(f"num_accepted {a!r} must be in 0..{c[DRAFTED]}, "
