@@ -146,7 +146,10 @@ class SlotTable:
     def distinct(self, slots: np.ndarray) -> bool:
         """True when `slots` is the array `slots_of` gave for a batch of distinct states (a
         known batch: no state twice); False says nothing (the caller checks itself)."""
-        return any(known is slots for _, known in self._known.values())
+        for _, known in self._known.values():  # at most KNOWN (a loop: no generator made)
+            if known is slots:
+                return True
+        return False
 
     def pending_at(self, slots: np.ndarray) -> np.ndarray:
         """Which of `slots` hold deferred drafts (bool per slot)."""

@@ -240,7 +240,7 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
     drafted = cols[:, DRAFTED]
     ok = len(num_accepted) == n and set(map(type, num_accepted)) <= {int}
     accepted = np.fromiter(num_accepted, dtype=np.int64, count=n) if ok else None
-    if accepted is None or ((accepted < 0) | (accepted > drafted)).any():
+    if accepted is None or min(num_accepted) < 0 or (accepted > drafted).any():
         if len(num_accepted) != n:
             raise ProposerError(f"after_verify_batch: {len(num_accepted)} accepted counts for "
                                 f"{n} states: one a state")
@@ -249,18 +249,20 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
                 raise ProposerError(f"num_accepted {a!r} must be in 0..{s.last_num_drafted}, "
                                     "the drafts of the last propose")
     assert accepted is not None
-    d = np.maximum(drafted, 1)
     if kv_exact:
-        trim = d - 1
+        trim = np.maximum(drafted - 1, 0)  # max(d, 1) - 1
     else:
+        d = np.maximum(drafted, 1)
         trim = np.maximum(d - accepted, 0)
         if refeed:
             trim += np.maximum(accepted - 1, 0)
         np.minimum(trim, d, out=trim)
     trim *= cols[:, AWAITING]  # a state not awaiting its verify trims nothing
-    cols[:, ROWS] = np.maximum(cols[:, ROWS] - trim, 0)
-    keys = cols[:, KEY]
-    cols[:, KEY] = np.where(trim > 0, np.maximum(keys - trim, 0), keys)
+    # x - min(trim, x) is max(x - trim, 0) for x >= 0 (rows always; keys but for a host's
+    # installed negative key, which a trim takes to 0 as before); a key not trimmed is kept
+    rows, keys = cols[:, ROWS], cols[:, KEY]
+    np.subtract(rows, np.minimum(trim, rows), out=rows)
+    np.subtract(keys, np.minimum(trim, keys), out=keys, where=trim > 0)
     cols[:, AWAITING] = 0
     table.cols[slots] = cols
     return trim  # type: ignore[no-any-return]
