@@ -12,6 +12,7 @@ import torch
 from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
                                            fp32_workspace, launch_kwargs)
 from draft_circuit.kernels.linear_fused import _inv_rms, _norm_x, _raw_x
+from draft_circuit.kernels.rmsnorm import rmsnorm
 
 # Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
 CHUNK = 2048  # vocab entries per step of the per-row loop in argmax_logprob
@@ -19,6 +20,17 @@ CHUNK_NUM_WARPS = 8
 LINEAR_BLOCK_M = 64  # rows per tile of the fused lm head; n <= 64 streams the weight exactly once
 LINEAR_BLOCK_V = 128  # vocab entries per chunk of the fused lm head = one partial per (row, chunk)
 LINEAR_BLOCK_K = 64
+# chunk width of the final norm's pass over a row (kernels.linear_fused._inv_rms); only the order
+# of that sum depends on it, never on n
+LINEAR_NORM_BLOCK_K = 64
+# From this many weight elements (V * K) the final norm runs as its own launch before the
+# partials (`normed`): in the prologue every x tile passes through registers for its
+# normalisation instead of the pipeliner's staged copies, which cost the 8B lm-head (128256 x
+# 4096) 308.5 us against 251.4 without a norm at n = 1 (336.7 / 252.4 at n = 8, 368.1 / 258.0 at
+# n = 64; H200, benchmarks/prologue_sweep.py, 2026-12-02), whatever the norm pass's chunk width;
+# a launch of kernels.rmsnorm costs a few us. Below it (small heads, ~16 us of weight) the launch
+# would cost what the prologue does. From the weight's shape only, never n.
+PRENORM_FROM = 1 << 25
 LINEAR_NUM_WARPS = 8  # 4 spills the [64, 128] fp32 tile on sm90
 LINEAR_NUM_STAGES = 4
 MERGE_BLOCK = 1024  # chunk partials merged per step of the merge kernel's serial loop
@@ -101,7 +113,7 @@ def _linear_partials_kernel(
     x_ptr, w_ptr, mask_ptr, ws_ptr, nw_ptr, eps,
     n, V, K, stride_x, stride_w, stride_mask,
     HAS_MASK: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # axis 0 (fastest scheduled) walks row tiles, so the tiles of one weight chunk run together
     # and share it through L2; with n <= BLOCK_M the weight is read from memory once.
@@ -121,7 +133,7 @@ def _linear_partials_kernel(
     row_off = rows.to(tl.int64)[:, None] * stride_x
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:  # the final norm in the prologue (kernels.linear_fused): a pass over the row first
-        inv = _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M, BLOCK_K)
+        inv = _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M, NORM_BLOCK_K)
     if NORM:  # x's next tile a K step ahead, by hand (kernels.linear_fused._raw_x says why)
         xr, nw = _raw_x(x_ptr, row_off, row_ok, ks, K, nw_ptr, True)
         for k0 in range(0, K, BLOCK_K):
@@ -233,13 +245,19 @@ def linear_argmax_workspace_shape(n: int, V: int) -> tuple[int, int, int]:
     return (n, triton.cdiv(V, LINEAR_BLOCK_V), 3)
 
 
+def prenorm_pays(V: int, K: int) -> bool:
+    """Whether the final norm of an lm-head over a [V, K] weight runs as its own launch."""
+    return V * K >= PRENORM_FROM
+
+
 def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torch.Tensor,
                           logprob_out: torch.Tensor, bitmask: torch.Tensor | None = None,
                           workspace: torch.Tensor | None = None, active: torch.Tensor | None = None,
                           kept_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                           eps: float = 1e-6, fallback: torch.Tensor | None = None,
                           last_out: torch.Tensor | None = None, log_tau: torch.Tensor | None = None,
-                          active_out: torch.Tensor | None = None) -> None:
+                          active_out: torch.Tensor | None = None,
+                          normed: torch.Tensor | None = None) -> None:
     """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype.
     With `active` int32 [n] and `kept_out` int32 [n]: also kept_out = token where active != 0, else -1
     (keep_if_active in the merge's epilogue, no launch of its own). With `norm_weight` [K]: x is
@@ -247,7 +265,10 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
     (kernels.linear_fused), never stored. With `fallback` int32 [n] and `last_out` (needs active):
     last_out = token where active else fallback. With `log_tau` fp32 [n] and `active_out` int32 [n]
     (needs active): active_out = active and not (logprob < log_tau), the confidence gate. Two
-    launches: the partials, then their merge (whose epilogue writes kept, last and active)."""
+    launches: the partials, then their merge (whose epilogue writes kept, last and active).
+    With `normed` [n, K] (x's dtype, needs norm_weight): the norm is a launch of its own
+    (kernels.rmsnorm into normed, which the partials then read; three launches), where
+    `prenorm_pays` says the prologue costs more."""
     check(x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1,
           lambda: f"x must be [n, K] fp32/fp16/bf16 with contiguous rows; got {describe('x', x)}")
     n, K = x.shape
@@ -274,18 +295,25 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
                   lambda: f"{name} must be int32 [{n}] contiguous on {x.device}; got {describe(name, t)}")
     if norm_weight is not None:
         check_operand("norm_weight", norm_weight, (K,), (x.dtype,), x.device)
+    if normed is not None:
+        check(norm_weight is not None, lambda: "normed needs norm_weight (it holds the normed x)")
+        check_operand("normed", normed, (n, K), (x.dtype,), x.device)
+        check(normed.is_contiguous(), lambda: f"{describe('normed', normed)}: expected contiguous")
     shape = linear_argmax_workspace_shape(n, V)
     workspace = fp32_workspace(workspace, shape, x.device)
     if n == 0:
         return
     kw = launch_kwargs(x)
+    if normed is not None and norm_weight is not None:
+        rmsnorm(x, norm_weight, normed, eps)
+        x, norm_weight = normed, None
     if shape[1] > 0:  # V == 0 has no chunks: the merge alone reports every row empty
         _linear_partials_kernel[(triton.cdiv(n, LINEAR_BLOCK_M), shape[1])](
             x, weight, bitmask if bitmask is not None else token_out, workspace,
             norm_weight if norm_weight is not None else x, float(eps),
             n, V, K, x.stride(0), weight.stride(0), bitmask.stride(0) if bitmask is not None else 0,
             HAS_MASK=bitmask is not None, NORM=norm_weight is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_V=LINEAR_BLOCK_V,
-            BLOCK_K=LINEAR_BLOCK_K, USE_PDL=bool(kw),
+            BLOCK_K=LINEAR_BLOCK_K, NORM_BLOCK_K=LINEAR_NORM_BLOCK_K, USE_PDL=bool(kw),
             num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
         )
     if log_tau is not None:

@@ -29,6 +29,9 @@ from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, ch
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 
 LAUNCHES = 1  # kernels each launcher here issues
+# chunk width of a norm prologue's pass over the row (_inv_rms): only the order of that sum
+# depends on it, never on n
+NORM_BLOCK_K = BLOCK_K
 
 
 @triton.jit
@@ -161,7 +164,7 @@ def linear_prologue_kernel(
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(n_rows, BLOCK_M)
@@ -189,9 +192,9 @@ def linear_prologue_kernel(
     inv1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     inv2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM1:
-        inv1 = _inv_rms(x1_ptr, off1, ok1, K1, eps1, BLOCK_M, BLOCK_K)
+        inv1 = _inv_rms(x1_ptr, off1, ok1, K1, eps1, BLOCK_M, NORM_BLOCK_K)
     if NORM2:
-        inv2 = _inv_rms(x2_ptr, off2, m_mask, K - K1, eps2, BLOCK_M, BLOCK_K)
+        inv2 = _inv_rms(x2_ptr, off2, m_mask, K - K1, eps2, BLOCK_M, NORM_BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     start = 0
@@ -263,7 +266,7 @@ def _qkv_tile(x_ptr, nw_ptr, inv, w_ptr, out_ptr, tile, num_m, n_rows, N, K, str
 def rmsnorm_linear_qkv_kernel(x_ptr, nw_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, eps,
                               stride_x, sw0, sw1, sw2, so0, so1, so2,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+                              USE_PDL: tl.constexpr, NORM_BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(n_rows, BLOCK_M)
     t0 = num_m * tl.cdiv(N0, BLOCK_N)
@@ -274,7 +277,8 @@ def rmsnorm_linear_qkv_kernel(x_ptr, nw_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0,
     tile = tl.where(pid < t0, pid, tl.where(pid < t0 + t1, pid - t0, pid - t0 - t1))
     offs_m = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < n_rows
-    inv = _inv_rms(x_ptr, offs_m[:, None].to(tl.int64) * stride_x, m_mask, K, eps, BLOCK_M, BLOCK_K)
+    inv = _inv_rms(x_ptr, offs_m[:, None].to(tl.int64) * stride_x, m_mask, K, eps, BLOCK_M,
+                   NORM_BLOCK_K)
     if pid < t0:
         _qkv_tile(x_ptr, nw_ptr, inv, w0, o0, tile, num_m, n_rows, N0, K, stride_x, sw0, so0,
                   BLOCK_M, BLOCK_N, BLOCK_K)
@@ -356,7 +360,8 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
         GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
         NORM2=norm2 is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
-        PREFETCH=prefetch, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
+        PREFETCH=prefetch, NORM_BLOCK_K=NORM_BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **pdl)
 
 
 def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -383,4 +388,4 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         x, norm_weight, *weights, *outs, n, *(w.shape[0] for w in weights), k, float(eps),
         x.stride(0), *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
+        NORM_BLOCK_K=NORM_BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)

@@ -136,6 +136,30 @@ def test_lm_head_norm_prologue(dtype):
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lm_head_prenorm_is_the_norm_launch_then_the_plain_partials(dtype):
+    """`normed` runs kernels.rmsnorm into it, then the partials without a prologue: bitwise that
+    composition, the fused prologue's tokens, and its logprobs within the norm sum's order."""
+    g = torch.Generator().manual_seed(31)
+    n, k, vocab = 6, 200, 333
+    x, nw, w = _r(g, n, k, dtype=dtype, scale=2.0), _norm_w(g, k, dtype), _r(g, vocab, k, dtype=dtype, scale=0.2)
+    normed = torch.full((n, k), float("nan"), dtype=dtype)
+    tok, lp = torch.empty(n, dtype=torch.int32), torch.empty(n)
+    linear_argmax_logprob(x, w, tok, lp, norm_weight=nw, eps=EPS, normed=normed)
+    assert torch.equal(normed, _normed(x, nw))
+    want_tok, want_lp = torch.empty(n, dtype=torch.int32), torch.empty(n)
+    linear_argmax_logprob(_normed(x, nw), w, want_tok, want_lp)
+    assert torch.equal(tok, want_tok) and torch.equal(lp, want_lp)
+    fused_tok, fused_lp = torch.empty(n, dtype=torch.int32), torch.empty(n)
+    linear_argmax_logprob(x, w, fused_tok, fused_lp, norm_weight=nw, eps=EPS)
+    assert torch.equal(tok, fused_tok)
+    torch.testing.assert_close(lp, fused_lp, **NORM_TOL[dtype])
+    with pytest.raises(KernelInputError, match="normed needs norm_weight"):
+        linear_argmax_logprob(x, w, tok, lp, normed=normed)
+    with pytest.raises(KernelInputError, match="normed"):
+        linear_argmax_logprob(x, w, tok, lp, norm_weight=nw, normed=torch.empty(n, k + 1, dtype=dtype))
+
+
 def test_rows_never_depend_on_the_batch():
     """Row i of an n-row launch is the row computed alone, bitwise, for every prologue."""
     g = torch.Generator().manual_seed(9)
