@@ -11,6 +11,12 @@ step and per propose, microseconds; `--out` writes them as JSON.
 This is a CPU measurement of Python and torch-dispatch overhead, not the H200 number (there a
 launch and a copy cost more host time than a CPU op does; decode_step.py measures that). The
 issue's target is <= 50 us of host overhead a decode step at every n <= 64.
+
+`--against DIR` measures side by side with another checkout (a `git worktree` of the base
+commit, say): one worker process in this checkout and one in DIR, each running its own
+`measure`, and every round runs each width on both in turn (which goes first alternating), so
+both see the same load; it prints each side's median over `--rounds` rounds and its best
+round (on a shared machine the best round is the quiet one; `--against .` shows the noise).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,14 +109,66 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float]:
     return {"step_us": statistics.median(step_us), "propose_us": statistics.median(propose_us)}
 
 
+_WORKER = """
+import json, sys, torch
+from benchmarks.proposer_host import measure
+torch.set_num_threads(1)
+for line in sys.stdin:
+    n, path, steps = line.split()
+    print(json.dumps(measure(int(n), path, int(steps))), flush=True)
+"""
+
+
+def side_by_side(widths: list[int], path: str, steps: int, rounds: int,
+                 against: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """{"this": ..., "against": ...}: per width the median step_us over the rounds and the best
+    round's (`best_us`). Each side is a worker process started in its checkout (alike, so
+    neither side is the process that has run the other's rounds); every round runs a width on
+    both in turn, which goes first alternating."""
+    here = Path(__file__).resolve().parents[1]
+    workers = {side: subprocess.Popen([sys.executable, "-c", _WORKER], cwd=root, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+               for side, root in (("this", here), ("against", against))}
+    got: dict[str, dict[int, list[float]]] = {side: {n: [] for n in widths} for side in workers}
+    try:
+        for r in range(rounds):
+            for n in widths:
+                for side in (("this", "against") if r % 2 == 0 else ("against", "this")):
+                    w = workers[side]
+                    assert w.stdin is not None and w.stdout is not None
+                    w.stdin.write(f"{n} {path} {steps}\n")
+                    w.stdin.flush()
+                    got[side][n].append(json.loads(w.stdout.readline())["step_us"])
+    finally:
+        for w in workers.values():
+            assert w.stdin is not None
+            w.stdin.close()
+            w.wait()
+    return {side: {str(n): {"step_us": statistics.median(v), "best_us": min(v)}
+                   for n, v in per.items()} for side, per in got.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--path", choices=("host", "device"), default="host")
     ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--against", type=Path, help="another checkout to measure side by side")
+    ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.against is not None:
+        both = side_by_side(args.n, args.path, args.steps, args.rounds, args.against)
+        for n in map(str, args.n):
+            a, b = both["against"][n], both["this"][n]
+            print(f"{args.path} n={n}: {args.against} {a['step_us']:.0f} us a step (best round "
+                  f"{a['best_us']:.0f}), this {b['step_us']:.0f} us (best {b['best_us']:.0f}); "
+                  f"median of {args.rounds} interleaved rounds")
+        if args.out is not None:
+            args.out.write_text(json.dumps({"path": args.path, "against": str(args.against),
+                                            "widths": both}, indent=1))
+        return 0
     result = {str(n): measure(n, args.path, args.steps) for n in args.n}
     for n, r in result.items():
         print(f"{args.path} n={n}: {r['step_us']:.0f} us a step, {r['propose_us']:.0f} us a propose")
