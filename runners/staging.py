@@ -33,7 +33,6 @@ enqueued) never waits for the GPU.
 from __future__ import annotations
 
 import weakref
-from operator import attrgetter
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -47,7 +46,6 @@ from draft_circuit.runners.padding import neutral_value
 #: the chain inputs a region stages, in the circuit's order (and the region's layout)
 INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
 _ROWS = ("tokens", "positions", "live_rows", "active")  # one int a row
-_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
 
 
 def fault_record(runner: object) -> torch.Tensor | None:
@@ -314,9 +312,9 @@ class ChainStaging:
         region.tau = (log_tau, n)
 
     def _stage_hiddens(self, region: _Region, hiddens: Sequence[torch.Tensor], n: int) -> None:
-        """The rows' hiddens into the region's buffer: one `cat` into it when every segment
-        already has its dtype and device (a catch-up of many sequences is one launch, not one a
-        sequence), else one copy a segment (which converts). A runner's own buffer keeps its
+        """The rows' hiddens into the region's buffer: one `cat` into it (a catch-up of many
+        sequences is one launch, not one a sequence; it converts dtypes as a copy does), or,
+        when a segment lies on another device, one copy a segment. A runner's own buffer keeps its
         rows past n neutral (a padded program reads them): zeroed when n shrank, or when an
         unstaged run wrote them."""
         hidden = region.hidden
@@ -325,14 +323,14 @@ class ChainStaging:
             rows = region.hidden_rows[n] = hidden[:n]
         if len(hiddens) == 1:
             rows.copy_(hiddens[0], non_blocking=True)
-        elif set(map(_DTYPE, hiddens)) == {hidden.dtype} and \
-                set(map(_DEVICE, hiddens)) == {hidden.device}:  # C-level passes, no row loop
-            torch.cat(list(hiddens), out=rows)  # the buffer's device is resolved
         else:
-            start = 0
-            for h in hiddens:
-                hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
-                start += h.shape[0]
+            try:  # cat converts dtypes as a copy does; it checks devices before it writes
+                torch.cat(list(hiddens), out=rows)  # the buffer's device is resolved
+            except RuntimeError:  # a segment on another device (or one autograd tracks)
+                start = 0
+                for h in hiddens:
+                    hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
+                    start += h.shape[0]
         if region.runner is not None:
             if region.hidden_dirty > n:
                 if region.hidden_np is not None:

@@ -69,3 +69,34 @@ def test_a_wide_decode_step_is_the_per_sequence_step():
         for t, h, f, i in zip(tokens, hiddens, first, keep):
             b.catchup_batch([t], [h], [f], [sb[i]])
         _same(a, sa, b, sb)
+
+
+def test_a_catch_up_of_other_dtypes_or_devices_writes_the_same_rows(monkeypatch):
+    """The catch-up's hiddens go into the buffer with one cat, which converts dtypes as the
+    copy a segment did (float64 segments into the float32 buffer: the same rows); where cat
+    refuses its segments (one on another device: simulated here, cat raising as it does for
+    them) each segment is copied in, and the rows are the same again."""
+    calls = []
+    real = torch.cat
+    refuse = [False]
+
+    def cat(*args, **kwargs):
+        if "out" in kwargs:  # the staging's (the programs' own concats write no out=)
+            calls.append(len(args[0]))
+            if refuse[0]:
+                raise RuntimeError("Expected all tensors to be on the same device")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "cat", cat)
+    a, sa, b, sb = _pair()
+    for step in range(2):
+        counts = [1 + (i + step) % 3 for i in range(N)]
+        tokens = [[(i + j) % 40 + 1 for j in range(c)] for i, c in enumerate(counts)]
+        hiddens = [hidden(200 + i + step, c) for i, c in enumerate(counts)]
+        first = [s.rows + 1 for s in sa]
+        refuse[0] = False
+        b.catchup_batch(tokens, hiddens, first, sb)
+        calls.clear()
+        refuse[0] = step == 1
+        a.catchup_batch(tokens, [h.double() for h in hiddens], first, sa)
+        assert calls == [N]  # one cat (converting; refused at step 1)
+        _same(a, sa, b, sb)
