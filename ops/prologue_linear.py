@@ -1,7 +1,9 @@
 """Linears with their neighbour folded into a prologue or an epilogue (issue 15: at most 10
 launches a draft step). Each fused op's reference is the composition of its parts' references,
-so a fused circuit's eager run is the unfused one's, bitwise; each has one Triton binding
-(kernels.linear_fused, or the lm-head's two-launch argmax with the norm in its partials kernel).
+so a fused circuit's eager run is the unfused one's, bitwise; each has a Triton binding
+(kernels.linear_fused's one launch, or the lm-head's two-launch argmax with the norm in its
+partials kernel), and linear_add and the MTP input a two-launch split-K binding bound before it,
+taken by the weight's shape only where one launch's grid is too small.
 
 - `linear_add(x, weight, residual) -> residual + x @ weight^T` (o_proj / down_proj and the
   residual add after them; split-K where the plain linear would split);
@@ -16,7 +18,8 @@ so a fused circuit's eager run is the unfused one's, bitwise; each has one Trito
   unroped);
 - `embed_rmsnorm_linear_concat(table, ids, norm1, x2, norm2, weight)`: the MTP input,
   eh_proj([enorm(embedding(ids)), hnorm(x2)]), with neither the embedding, the norms nor the
-  concat stored.
+  concat stored; split-K (kernels.linear_fused_splitk, the prologue in the partials kernel) where
+  the weight's shape says one launch cannot fill the GPU (K >= 4096, < 256 tiles of 32 columns).
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ from draft_circuit.ops.tokens import _infer_embedding, embedding_ref
 _k_prologue = kernel("linear_fused", "linear_prologue")
 _k_norm_qkv = kernel("linear_fused", "rmsnorm_linear_qkv")
 _k_splitk = kernel("linear_splitk", "linear_splitk")
+_k_prologue_splitk = kernel("linear_fused_splitk", "linear_prologue_splitk")
+_k_prologue_splitk_pays = kernel("linear_fused_splitk", "splitk_pays")
+_k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 _k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
 # PDL weight prefetch (issue 15 item 2): each kernels.linear_fused binding has a variant that
 # loads its first weight tile before the PDL wait and releases its dependents after the first K
@@ -276,6 +282,25 @@ def _launch_embed_concat(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefet
                   prefetch=prefetch)
 
 
+def _launch_embed_concat_splitk(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs) -> None:
+    _k_prologue_splitk()(i[0], i[5], o[0], w[0], ids=i[1], norm1=i[2], eps1=a.eps, x2=i[3],
+                         norm2=i[4], eps2=a.eps)
+
+
+def _embed_concat_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+    rows, k = ins[5].shape
+    return [("float32", _k_splitk_ws()(ins[3].concrete(env)[0], int(rows), int(k)))]
+
+
+def _embed_concat_splits_pay(ins: Sequence[TensorSpec], a: Any) -> bool:
+    rows, k = ins[5].shape  # the weight's shape only: every width of a circuit picks the same kernel
+    return isinstance(rows, int) and isinstance(k, int) and bool(_k_prologue_splitk_pays()(rows, k))
+
+
+EMBED_CONCAT_SPLITK = Condition("K >= 4096, cdiv(N, 32) < 256 output tiles and K in >= 2 splits",
+                                _embed_concat_splits_pay)
+
+
 def _embed_concat_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     table, ids, norm1, x2, norm2, w = ins
     rows = outs[0].concrete(env)[0]
@@ -293,8 +318,14 @@ register(OpDef(
     tags=frozenset({GATHER, NORM, REDUCTION, LAYOUT, MATMUL, FUSED}),
     # an id outside the table reads a zero row on the device (the reference raises TokenError):
     # the GPU cannot raise, and the input checks refuse such ids before a run (FAULTS 25)
-    kernels=(KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON)),
-             _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat)),
+    kernels=(
+        # split-K first, by the weight's shape only: at n = 1 the one-launch kernel's grid is
+        # N / 32 programs each walking all of K (the 8B eh_proj: 128 programs over K 8192)
+        KernelBinding("triton_embed_rmsnorm_linear_concat_splitk", _launch_embed_concat_splitk,
+                      Applies(TRITON, conditions=(EMBED_CONCAT_SPLITK,)),
+                      workspace=_embed_concat_ws, launches=2),  # partials (prologue in them), reduce
+        KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON)),
+        _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat)),
 ))
 
 

@@ -1,0 +1,195 @@
+"""Split-K for kernels.linear_fused's prologue linear (issue 15): out = [p1(x1) | p2(x2)] @ W^T
+with the prologue (gather, rmsnorm, concat) in the partials kernel and kernels.linear_splitk's
+reduce after it, for the weights whose one-launch grid is too small to fill the GPU.
+
+linear_prologue pins BLOCK_N = 32 and walks all of K in each program: at n = 1 the MTP eh_proj
+(8B: W [4096, 8192]) is N / 32 = 128 programs reading 8192 columns each, ~55-60 us on the H200
+where the split-K plain linear on the same weight, 512 programs, takes ~20 us (issue 15's
+profile; this kernel's own time is the GPU's to show). Here a program is
+(row tile, N tile) x K split, the split a fixed *size* from the weight's shape
+(linear_splitk.default_config, never from n):
+
+- each program computes its rows' 1 / rms over the FULL rows with linear_fused._inv_rms, in
+  linear_fused.NORM_BLOCK_K chunks whatever the split config's block_k (the rows' norms are
+  linear_prologue's, bit for bit), then walks only its split's K tiles in order, building each
+  x tile with linear_fused's prologue helpers (x's next tile loaded a K step ahead by hand: see
+  linear_fused._raw_x), and stores fp32 partials [num_splits, n, rows] like
+  linear_splitk._partial_kernel (tiles past K masked: they add zeros);
+- linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual.
+
+So the bits are those of materialising the prologue as linear_prologue computes it (its values
+rounded to x's dtype), then linear_splitk with the same SplitKConfig: the same x tiles, the same
+tl.dot per tile, the same split sums in the same order; and a row's bits never depend on n (a
+row's norm reads only that row; its tiles and sums are the same at every n).
+`linear_prologue_splitk(...)` launches two kernels (LAUNCHES); `splitk_pays(rows, k)` is the
+rule the op binding applies, from the weight's shape only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
+                                           describe, launch_kwargs)
+from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
+                                                _inv_rms, _mac, _norm_weight, _rows,
+                                                _rows_contiguous, _x_finish, _x_raw)
+from draft_circuit.kernels.linear_splitk import (BLOCK_M, REDUCE_BLOCK, REDUCE_WARPS, SplitKConfig,
+                                                 _reduce_kernel, default_config, num_splits,
+                                                 splitk_workspace_shape)
+
+LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce
+SPLIT_FROM_K = 4096  # K below this: the one-launch kernel (small heads, K 2048) keeps its bits
+# linear_prologue's own grid at n = 1, in its BLOCK_N = 32 tiles: from 256 programs (about two
+# per SM of a 132-SM H200) it is taken to fill the GPU without a second launch and a workspace
+# round trip (the rule as set for issue 15, not yet measured against this kernel at that width)
+MAX_PROLOGUE_TILES = 256
+
+
+def splitk_pays(weight_rows: int, k: int) -> bool:
+    """Whether a prologue linear on a [weight_rows, k] weight takes the split-K kernels: K >= 4096,
+    fewer than 256 output tiles of 32 columns and at least two K splits. From the weight's shape
+    only (never n), so every width of a circuit binds the same kernel: the 8B (K 8192, N 4096)
+    and DeepSeek-V3 (K 14336, N 7168) eh_proj take it; heads of K 2048 keep linear_prologue."""
+    return (k >= SPLIT_FROM_K and triton.cdiv(weight_rows, PROLOGUE_BLOCK_N) < MAX_PROLOGUE_TILES
+            and num_splits(weight_rows, k) >= 2)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _prologue_partial_kernel(
+    x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, ws_ptr,
+    n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w,
+    GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # program = (row tile fastest, N tile) x split, as linear_splitk._partial_kernel
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(n_rows, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * SPLIT_K + tl.arange(0, BLOCK_K)  # the split's first K tile
+    m_mask = offs_m < n_rows
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
+    off1, ok1 = _rows(x1_ptr, ids_ptr, offs_m, m_mask, stride_x1, table_rows, GATHER)
+    off2 = offs_m[:, None].to(tl.int64) * stride_x2
+    inv1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    inv2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # the norms over the full rows (every split needs them), in linear_prologue's chunks
+    if NORM1:
+        inv1 = _inv_rms(x1_ptr, off1, ok1, K1, eps1, BLOCK_M, NORM_BLOCK_K)
+    if NORM2:
+        inv2 = _inv_rms(x2_ptr, off2, m_mask, K - K1, eps2, BLOCK_M, NORM_BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # a static trip count: the last split's tiles past K load nothing (masked) and add zeros
+    if NORM1 or TWO_X:
+        # a prologue: x's next tile is loaded a K step ahead, by hand (see linear_fused._raw_x);
+        # the last step's look-ahead reads the next split's first tile (or nothing past K), unused
+        a, na, b, nb = _x_raw(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, m_mask, nw2_ptr,
+                              offs_k, K, TWO_X, NORM1, NORM2)
+        for k0 in range(0, SPLIT_K, BLOCK_K):
+            kk = offs_k + k0
+            a2, na2, b2, nb2 = _x_raw(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, m_mask,
+                                      nw2_ptr, kk + BLOCK_K, K, TWO_X, NORM1, NORM2)
+            x = _x_finish(a, na, b, nb, inv1, inv2, kk, K1, TWO_X, NORM1, NORM2)
+            acc, _ = _mac(x, w_ptrs, k0, kk, K, n_mask, 0, acc, acc, False)
+            a, na, b, nb = a2, na2, b2, nb2
+    else:  # x (or its gathered rows) feeds tl.dot as loaded: Triton's pipeliner stages it
+        for k0 in range(0, SPLIT_K, BLOCK_K):
+            kk = offs_k + k0
+            x = tl.load(x1_ptr + off1 + kk[None, :], mask=ok1[:, None] & (kk < K)[None, :],
+                        other=0.0)
+            acc, _ = _mac(x, w_ptrs, k0, kk, K, n_mask, 0, acc, acc, False)
+    # workspace [num_splits, n, N], linear_splitk's layout (its reduce reads it)
+    ws_ptrs = ws_ptr + (split * n_rows + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+    tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _check_config(cfg: SplitKConfig) -> None:
+    pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_n, cfg.block_k))
+    check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,
+          lambda: f"{cfg}: block_n, block_k powers of two >= 16 and split_k a multiple of block_k")
+
+
+def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                           workspace: torch.Tensor | None = None, *,
+                           ids: torch.Tensor | None = None, norm1: torch.Tensor | None = None,
+                           eps1: float = 1e-6, x2: torch.Tensor | None = None,
+                           norm2: torch.Tensor | None = None, eps2: float = 1e-6,
+                           silu_mul: bool = False, residual: torch.Tensor | None = None,
+                           config: SplitKConfig | None = None) -> None:
+    """out[n, N] = [p1(x1) | p2(x2)] @ weight^T in two launches: partials with the prologue in
+    them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue).
+
+    Operands exactly as kernels.linear_fused.linear_prologue (ids gather x1's rows, an id outside
+    the table a zero row; norm1 / norm2 rmsnorm p1 / p2; x2 optional; silu_mul: weight [Wg; Wu];
+    residual [n, N]: linear then add, out may alias it). config: linear_splitk's SplitKConfig,
+    `default_config(weight rows, K)` if None. workspace: float32
+    `linear_splitk.splitk_workspace_shape(n, weight rows, K, config)`, allocated here if None.
+
+    Bits: those of materialising the prologue as linear_prologue computes it, then linear_splitk
+    (or linear_silu_mul_splitk) with the same config; independent of n (the module docstring
+    says why). Not linear_prologue's bits: the split sums add K in another order.
+    """
+    for name, t in (("x1", x1), ("weight", weight), ("out", out)):
+        _rows_contiguous(name, t)
+    dtype, device = x1.dtype, x1.device
+    check(dtype in FLOAT_DTYPES, lambda: f"{describe('x1', x1)}: expected a float dtype")
+    if ids is not None:
+        check(ids.dim() == 1 and ids.dtype in INDEX_DTYPES and ids.is_contiguous()
+              and ids.device == device, lambda: f"{describe('ids', ids)}: expected int [n] contiguous")
+        n = ids.shape[0]
+    else:
+        n = x1.shape[0]
+    k1 = x1.shape[1]
+    k = k1
+    if x2 is not None:
+        _rows_contiguous("x2", x2)
+        check_operand("x2", x2, (n, x2.shape[1]), (dtype,), device)
+        k += x2.shape[1]
+    check(norm2 is None or x2 is not None, lambda: "norm2 needs x2")
+    _norm_weight("norm1", norm1, k1, x1)
+    _norm_weight("norm2", norm2, k - k1, x1)
+    rows = weight.shape[0]
+    check(not silu_mul or rows % 2 == 0, lambda: f"{describe('weight', weight)}: SwiGLU needs [2I, K]")
+    n_out = rows // 2 if silu_mul else rows
+    check_operand("weight", weight, (rows, k), (dtype,), device)
+    check_operand("out", out, (n, n_out), FLOAT_DTYPES, device)
+    if residual is not None:
+        _rows_contiguous("residual", residual)
+        check_operand("residual", residual, (n, n_out), (out.dtype,), device)
+    cfg = config or default_config(rows, k)
+    _check_config(cfg)
+    shape = splitk_workspace_shape(n, rows, k, cfg)
+    if workspace is None:
+        workspace = torch.empty(shape, dtype=torch.float32, device=device)
+    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32
+          and workspace.is_contiguous() and workspace.device == device,
+          lambda: f"{describe('workspace', workspace)}: expected float32 {list(shape)} contiguous")
+    if n == 0 or n_out == 0 or k == 0:
+        if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
+            out.copy_(residual) if residual is not None else out.zero_()
+        return
+    pdl = launch_kwargs(x1)
+    grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, cfg.block_n), shape[0])
+    _prologue_partial_kernel[grid](
+        x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
+        x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, weight, workspace,
+        n, rows, k, k1, x1.shape[0], float(eps1), float(eps2),
+        x1.stride(0), x2.stride(0) if x2 is not None else 0, weight.stride(0),
+        GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
+        NORM2=norm2 is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    _reduce_kernel[(n, triton.cdiv(n_out, REDUCE_BLOCK))](
+        workspace, out, residual if residual is not None else out, n, n_out, rows, out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        NUM_SPLITS=shape[0], SILU_MUL=silu_mul, RESIDUAL=residual is not None, BLOCK=REDUCE_BLOCK,
+        USE_PDL=bool(pdl), num_warps=REDUCE_WARPS, **pdl)
