@@ -3,7 +3,8 @@ launches a draft step). Each fused op's reference is the composition of its part
 so a fused circuit's eager run is the unfused one's, bitwise; each has a Triton binding
 (kernels.linear_fused's one launch, or the lm-head's two-launch argmax with the norm in its
 partials kernel), and linear_add and the MTP input a two-launch split-K binding bound before it,
-taken by the weight's shape only where one launch's grid is too small.
+taken by the weight's shape only where one launch's grid is too small; the lm-head ops likewise
+a three-launch `*_prenorm` binding (the norm a launch of its own) where the weight is large.
 
 - `linear_add(x, weight, residual) -> residual + x @ weight^T` (o_proj / down_proj and the
   residual add after them; split-K where the plain linear would split);
@@ -51,6 +52,7 @@ _k_prologue_splitk = kernel("linear_fused_splitk", "linear_prologue_splitk")
 _k_prologue_splitk_pays = kernel("linear_fused_splitk", "splitk_pays")
 _k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 _k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
+_k_prenorm_pays = kernel("argmax_logprob", "prenorm_pays")
 # PDL weight prefetch (issue 15 item 2): each kernels.linear_fused binding has a variant that
 # loads its first weight tile before the PDL wait and releases its dependents after the first K
 # step. The same bits, so it is bound last: only a tuning pass that measures it faster (or
@@ -164,15 +166,45 @@ def _norm_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     return _linear_argmax_ws([ins[0], *ins[2:]], env, a)
 
 
+# The lm-head's final norm as a launch of its own (kernels.rmsnorm into a workspace the partials
+# read) where the weight is large enough that the prologue costs more than the launch
+# (kernels.argmax_logprob.PRENORM_FROM says what was measured). Bound before the one-prologue
+# binding, by the weight's shape only: every width of a circuit binds the same kernels.
+def _prenorm(ins: Sequence[TensorSpec], a: Any) -> bool:
+    v, k = ins[2].shape
+    return isinstance(v, int) and isinstance(k, int) and bool(_k_prenorm_pays()(v, k))
+
+
+PRENORM = Condition("V x K from argmax_logprob.PRENORM_FROM (the norm a launch of its own)", _prenorm)
+
+
+def _prenorm_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+    return [*_norm_argmax_ws(ins, env, a), (ins[0].dtype, tuple(ins[0].concrete(env)))]
+
+
+def _normed(ws: Tensors) -> torch.Tensor | None:
+    """The prenorm binding's normed-x buffer (its second workspace entry), None for the prologue's."""
+    return ws[1] if len(ws) > 1 else None
+
+
+def _argmax_bindings(name: str, launch: Callable[..., None]) -> tuple[KernelBinding, KernelBinding]:
+    """(the norm a launch of its own, where it pays; the norm in the partials' prologue)."""
+    return (KernelBinding(f"{name}_prenorm", launch, Applies(TRITON, conditions=(VOCAB_FITS, PRENORM)),
+                          workspace=_prenorm_ws, launches=3),  # the norm, the partials, the merge
+            KernelBinding(name, launch, Applies(TRITON, conditions=(VOCAB_FITS,)),
+                          workspace=_norm_argmax_ws, launches=2))  # the partials (norm in them), the merge
+
+
 def _launch_norm_argmax(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
     x, norm, w, *mask = ins
-    _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], norm_weight=norm, eps=a.eps)
+    _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], norm_weight=norm, eps=a.eps,
+                    normed=_normed(ws))
 
 
 def _launch_norm_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
     x, norm, w, active, *mask = ins
     _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], active=active,
-                    kept_out=outs[2], norm_weight=norm, eps=a.eps)
+                    kept_out=outs[2], norm_weight=norm, eps=a.eps, normed=_normed(ws))
 
 
 def _argmax_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
@@ -184,9 +216,7 @@ register(OpDef(
     outputs=("token", "logprob"), num_required=3, attrs=EpsAttrs, infer=_infer_norm_argmax,
     reference=lambda t, a: _linear_argmax([rmsnorm_ref(t[0], t[1], a.eps), *t[2:]], a),
     cost=_argmax_cost, tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
-    kernels=(KernelBinding("triton_rmsnorm_linear_argmax_logprob", _launch_norm_argmax,
-                           Applies(TRITON, conditions=(VOCAB_FITS,)), workspace=_norm_argmax_ws,
-                           launches=2),),  # the chunk partials (norm in their prologue), the merge
+    kernels=_argmax_bindings("triton_rmsnorm_linear_argmax_logprob", _launch_norm_argmax),
 ))
 
 register(OpDef(
@@ -195,9 +225,7 @@ register(OpDef(
     infer=_infer_norm_argmax_keep,
     reference=lambda t, a: _linear_argmax_keep([rmsnorm_ref(t[0], t[1], a.eps), *t[2:]], a),
     cost=_argmax_cost, tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
-    kernels=(KernelBinding("triton_rmsnorm_linear_argmax_keep", _launch_norm_argmax_keep,
-                           Applies(TRITON, conditions=(VOCAB_FITS,)), workspace=_norm_argmax_ws,
-                           launches=2),),
+    kernels=_argmax_bindings("triton_rmsnorm_linear_argmax_keep", _launch_norm_argmax_keep),
 ))
 
 
@@ -247,15 +275,14 @@ def _draft_op(last: bool, gate: bool) -> OpDef:
         active_out = next(more) if gate else None
         _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], active=active,
                         kept_out=outs[2], norm_weight=norm, eps=a.eps, fallback=fallback,
-                        last_out=last_out, log_tau=log_tau, active_out=active_out)
+                        last_out=last_out, log_tau=log_tau, active_out=active_out, normed=_normed(ws))
 
     return OpDef(
         name=name, inputs=("x", "norm_weight", "weight", "active", *extra_in, "bitmask"),
         outputs=("token", "logprob", "kept", *extra_out), num_required=4 + len(extra_in),
         attrs=EpsAttrs, infer=infer, reference=reference, cost=_argmax_cost,
         tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
-        kernels=(KernelBinding(f"triton_{name}", launch, Applies(TRITON, conditions=(VOCAB_FITS,)),
-                               workspace=_norm_argmax_ws, launches=2),),
+        kernels=_argmax_bindings(f"triton_{name}", launch),
     )
 
 
