@@ -301,23 +301,13 @@ def _norm_weight(name: str, w: torch.Tensor | None, k: int, x: torch.Tensor) -> 
         check(w.is_contiguous(), lambda: f"{describe(name, w)}: expected contiguous")
 
 
-def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
-                    ids: torch.Tensor | None = None, norm1: torch.Tensor | None = None,
-                    eps1: float = 1e-6, x2: torch.Tensor | None = None,
-                    norm2: torch.Tensor | None = None, eps2: float = 1e-6,
-                    silu_mul: bool = False, residual: torch.Tensor | None = None,
-                    prefetch: bool = False) -> None:
-    """out[n, N] = [p1(x1) | p2(x2)] @ weight^T, one launch.
-
-    p1: with `ids` int [n], x1 is a table [V, K1] and row i reads x1[ids[i]] (zeros for an id
-    outside [0, V)); then rmsnorm with `norm1` [K1] (eps1) if given. p2 likewise with `norm2` on
-    x2 [n, K2] (x2 absent: K = K1). silu_mul: weight is [Wg; Wu] [2N, K] and out is
-    silu(p @ Wg^T) * (p @ Wu^T), rounded once. residual [n, N]: out = round(p @ W^T) + residual,
-    rounded again (linear then add). Floats share one dtype except out (any float).
-    prefetch: the first weight tile is loaded before the PDL wait and dependents are released
-    after the first K step (the same products in the same order: the same bits; a variant for
-    the tuning pass to measure, GPU only in effect).
-    """
+def check_prologue_operands(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                            ids: torch.Tensor | None, norm1: torch.Tensor | None,
+                            x2: torch.Tensor | None, norm2: torch.Tensor | None, silu_mul: bool,
+                            residual: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """A prologue linear's operands as `linear_prologue` takes them (kernels.linear_fused_splitk
+    takes the same), checked; (n, K, K1, weight rows, output columns). Raises KernelInputError
+    naming the operand."""
     for name, t in (("x1", x1), ("weight", weight), ("out", out)):
         _rows_contiguous(name, t)
     dtype, device = x1.dtype, x1.device
@@ -345,6 +335,28 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
     if residual is not None:
         _rows_contiguous("residual", residual)
         check_operand("residual", residual, (n, n_out), (out.dtype,), device)
+    return n, k, k1, rows, n_out
+
+
+def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
+                    ids: torch.Tensor | None = None, norm1: torch.Tensor | None = None,
+                    eps1: float = 1e-6, x2: torch.Tensor | None = None,
+                    norm2: torch.Tensor | None = None, eps2: float = 1e-6,
+                    silu_mul: bool = False, residual: torch.Tensor | None = None,
+                    prefetch: bool = False) -> None:
+    """out[n, N] = [p1(x1) | p2(x2)] @ weight^T, one launch.
+
+    p1: with `ids` int [n], x1 is a table [V, K1] and row i reads x1[ids[i]] (zeros for an id
+    outside [0, V)); then rmsnorm with `norm1` [K1] (eps1) if given. p2 likewise with `norm2` on
+    x2 [n, K2] (x2 absent: K = K1). silu_mul: weight is [Wg; Wu] [2N, K] and out is
+    silu(p @ Wg^T) * (p @ Wu^T), rounded once. residual [n, N]: out = round(p @ W^T) + residual,
+    rounded again (linear then add). Floats share one dtype except out (any float).
+    prefetch: the first weight tile is loaded before the PDL wait and dependents are released
+    after the first K step (the same products in the same order: the same bits; a variant for
+    the tuning pass to measure, GPU only in effect).
+    """
+    n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
+                                                    silu_mul, residual)
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x1)

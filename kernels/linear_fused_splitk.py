@@ -30,13 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           describe, launch_kwargs)
+from draft_circuit.kernels._common import check, describe, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
-                                                _inv_rms, _mac, _norm_weight, _rows,
-                                                _rows_contiguous, _x_finish, _x_raw)
-from draft_circuit.kernels.linear_splitk import (BLOCK_M, REDUCE_BLOCK, REDUCE_WARPS, SplitKConfig,
-                                                 _reduce_kernel, default_config, num_splits,
+                                                _inv_rms, _mac, _rows, _x_finish, _x_raw,
+                                                check_prologue_operands)
+from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_config,
+                                                 num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
 LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce
@@ -138,33 +137,9 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     (or linear_silu_mul_splitk) with the same config; independent of n (the module docstring
     says why). Not linear_prologue's bits: the split sums add K in another order.
     """
-    for name, t in (("x1", x1), ("weight", weight), ("out", out)):
-        _rows_contiguous(name, t)
-    dtype, device = x1.dtype, x1.device
-    check(dtype in FLOAT_DTYPES, lambda: f"{describe('x1', x1)}: expected a float dtype")
-    if ids is not None:
-        check(ids.dim() == 1 and ids.dtype in INDEX_DTYPES and ids.is_contiguous()
-              and ids.device == device, lambda: f"{describe('ids', ids)}: expected int [n] contiguous")
-        n = ids.shape[0]
-    else:
-        n = x1.shape[0]
-    k1 = x1.shape[1]
-    k = k1
-    if x2 is not None:
-        _rows_contiguous("x2", x2)
-        check_operand("x2", x2, (n, x2.shape[1]), (dtype,), device)
-        k += x2.shape[1]
-    check(norm2 is None or x2 is not None, lambda: "norm2 needs x2")
-    _norm_weight("norm1", norm1, k1, x1)
-    _norm_weight("norm2", norm2, k - k1, x1)
-    rows = weight.shape[0]
-    check(not silu_mul or rows % 2 == 0, lambda: f"{describe('weight', weight)}: SwiGLU needs [2I, K]")
-    n_out = rows // 2 if silu_mul else rows
-    check_operand("weight", weight, (rows, k), (dtype,), device)
-    check_operand("out", out, (n, n_out), FLOAT_DTYPES, device)
-    if residual is not None:
-        _rows_contiguous("residual", residual)
-        check_operand("residual", residual, (n, n_out), (out.dtype,), device)
+    n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
+                                                    silu_mul, residual)
+    device = x1.device
     cfg = config or default_config(rows, k)
     _check_config(cfg)
     shape = splitk_workspace_shape(n, rows, k, cfg)
@@ -188,8 +163,4 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
         NORM2=norm2 is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
-    _reduce_kernel[(n, triton.cdiv(n_out, REDUCE_BLOCK))](
-        workspace, out, residual if residual is not None else out, n, n_out, rows, out.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        NUM_SPLITS=shape[0], SILU_MUL=silu_mul, RESIDUAL=residual is not None, BLOCK=REDUCE_BLOCK,
-        USE_PDL=bool(pdl), num_warps=REDUCE_WARPS, **pdl)
+    reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)

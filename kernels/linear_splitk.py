@@ -7,6 +7,7 @@ never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, ga
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -126,6 +127,17 @@ def _reduce_kernel(
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def reduce_partials(workspace: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, n: int,
+                    n_out: int, rows: int, silu_mul: bool, pdl: dict[str, Any]) -> None:
+    """The second launch of a split-K product (here and in kernels.linear_fused_splitk): out =
+    the fp32 partials [splits, n, rows] summed in split order, SwiGLU'd or + residual, rounded."""
+    _reduce_kernel[(n, triton.cdiv(n_out, REDUCE_BLOCK))](
+        workspace, out, residual if residual is not None else out, n, n_out, rows, out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        NUM_SPLITS=workspace.shape[0], SILU_MUL=silu_mul, RESIDUAL=residual is not None,
+        BLOCK=REDUCE_BLOCK, USE_PDL=bool(pdl), num_warps=REDUCE_WARPS, **pdl)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
             config: SplitKConfig | None, silu_mul: bool, residual: torch.Tensor | None = None) -> None:
     n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
@@ -154,13 +166,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         USE_PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
-    _reduce_kernel[(n, triton.cdiv(n_out, REDUCE_BLOCK))](
-        workspace, out, residual if residual is not None else out, n, n_out, rows, out.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        NUM_SPLITS=shape[0], SILU_MUL=silu_mul, RESIDUAL=residual is not None, BLOCK=REDUCE_BLOCK,
-        USE_PDL=bool(pdl),
-        num_warps=REDUCE_WARPS, **pdl,
-    )
+    reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
 
 
 def linear_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
