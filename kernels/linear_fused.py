@@ -116,6 +116,23 @@ def _rows(x_ptr, ids_ptr, offs_m, m_mask, stride_x, table_rows, GATHER: tl.const
 
 
 @triton.jit
+def _prologue_rows(x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K,
+                   K1, eps1, eps2, GATHER: tl.constexpr, NORM1: tl.constexpr, NORM2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, NORM_BLOCK_K: tl.constexpr):
+    """A row tile's x1 offsets and rows to read (gathered by ids when GATHER), x2's offsets, and
+    the 1 / rms of each over its full row (zeros where not normed)."""
+    off1, ok1 = _rows(x1_ptr, ids_ptr, offs_m, m_mask, stride_x1, table_rows, GATHER)
+    off2 = offs_m[:, None].to(tl.int64) * stride_x2
+    inv1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    inv2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM1:
+        inv1 = _inv_rms(x1_ptr, off1, ok1, K1, eps1, BLOCK_M, NORM_BLOCK_K)
+    if NORM2:
+        inv2 = _inv_rms(x2_ptr, off2, m_mask, K - K1, eps2, BLOCK_M, NORM_BLOCK_K)
+    return off1, ok1, off2, inv1, inv2
+
+
+@triton.jit
 def _x_raw(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, ok2, nw2_ptr, kk, K,
            TWO_X: tl.constexpr, NORM1: tl.constexpr, NORM2: tl.constexpr):
     """The loads of the K tile kk of [p1(x1) | p2(x2)] (p1(x1) alone: K1 == K), for `_x_finish`."""
@@ -187,14 +204,9 @@ def linear_prologue_kernel(
             u0 = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_ok0, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids and the residual may come from the previous launch
-    off1, ok1 = _rows(x1_ptr, ids_ptr, offs_m, m_mask, stride_x1, table_rows, GATHER)
-    off2 = offs_m[:, None].to(tl.int64) * stride_x2
-    inv1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    inv2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM1:
-        inv1 = _inv_rms(x1_ptr, off1, ok1, K1, eps1, BLOCK_M, NORM_BLOCK_K)
-    if NORM2:
-        inv2 = _inv_rms(x2_ptr, off2, m_mask, K - K1, eps2, BLOCK_M, NORM_BLOCK_K)
+    off1, ok1, off2, inv1, inv2 = _prologue_rows(
+        x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
+        eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     start = 0

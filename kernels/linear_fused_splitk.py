@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import check, describe, launch_kwargs
+from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
-                                                _inv_rms, _mac, _rows, _x_finish, _x_raw,
+                                                _mac, _prologue_rows, _x_finish, _x_raw,
                                                 check_prologue_operands)
 from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_config,
                                                  num_splits, reduce_partials,
@@ -77,15 +77,10 @@ def _prologue_partial_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
-    off1, ok1 = _rows(x1_ptr, ids_ptr, offs_m, m_mask, stride_x1, table_rows, GATHER)
-    off2 = offs_m[:, None].to(tl.int64) * stride_x2
-    inv1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    inv2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     # the norms over the full rows (every split needs them), in linear_prologue's chunks
-    if NORM1:
-        inv1 = _inv_rms(x1_ptr, off1, ok1, K1, eps1, BLOCK_M, NORM_BLOCK_K)
-    if NORM2:
-        inv2 = _inv_rms(x2_ptr, off2, m_mask, K - K1, eps2, BLOCK_M, NORM_BLOCK_K)
+    off1, ok1, off2, inv1, inv2 = _prologue_rows(
+        x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
+        eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # a static trip count: the last split's tiles past K load nothing (masked) and add zeros
     if NORM1 or TWO_X:
@@ -143,11 +138,7 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     cfg = config or default_config(rows, k)
     _check_config(cfg)
     shape = splitk_workspace_shape(n, rows, k, cfg)
-    if workspace is None:
-        workspace = torch.empty(shape, dtype=torch.float32, device=device)
-    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32
-          and workspace.is_contiguous() and workspace.device == device,
-          lambda: f"{describe('workspace', workspace)}: expected float32 {list(shape)} contiguous")
+    workspace = fp32_workspace(workspace, shape, device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels.linear import check_linear_operands
-from draft_circuit.kernels._common import check, describe, launch_kwargs
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
 # Enough programs at n = 1 to fill a 132-SM H200: about 4 resident per SM (48 KB of shared
@@ -150,11 +150,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
     check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,
           lambda: f"{cfg}: block_n, block_k powers of two >= 16 and split_k a multiple of block_k")
     shape = splitk_workspace_shape(n, rows, k, cfg)
-    if workspace is None:
-        workspace = torch.empty(shape, dtype=torch.float32, device=x.device)
-    check(tuple(workspace.shape) == shape and workspace.dtype == torch.float32
-          and workspace.is_contiguous() and workspace.device == x.device,
-          lambda: f"{describe('workspace', workspace)}: expected float32 {list(shape)} contiguous")
+    workspace = fp32_workspace(workspace, shape, x.device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()

@@ -6,6 +6,8 @@ before any test module imports the packages (runners.device imports torch only).
 """
 import os
 
+import pytest
+
 from draft_circuit.runners.device import cuda_available
 
 if not cuda_available():
@@ -21,3 +23,20 @@ def pytest_collection_modifyitems(config, items):
     from draft_circuit.runners.testing import skip_cuda_without_gpu
 
     skip_cuda_without_gpu(items)
+
+
+@pytest.fixture
+def interpreted_launches(monkeypatch):
+    """The names of the Triton kernels the interpreter runs during the test, in order (warm-up
+    runs left out): what a binding's declared launch count is checked against."""
+    from triton.runtime import interpreter
+
+    seen: list[str] = []
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            seen.append(self.fn.__name__)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+    return seen

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton.runtime.interpreter as interpreter
 
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.linear_fused import linear_prologue
@@ -195,7 +194,7 @@ def test_the_rule_is_the_weights_shape():
     assert splitk_pays(8160, 4096) and not splitk_pays(8192, 4096)  # 255 tiles of 32, then 256
 
 
-def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(monkeypatch):
+def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(interpreted_launches):
     from draft_circuit.circuit.ir import ROW, TensorSpec
     from draft_circuit.ops.registry import get_op
 
@@ -214,14 +213,7 @@ def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(monk
         assert not first.applies("cuda", specs(2048, 1024, 1024, width), attrs)
         assert not first.applies("cuda", specs(8192, 2048, 2048, width), attrs)
     # the interpreter runs it at K = 4096 (4 splits of 1024): two kernels, the op's reference
-    seen: list[str] = []
-    run = interpreter.InterpretedFunction.run
-
-    def counted(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            seen.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+    seen = interpreted_launches
     g = torch.Generator().manual_seed(3)
     n, k1, k2, rows = 2, 2048, 2048, 8
     inputs = [_r(g, V, k1, dtype=torch.float32), torch.tensor([4, -1], dtype=torch.int32),
@@ -245,22 +237,11 @@ def test_plans_of_the_8b_chain_bind_it_and_count_its_two_launches(monkeypatch):
     every width and its report counts one launch more a step than the one-launch kernel's plan;
     a 1024-wide head (K 2048) keeps the one-launch kernel."""
     import draft_circuit.ops.prologue_linear as prologue_linear
-    from draft_circuit.circuit.layers.mtp import KvLayout, MtpConfig, MtpHead, emit_draft_chain
-    from draft_circuit.circuit.planner import compile_draft
+    from tests.plan_shapes import plan_kernels
 
     def plan(hidden, inter, heads, kv_heads, d):
-        cfg = MtpConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=inter,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
-                        rms_norm_eps=1e-5, rope_theta=500000.0, num_hidden_layers=1,
-                        tie_word_embeddings=False, max_position_embeddings=8192)
-        head = MtpHead(cfg, "bfloat16")
-        params = {k: torch.empty(s, dtype=torch.bfloat16, device="meta")
-                  for k, (_, s) in head.param_specs().items()}
-        chain = emit_draft_chain(head, 3, max_width=8, kv=KvLayout(60, 8, 5))
-        compiled = compile_draft(chain, params, [1, 8], device="cuda")
-        return {w: ({x.kernel for x in compiled.programs[w].launches
-                     if x.op == "embed_rmsnorm_linear_concat"},
-                    compiled.report().width(w).gpu_launches_per_step) for w in (1, 8)}
+        return plan_kernels("embed_rmsnorm_linear_concat", vocab=1000, hidden=hidden, inter=inter,
+                            heads=heads, kv_heads=kv_heads, head_dim=d)
 
     big = plan(4096, 14336, 32, 8, 128)
     small = plan(1024, 2816, 16, 4, 64)

@@ -3,7 +3,6 @@ GPU launches, not nodes): each Triton binding the interpreter can run issues exa
 kernels on its op's example (tests/ops/test_registry.py), and each torch binding runs that many
 kernel-launching aten ops on real CPU tensors (the declaration counts them on meta tensors)."""
 import torch
-import triton.runtime.interpreter as interpreter
 
 from draft_circuit.circuit.types import ROW
 from draft_circuit.ops.bindings import aten_kernels
@@ -29,15 +28,8 @@ def _workspace(binding, specs, env, parsed):
             for dt, shape in (binding.workspace(specs, env, parsed) if binding.workspace else ())]
 
 
-def test_triton_bindings_launch_what_they_declare(monkeypatch):
-    seen: list[str] = []
-    run = interpreter.InterpretedFunction.run
-
-    def counted(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            seen.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+def test_triton_bindings_launch_what_they_declare(interpreted_launches):
+    seen = interpreted_launches
     checked = set()
     for name in sorted(EXAMPLES):
         op, specs, parsed, tensors, outs, env = _example(name)

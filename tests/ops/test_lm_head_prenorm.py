@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton.runtime import interpreter
 
 from draft_circuit.circuit.ir import ROW, TensorSpec
 from draft_circuit.ops.registry import get_op
@@ -36,7 +35,7 @@ def test_the_prenorm_binding_is_first_and_applies_by_the_weights_shape(name):
         assert second.applies("cuda", small, attrs) and second.launch_count(small, attrs) == 2
 
 
-def test_the_prenorm_binding_runs_three_kernels_and_keeps_the_prologues_tokens(monkeypatch):
+def test_the_prenorm_binding_runs_three_kernels_and_keeps_the_prologues_tokens(monkeypatch, interpreted_launches):
     import draft_circuit.kernels.argmax_logprob as am
     monkeypatch.setattr(am, "PRENORM_FROM", 1)  # a weight the interpreter runs quickly
     op = get_op("rmsnorm_linear_argmax_keep")
@@ -50,14 +49,7 @@ def test_the_prenorm_binding_runs_three_kernels_and_keeps_the_prologues_tokens(m
         [TensorSpec(dtype="int32", shape=(n,))]
     attrs = op.parse_attrs({"eps": EPS})
     assert prenorm.applies("interpret", specs, attrs)
-    seen: list[str] = []
-    run = interpreter.InterpretedFunction.run
-
-    def counted(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            seen.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+    seen = interpreted_launches
 
     def launch(binding):
         ws = [torch.full(shape, float("nan"), dtype=getattr(torch, dt))
@@ -80,22 +72,11 @@ def test_plans_of_the_8b_chain_bind_the_prenorm_and_count_its_launch(monkeypatch
     prenorm at every width and counts one launch more a step than with the rule turned off; a
     small head (vocabulary 32000 x 1024) keeps the norm in the prologue."""
     import draft_circuit.ops.prologue_linear as prologue_linear
-    from draft_circuit.circuit.layers.mtp import KvLayout, MtpConfig, MtpHead, emit_draft_chain
-    from draft_circuit.circuit.planner import compile_draft
+    from tests.plan_shapes import plan_kernels
 
     def plan(vocab, hidden, inter, heads, kv_heads, d):
-        cfg = MtpConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
-                        rms_norm_eps=1e-5, rope_theta=500000.0, num_hidden_layers=1,
-                        tie_word_embeddings=False, max_position_embeddings=8192)
-        head = MtpHead(cfg, "bfloat16")
-        params = {k: torch.empty(s, dtype=torch.bfloat16, device="meta")
-                  for k, (_, s) in head.param_specs().items()}
-        chain = emit_draft_chain(head, 3, max_width=8, kv=KvLayout(60, 8, 5))
-        compiled = compile_draft(chain, params, [1, 8], device="cuda")
-        return {w: ({x.kernel for x in compiled.programs[w].launches
-                     if x.op.startswith("rmsnorm_linear_argmax")},
-                    compiled.report().width(w).gpu_launches_per_step) for w in (1, 8)}
+        return plan_kernels("rmsnorm_linear_argmax", vocab=vocab, hidden=hidden, inter=inter,
+                            heads=heads, kv_heads=kv_heads, head_dim=d)
 
     big = plan(128256, 4096, 14336, 32, 8, 128)
     small = plan(32000, 1024, 2816, 16, 4, 64)

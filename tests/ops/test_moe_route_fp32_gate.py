@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-import triton.runtime.interpreter as interpreter
 
 from draft_circuit.circuit.ir import ROW, TensorSpec
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, random_moe_weights
@@ -60,15 +59,8 @@ def test_matches_the_reference_and_rows_are_independent(dtype):
         assert torch.equal(alone[0], ids[i:i + 1]) and torch.equal(alone[1], weights[i:i + 1])
 
 
-def test_launches_what_it_declares(monkeypatch):
-    seen: list[str] = []
-    run = interpreter.InterpretedFunction.run
-
-    def counted(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            seen.append(self.fn.__name__)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+def test_launches_what_it_declares(interpreted_launches):
+    seen = interpreted_launches
     g = torch.Generator().manual_seed(1)
     _run(torch.randn(3, 32, generator=g).bfloat16(), torch.randn(8, 32, generator=g), torch.zeros(8))
     assert len(seen) == 1  # the Triton linear; the widening copy and route_select are torch ops
