@@ -11,7 +11,7 @@ import torch
 
 from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
                                            fp32_workspace, launch_kwargs)
-from draft_circuit.kernels.linear_fused import _inv_rms, _norm_x, _raw_x
+from draft_circuit.kernels.prologue_tiles import _inv_rms, _norm_x, _raw_x
 from draft_circuit.kernels.rmsnorm import rmsnorm
 
 # Pinned for every n and V: a row's result depends only on that row (bitwise width independence).
@@ -20,7 +20,7 @@ CHUNK_NUM_WARPS = 8
 LINEAR_BLOCK_M = 64  # rows per tile of the fused lm head; n <= 64 streams the weight exactly once
 LINEAR_BLOCK_V = 128  # vocab entries per chunk of the fused lm head = one partial per (row, chunk)
 LINEAR_BLOCK_K = 64
-# chunk width of the final norm's pass over a row (kernels.linear_fused._inv_rms); only the order
+# chunk width of the final norm's pass over a row (kernels.prologue_tiles._inv_rms); only the order
 # of that sum depends on it, never on n
 LINEAR_NORM_BLOCK_K = 64
 # From this many weight elements (V * K) the final norm runs as its own launch before the
@@ -134,7 +134,7 @@ def _linear_partials_kernel(
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:  # the final norm in the prologue (kernels.linear_fused): a pass over the row first
         inv = _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M, NORM_BLOCK_K)
-    if NORM:  # x's next tile a K step ahead, by hand (kernels.linear_fused._raw_x says why)
+    if NORM:  # x's next tile a K step ahead, by hand (kernels.prologue_tiles._raw_x says why)
         xr, nw = _raw_x(x_ptr, row_off, row_ok, ks, K, nw_ptr, True)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks

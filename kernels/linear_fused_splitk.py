@@ -9,11 +9,11 @@ profile; this kernel's own time is the GPU's to show). Here a program is
 (row tile, N tile) x K split, the split a fixed *size* from the weight's shape
 (linear_splitk.default_config, never from n):
 
-- each program computes its rows' 1 / rms over the FULL rows with linear_fused._inv_rms, in
+- each program computes its rows' 1 / rms over the FULL rows with prologue_tiles._inv_rms, in
   linear_fused.NORM_BLOCK_K chunks whatever the split config's block_k (the rows' norms are
   linear_prologue's, bit for bit), then walks only its split's K tiles in order, building each
   x tile with linear_fused's prologue helpers (x's next tile loaded a K step ahead by hand: see
-  linear_fused._raw_x), and stores fp32 partials [num_splits, n, rows] like
+  prologue_tiles._raw_x), and stores fp32 partials [num_splits, n, rows] like
   linear_splitk._partial_kernel (tiles past K masked: they add zeros);
 - linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual.
 
@@ -32,8 +32,8 @@ import triton.language as tl
 
 from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
-                                                _mac, _prologue_rows, _x_finish, _x_raw,
                                                 check_prologue_operands)
+from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
 from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_config,
                                                  num_splits, reduce_partials,
                                                  splitk_workspace_shape)
@@ -84,7 +84,7 @@ def _prologue_partial_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # a static trip count: the last split's tiles past K load nothing (masked) and add zeros
     if NORM1 or TWO_X:
-        # a prologue: x's next tile is loaded a K step ahead, by hand (see linear_fused._raw_x);
+        # a prologue: x's next tile is loaded a K step ahead, by hand (see prologue_tiles._raw_x);
         # the last step's look-ahead reads the next split's first tile (or nothing past K), unused
         a, na, b, nb = _x_raw(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, m_mask, nw2_ptr,
                               offs_k, K, TWO_X, NORM1, NORM2)

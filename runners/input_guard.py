@@ -17,7 +17,7 @@ run, not per draft step; `guard=False` on a runner turns it off (benchmarks/guar
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -26,7 +26,8 @@ from draft_circuit.ops.input_guard import FAULT_INPUTS, FAULT_WORDS, GuardAttrs
 from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.input_values import RunnerInputError, chain_bounds
 
-__all__ = ["GUARDED", "FaultChecking", "InputGuard", "check_runner_faults"]
+__all__ = ["GUARDED", "FaultChecking", "InputGuard", "check_copied_faults", "check_runner_faults",
+           "fault_record"]
 
 #: the inputs the guard copies; launches read the guarded copies of these
 GUARDED = ("tokens", "block_tables", "live_rows", "active")
@@ -117,3 +118,27 @@ class InputGuard:
             f"where that row ran inert (drafts -1, no KV written; {bad} bad row(s) in that run, "
             f"{runs} faulted run(s) since the last check)",
             row=row, input=FAULT_INPUTS[code], value=value)
+
+
+def fault_record(runner: object) -> torch.Tensor | None:
+    """A runner's device fault record (`CircuitDraftRunner.fault_record`), None for a runner
+    that keeps none (the eager oracle raises in its run; a host's own runner is asked with
+    `check_faults` instead)."""
+    get = getattr(runner, "fault_record", None)
+    record = get() if callable(get) else None
+    return record if isinstance(record, torch.Tensor) else None
+
+
+def check_copied_faults(runners: Sequence[object], host: torch.Tensor) -> None:
+    """After a read that brought each runner's fault record to `host` (row i runner i's, for
+    the runners with a record, in order): a runner whose copy shows a fault raises it through
+    its own `check_faults` (which reads, clears and names it); a runner without a record is
+    asked directly."""
+    i = 0
+    for r in runners:
+        if fault_record(r) is None:
+            check_runner_faults(r)
+            continue
+        if int(host[i, 0]):
+            check_runner_faults(r)
+        i += 1

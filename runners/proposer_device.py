@@ -31,10 +31,9 @@ import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.contract import Served
-from draft_circuit.runners.input_guard import check_runner_faults
+from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
-from draft_circuit.runners.staging import check_copied_faults, fault_record
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer

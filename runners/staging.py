@@ -40,36 +40,12 @@ import numpy as np
 import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
-from draft_circuit.runners.input_guard import check_runner_faults
+from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 from draft_circuit.runners.padding import neutral_value
 
 #: the chain inputs a region stages, in the circuit's order (and the region's layout)
 INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
 _ROWS = ("tokens", "positions", "live_rows", "active")  # one int a row
-
-
-def fault_record(runner: object) -> torch.Tensor | None:
-    """A runner's device fault record (`CircuitDraftRunner.fault_record`), None for a runner
-    that keeps none (the eager oracle raises in its run; a host's own runner is asked with
-    `check_faults` instead)."""
-    get = getattr(runner, "fault_record", None)
-    record = get() if callable(get) else None
-    return record if isinstance(record, torch.Tensor) else None
-
-
-def check_copied_faults(runners: Sequence[object], host: torch.Tensor) -> None:
-    """After a read that brought each runner's fault record to `host` (row i runner i's, for
-    the runners with a record, in order): a runner whose copy shows a fault raises it through
-    its own `check_faults` (which reads, clears and names it); a runner without a record is
-    asked directly."""
-    i = 0
-    for r in runners:
-        if fault_record(r) is None:
-            check_runner_faults(r)
-            continue
-        if int(host[i, 0]):
-            check_runner_faults(r)
-        i += 1
 
 
 class _Mirror:
