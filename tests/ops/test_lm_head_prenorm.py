@@ -1,4 +1,4 @@
-"""The lm-head's final norm as a launch of its own (ops/prologue_linear.py's `*_prenorm`
+"""The lm-head's final norm as a launch of its own (ops/prologue_argmax.py's `*_prenorm`
 bindings over kernels.argmax_logprob's `normed=`): bound first by the weight's shape only (V x K
 from argmax_logprob.PRENORM_FROM), three launches declared and run, the fused prologue's tokens
 and its logprobs within the norm sum's order; an 8B-shaped chain planned for CUDA binds it at
@@ -71,7 +71,7 @@ def test_plans_of_the_8b_chain_bind_the_prenorm_and_count_its_launch(monkeypatch
     """An 8B-shaped chain (vocabulary 128256) planned for CUDA on meta weights binds the lm-head's
     prenorm at every width and counts one launch more a step than with the rule turned off; a
     small head (vocabulary 32000 x 1024) keeps the norm in the prologue."""
-    import draft_circuit.ops.prologue_linear as prologue_linear
+    import draft_circuit.ops.prologue_argmax as prologue_argmax
     from tests.plan_shapes import plan_kernels
 
     def plan(vocab, hidden, inter, heads, kv_heads, d):
@@ -80,7 +80,7 @@ def test_plans_of_the_8b_chain_bind_the_prenorm_and_count_its_launch(monkeypatch
 
     big = plan(128256, 4096, 14336, 32, 8, 128)
     small = plan(32000, 1024, 2816, 16, 4, 64)
-    monkeypatch.setattr(prologue_linear, "_k_prenorm_pays", lambda: lambda v, k: False)
+    monkeypatch.setattr(prologue_argmax, "_k_prenorm_pays", lambda: lambda v, k: False)
     off = plan(128256, 4096, 14336, 32, 8, 128)
     for w in (1, 8):
         assert big[w][0] and all(k.endswith("_prenorm") for k in big[w][0])
