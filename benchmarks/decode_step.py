@@ -158,7 +158,10 @@ class ReplayTimer:
 class Loop:
     """One config's proposer and the decode loop over n sequences."""
 
-    def __init__(self, name: str, config: MtpConfig, s: Setup, bandwidth_gbps: float) -> None:
+    def __init__(self, name: str, config: MtpConfig, s: Setup, bandwidth_gbps: float, *,
+                 timed: bool = True) -> None:
+        """`timed`: CUDA events (on CPU the host clock) around every replay (ReplayTimer);
+        benchmarks/host_ops.py builds the loop without them, counting what the host does."""
         self.name, self.config, self.s, self.bw = name, config, s, bandwidth_gbps
         dtype_name = str(s.dtype).removeprefix("torch.")
         self.head = MoeMtpHead(config, dtype_name) if isinstance(config, MoeConfig) \
@@ -178,9 +181,10 @@ class Loop:
         self.kv_only, is_kv = self.p.chains.kv_only()
         assert is_kv, "the proposer's catch-up chain should be the KV-only one"
         self.timer = ReplayTimer(s)
-        self.timer.wrap(self.chain, "chain")
-        self.timer.wrap(self.one_step, "catchup")
-        self.timer.wrap(self.kv_only, "catchup")
+        if timed:
+            self.timer.wrap(self.chain, "chain")
+            self.timer.wrap(self.one_step, "catchup")
+            self.timer.wrap(self.kv_only, "catchup")
         self.dtype_bytes = torch.empty((), dtype=s.dtype).element_size()
 
     # ---- the plan's floors ----
@@ -216,8 +220,10 @@ class Loop:
         p.catchup_batch([q[1:] for q in prompts], [hid[i] for i in range(n)], [1] * n, states)
         return states
 
-    def run(self, n: int, mode: str) -> dict[str, Any]:
-        """One mode's steps at width n on fresh states (the same seeds for every mode)."""
+    def begin(self, n: int, mode: str) -> list[Any]:
+        """A mode's fresh states at width n, its catch-up runner installed, and the step's
+        seeded inputs (the same seeds for every mode): what `_step` then runs on. The caller
+        frees the states."""
         p, s = self.p, self.s
         if mode == "before":  # the full one-step chain serves catch-up rows (the host's runner)
             p.set_circuit_draft(self.one_step, num_drafts=1)
@@ -231,6 +237,12 @@ class Loop:
                             generator=g).to(s.dtype).to(s.device)
         self.catch_h = [catch[i] for i in range(n)]
         self.lives: list[float] = []
+        return states
+
+    def run(self, n: int, mode: str) -> dict[str, Any]:
+        """One mode's steps at width n on fresh states (the same seeds for every mode)."""
+        p = self.p
+        states = self.begin(n, mode)
         try:
             if mode == "pipelined":
                 samples = self._pipelined(states)
@@ -414,6 +426,11 @@ def write_markdown(path: str, text: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The benchmark's arguments (benchmarks/host_ops.py adds its own to them)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list of small, 8b, moe")
@@ -431,11 +448,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/"
                                                "decode_step_<device>.json; none with --quick)")
     p.add_argument("--results-md", default=None, help="markdown file to write the table into")
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def setup(args: argparse.Namespace) -> tuple[dict[str, MtpConfig], Setup, int]:
+    """(configs by name, the loop's setup, the bandwidth measurement's bytes) of parsed args."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu")
@@ -459,6 +476,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   num_drafts=args.num_drafts, widths=widths, steps=args.steps,
                   warmup=args.warmup, live=args.live, block_size=args.block_size, seed=args.seed)
         copy_bytes = int(args.copy_gib * (1 << 30))
+    return configs, s, copy_bytes
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    configs, s, copy_bytes = setup(args)
+    device = s.device
     threads = torch.get_num_threads()
     if not s.cuda:
         torch.set_num_threads(1)  # tiny CPU ops: a pool only adds contention
