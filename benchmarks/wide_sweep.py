@@ -19,6 +19,11 @@ that exceed the L2, replayed REPLAYS times, events, median), GB/s of weight byte
 of the n: bitwise equal (integer view) to the family ref run on that row alone (`eq_ref`), and
 to the candidate itself run on that row alone (`eq_self`, width invariance), the max abs diff
 to the ref, and the MMA instruction in the PTX (wgmma / mma.sync). Failures are recorded.
+First, --precompile-jobs worker processes (8) compile every kernel into Triton's disk cache side
+by side; (shape, candidate, n) not started by --deadline-s (130) are recorded as skipped. The
+JSON (rewritten after every shape) has `results` (one entry per shape, candidate, n) and
+`summary` (per shape and n: the refs' us, the fastest candidate bitwise equal to its ref on
+every row, the fastest width-invariant one, cuBLAS).
 
     PYTHONPATH=$PWD python3 -m benchmarks.wide_sweep --out DIR        # H200, < 150 s
     PYTHONPATH=$PWD python3 -m benchmarks.wide_sweep --dry-run --out DIR  # CPU interpreter
@@ -30,6 +35,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -220,6 +226,56 @@ def sweep_shape(name: str, rows: int, k: int, silu: bool, widths, dev, dt, dry: 
     return results
 
 
+def compile_only(worker: int, jobs: int, shapes, dev, dt, dry: bool, only: set[str] | None) -> None:
+    """Worker `worker` of `jobs`: launch its share of the (shape, candidate) kernels once at
+    n = 1, 32, 64 (every M_TILES the sweep uses) on weights of few rows, so that Triton's disk
+    cache holds them when the sweep reaches them. Few rows give the same specialisation (every
+    row count here is a multiple of 16) and the same split config (it follows K alone)."""
+    j = 0
+    for name, rows, k, silu in shapes:
+        small = rows if dry else 256 if name == "lm_head" else 128 if silu else 64
+        w = torch.randn(small, k, device=dev).to(dt)
+        cands: dict[str, Any] = candidates(name, small, k, silu, dry)
+        if name == "lm_head":
+            cands["lm_fused"] = (None, lambda x, w, o, ws: am.linear_argmax_logprob(
+                x, w, torch.empty(x.shape[0], dtype=torch.int32, device=dev),
+                torch.empty(x.shape[0], dtype=torch.float32, device=dev)))
+        split = DRY_SPLIT if dry else sk.default_config(small, k)
+        for cand, (_, fn) in cands.items():
+            j += 1
+            if (j - 1) % jobs != worker or cand == "cublas" or (only and cand not in only
+                                                                  and cand not in ("pinned", "splitk")):
+                continue
+            for n in (1, 32, 64):
+                x = torch.randn(n, k, device=dev).to(dt)
+                dst = torch.empty(n, small // 2 if silu else small, dtype=dt, device=dev)
+                ws = torch.empty(sk.splitk_workspace_shape(n, small, k, split), dtype=torch.float32,
+                                 device=dev)
+                fn(x, w, dst, ws)
+                if cand == "pinned":
+                    lw.linear_tiles(x, w, dst, silu, *TILES[cand])
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile(jobs: int, argv_tail: list[str], timeout_s: float) -> dict:
+    """Run `jobs` compile-only workers side by side (Triton compiles one kernel at a time per
+    process; ~40 kernels serially would take most of the time budget) and wait for them. A
+    worker that fails or overruns costs only time: the sweep compiles what is missing itself."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.wide_sweep", "--compile-only",
+                               f"{i}/{jobs}", *argv_tail]) for i in range(jobs)]
+    codes = []
+    for pr in procs:
+        try:
+            codes.append(pr.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0))))
+        except subprocess.TimeoutExpired:
+            pr.kill()  # only the workers this run started
+            pr.wait()
+            codes.append(None)
+    return {"jobs": jobs, "seconds": round(time.perf_counter() - t0, 1), "exit_codes": codes}
+
+
 def cell(e: dict) -> str:
     if "error" in e:
         return "skip" if e["error"].startswith("skipped") else "ERR"
@@ -247,13 +303,14 @@ def summary(results: list[dict], widths) -> dict:
     for shape in dict.fromkeys(e["shape"] for e in results):
         out[shape] = {}
         for n in widths:
-            es = [e for e in results if e["shape"] == shape and e["n"] == n and "us" in e]
+            es = [e for e in results if e["shape"] == shape and e["n"] == n and "us" in e
+                  and "error" not in e]
             best = lambda c: min(c, key=lambda e: e["us"], default=None)  # noqa: E731
             pick = lambda e: {"candidate": e["candidate"], "us": e["us"]} if e else None  # noqa: E731
             out[shape][str(n)] = {
                 "ref": {e["candidate"]: e["us"] for e in es if e["candidate"] == e["family"]},
                 "best_bitwise_ref": pick(best([e for e in es if e.get("eq_ref") == n])),
-                "best_width_invariant": pick(best([e for e in es if e["eq_self"] == n])),
+                "best_width_invariant": pick(best([e for e in es if e.get("eq_self") == n])),
                 "cublas": next((e["us"] for e in es if e["candidate"] == "cublas"), None)}
     return out
 
@@ -262,10 +319,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for wide_sweep.json (or a .json path)")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, fp32")
-    p.add_argument("--deadline-s", type=float, default=135.0,
+    p.add_argument("--deadline-s", type=float, default=130.0,
                    help="(shape, candidate, n) not started by then are recorded as skipped")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the shape names")
     p.add_argument("--candidates", default=None, help="comma-separated subset (refs always run)")
+    p.add_argument("--precompile-jobs", type=int, default=None,
+                   help="compile-only worker processes first (default 8 on the GPU, 0 in a dry run)")
+    p.add_argument("--compile-only", default=None, metavar="I/J", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     out_path = args.out if args.out.endswith(".json") else os.path.join(args.out, "wide_sweep.json")
@@ -276,6 +336,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     only = set(args.candidates.split(",")) if args.candidates else None
+    if args.compile_only:
+        worker, jobs = map(int, args.compile_only.split("/"))
+        compile_only(worker, jobs, shapes, dev, dt, args.dry_run, only)
+        return
     report: dict[str, Any] = dict(
         benchmark="wide_sweep", device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
         torch=torch.__version__, triton=triton.__version__, dtype=str(dt), widths=list(widths),
@@ -287,6 +351,13 @@ def main(argv: list[str] | None = None) -> None:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
 
+    jobs = args.precompile_jobs if args.precompile_jobs is not None else 0 if args.dry_run else 8
+    if jobs > 0:
+        tail = ["--out", args.out] + (["--dry-run"] if args.dry_run else []) + (
+            ["--shapes", args.shapes] if args.shapes else []) + (
+            ["--candidates", args.candidates] if args.candidates else [])
+        report["precompile"] = precompile(jobs, tail, timeout_s=0.5 * args.deadline_s)
+        print("precompile:", report["precompile"], flush=True)
     try:
         for name, rows, k, silu in shapes:
             res = sweep_shape(name, rows, k, silu, widths, dev, dt, args.dry_run,

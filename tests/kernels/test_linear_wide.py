@@ -123,3 +123,16 @@ def test_sweep_cpu_smoke(tmp_path, monkeypatch):
             assert e["eq_ref"] == e["n"] and e["max_abs_diff_ref"] == 0.0, e
     assert set(data["summary"]) == {"gate_up", "down", "lm_head"}
     assert data["summary"]["down"]["1"]["best_bitwise_ref"] is not None
+
+
+def test_sweep_compile_only_worker_runs_its_share(monkeypatch):
+    """The precompile workers' path (in-process here): each launches its share of the kernels."""
+    from benchmarks import wide_sweep as ws
+
+    calls: list[str] = []
+    real = lw.linear_wide
+    monkeypatch.setattr(lw, "linear_wide", lambda *a, **k: calls.append("wide") or real(*a, **k))
+    shapes = [s for s in ws.DRY_SHAPES if s[0] == "down"]
+    ws.compile_only(1, 2, shapes, torch.device("cpu"), torch.float32, True, {"mloop"})
+    ws.compile_only(0, 2, shapes, torch.device("cpu"), torch.float32, True, {"mloop"})
+    assert calls == ["wide"] * 3  # mloop at n = 1, 32, 64, by exactly one of the two workers
