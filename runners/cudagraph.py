@@ -1,8 +1,9 @@
 """`GraphRunner`: one CUDA graph per width of a compiled draft, all in one memory pool.
 
 The lifecycle reads in the constructor: bind the program runner (arena and static buffers are
-allocated before any capture, so no address moves), make every static input row inert, then for
-each width, largest first, warm up (once per `warmup_class`) and capture, on one stream with no
+allocated before any capture, so no address moves), make every static input row inert, compile
+every Triton specialisation the widths launch in parallel threads (`precompile_kernels`; a
+width's warm-up or capture then compiles nothing), then for each width, largest first, warm up (once per `warmup_class`) and capture, on one stream with no
 device sync between widths; each width's capture time and the graph pool's reserved growth go
 to `stats` and into the plan report (`CompiledDraft.record_capture`). A width whose capture fails is not served (the
 reason is logged and counted; `strict=True` raises instead) and the others keep working.
@@ -15,12 +16,17 @@ input row replays inert, and `check_faults()`, called where the host syncs anywa
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -53,6 +59,169 @@ class CaptureStats:
     pool_bytes: dict[int, int] = field(default_factory=dict)
     warmed: dict[int, int] = field(default_factory=dict)  # warm-up runs each width took
     failures: dict[int, str] = field(default_factory=dict)
+    bind_s: float = 0.0        # the program runner's construction (arena, static buffers, binds)
+    precompile: "Precompiled | None" = None  # None: precompile was off
+
+
+# ---- precompile: every Triton specialisation the widths launch, compiled before any capture ----
+@dataclass
+class Precompiled:
+    """What `precompile_kernels` did: the specialisation keys of the launches it visited (one
+    per distinct compile; `specialisation_key`), how many launches it visited, the kernels
+    Triton compiled or found in its caches and the wall time, compiles and module loads
+    included."""
+
+    keys: set[tuple[Any, ...]]
+    launches: int
+    kernels: int
+    seconds: float
+    threads: int
+
+
+_DIVERT = threading.local()   # set in the thread whose Triton launches only compile
+_PRECOMPILE_LOCK = threading.Lock()  # one diversion of Triton's launch entry at a time
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Callable[..., Any]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """A kernel's parameter names and which of them are `tl.constexpr`."""
+    params = inspect.signature(fn).parameters
+    return tuple(params), frozenset(n for n, p in params.items() if "constexpr" in str(p.annotation))
+
+
+def _hashable(v: Any) -> Any:
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def _arg_class(v: Any) -> Any:
+    """What Triton (3.x) compiles a non-constexpr argument for: a tensor's dtype and whether its
+    address is 16-byte aligned; an int's width and whether it is 1 (then a constant) or a
+    multiple of 16; a bool, a float or None by type (None is a constant)."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", str(v.dtype), v.data_ptr() % 16 == 0)
+    if isinstance(v, bool):
+        return ("bool",)
+    if isinstance(v, int):
+        return ("int", -2**31 <= v < 2**31, v == 1, v % 16 == 0)
+    if isinstance(v, float):
+        return ("float",)
+    if v is None:
+        return ("none",)
+    return (type(v).__name__, _hashable(v))
+
+
+def specialisation_key(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The compile a launch `kernel[grid](*args, **kwargs)` needs, as a hashable key at least as
+    fine as Triton's own: the kernel, every constexpr's value, every other argument's class
+    (`_arg_class`) and the launch options (num_warps, launch_pdl, ...). The grid is not in it."""
+    fn = getattr(kernel, "fn", kernel)
+    names, constexprs = _params(fn)
+    bound = dict(zip(names, args))
+    bound.update((k, v) for k, v in kwargs.items() if k in names)
+    parts = tuple((n, _hashable(bound[n]) if n in constexprs else _arg_class(bound[n]))
+                  for n in names if n in bound)
+    options = tuple(sorted((k, _hashable(v)) for k, v in kwargs.items() if k not in names))
+    return (f"{fn.__module__}.{fn.__qualname__}", parts, options)
+
+
+@contextlib.contextmanager
+def _compile_only(visit: Callable[[Any, tuple[Any, ...], dict[str, Any]], None]) -> Iterator[None]:
+    """In this thread, `kernel[grid](...)` calls `visit(kernel, args, kwargs)` instead of
+    launching (Triton's `KernelInterface.__getitem__`, the entry of JIT and interpreted kernels
+    alike, is diverted while inside; other threads launch as before)."""
+    from triton.runtime.jit import KernelInterface
+
+    original = KernelInterface.__getitem__
+
+    def getitem(self: Any, grid: Any) -> Any:
+        if not getattr(_DIVERT, "on", False):
+            return original(self, grid)
+        return lambda *args, **kwargs: visit(self, args, kwargs)
+
+    KernelInterface.__getitem__ = getitem
+    _DIVERT.on = True
+    try:
+        yield
+    finally:
+        _DIVERT.on = False
+        KernelInterface.__getitem__ = original
+
+
+def _async_mode(pool: ThreadPoolExecutor) -> Any:
+    """Triton's AsyncCompileMode over `pool` (3.4+: a warm-up compiles in the pool and returns a
+    future); a plain context where this Triton has none (each compile then runs in place)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return contextlib.nullcontext()
+    # a compile that fails is left to the launch that needs it, which raises where the width's
+    # capture can count the failure (GraphRunner serves the other widths)
+    return AsyncCompileMode(pool, ignore_errors=True)
+
+
+def _load(kernel: Any, device: int | None) -> None:
+    """Build a compiled kernel's launcher (a C module, gcc on a cold cache) and load its binary
+    onto CUDA device index `device` (None: CPU), what its first launch would do (so not inside a
+    capture). A failure is left to that first launch, which tries again and raises there."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is None:
+        return
+    try:
+        if device is not None:
+            torch.cuda.set_device(device)  # a pool thread starts on device 0
+        init()
+    except Exception as e:  # noqa: BLE001 - retried (and raised) by the kernel's first launch
+        log.debug("loading %s ahead of its first launch failed: %s", getattr(kernel, "name", kernel), e)
+        if getattr(kernel, "module", None) is None and not isinstance(getattr(kernel, "_run", None),
+                                                                     functools.partial):
+            kernel._run = None  # the lazy path builds it again
+
+
+def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads: int | None = None
+               ) -> Precompiled:
+    """Compile every Triton kernel specialisation `widths`' launch lists need, in parallel, and
+    launch nothing: each launch that may compile (`ProgramRunner.kernel_launches`) runs its
+    launcher with `kernel[grid](...)` diverted to a visit. A launch whose `specialisation_key` is
+    new becomes `kernel.warmup`-style `run(..., warmup=True)` under Triton's AsyncCompileMode,
+    so compiles (MLIR passes, LLVM, ptxas) run in `threads` pool threads; then each compiled
+    kernel's launcher is built and its module loaded, in the pool too. Under TRITON_INTERPRET
+    a warm-up compiles nothing, so on CPU this only visits and records the keys."""
+    threads = threads or min(16, os.cpu_count() or 1)
+    keys: set[tuple[Any, ...]] = set()
+    compiled: dict[int, Any] = {}
+    visited = 0
+
+    def visit(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        nonlocal visited
+        visited += 1
+        key = specialisation_key(kernel, args, kwargs)
+        if key in keys:
+            return
+        keys.add(key)
+        got = kernel.run(*args, grid=None, warmup=True, **kwargs)
+        if got is not None:
+            compiled.setdefault(id(got), got)
+
+    start = time.perf_counter()
+    with _PRECOMPILE_LOCK, ThreadPoolExecutor(threads, thread_name_prefix="precompile") as pool:
+        with _async_mode(pool), _compile_only(visit):
+            for w in widths:
+                for x in program.kernel_launches(w):
+                    x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
+        # AsyncCompileMode's exit waited for every compile; a future now holds its kernel
+        done = (f.result(ignore_errors=True) if hasattr(f, "result") else f
+                for f in compiled.values())
+        kernels = {id(k): k for k in done if k is not None}
+        device = program.device
+        index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+        list(pool.map(functools.partial(_load, device=index), kernels.values()))
+    return Precompiled(keys=keys, launches=visited, kernels=len(kernels),
+                       seconds=time.perf_counter() - start, threads=threads)
 
 
 def _progress_bar(total: int) -> Any:
@@ -69,22 +238,34 @@ class GraphRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, strict: bool = False, warmup: int = 2,
                  fail_widths: frozenset[int] = frozenset(), group: Any = None,
-                 guard: bool = True) -> None:
+                 guard: bool = True, precompile: bool = True,
+                 precompile_threads: int | None = None) -> None:
         """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback).
         `group`: the process group of the circuit's collectives (NCCL; they are captured too).
-        `guard=False` captures a chain without its input guard (benchmarks/guard_cost.py)."""
+        `guard=False` captures a chain without its input guard (benchmarks/guard_cost.py).
+        `precompile` (default): compile every kernel specialisation the widths launch first, in
+        `precompile_threads` threads (`precompile_kernels`), so no width compiles in its warm-up
+        or capture; False leaves compiles to the warm-ups (benchmarks/capture_time.py's before)."""
         if not cuda_available():
             raise CaptureError("GraphRunner needs a CUDA device; use ProgramRunner on CPU")
+        start = time.perf_counter()
         # per-launch checks sync the host: never inside a capture
         self.program = ProgramRunner(compiled, states, debug=0, group=group,
                                      scratch_block=scratch_block, guard=guard)
         self.compiled, self.strict, self.scratch_block = compiled, strict, scratch_block
-        self.stats = CaptureStats()
+        self.stats = CaptureStats(bind_s=time.perf_counter() - start)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         # warm-up writes no KV
         fill_neutral(compiled.circuit, self.program.static_inputs, 0, scratch_block)
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
+        if precompile:
+            try:
+                self.stats.precompile = precompile_kernels(self.program, widths,
+                                                           threads=precompile_threads)
+            except Exception as e:  # noqa: BLE001 - only a speed-up: the warm-ups compile instead
+                log.warning("precompiling the kernels failed (%s: %s); the warm-ups compile them",
+                            type(e).__name__, e)
         # one capture stream for every width, and no device sync between widths (what
         # torch.cuda.graph adds per capture: a sync and an empty_cache); warm-up only for the
         # first width of each warmup_class

@@ -51,6 +51,9 @@ class BoundLaunch:
     kernel: str
     slots: tuple[str, ...]  # where each output lives (debug checks skip states)
     origin: str = ""  # " (built at <layer line>)" for debug messages; "" when unknown
+    # a torch.distributed collective: a compile-only pass (GraphRunner's precompile) must not
+    # run it, since every rank would have to join
+    collective: bool = False
 
 
 def reference_launch(op_name: str) -> LaunchFn:
@@ -64,6 +67,12 @@ def reference_launch(op_name: str) -> LaunchFn:
             if dst is not src:
                 dst.copy_(src)
     return launch
+
+
+def is_collective(op_name: str, kernel: str) -> bool:
+    """Whether `kernel` of `op_name` is a torch.distributed collective binding."""
+    return kernel != REFERENCE and any(isinstance(k, CollectiveBinding) and k.name == kernel
+                                       for k in get_op(op_name).kernels)
 
 
 def kernel_launch(op_name: str, kernel: str, attrs: Any = None, group: Any = None) -> LaunchFn:
@@ -180,6 +189,11 @@ class ProgramRunner:
     def output_buffers(self, n: int) -> dict[str, torch.Tensor]:
         return self._outputs[n]
 
+    def kernel_launches(self, n: int) -> list[BoundLaunch]:
+        """Width n's launches that may JIT-compile a kernel, in order: every launch but the
+        reference ops (torch, nothing to compile) and the collectives (they need every rank)."""
+        return [x for x in self._bound[n] if x.kernel != REFERENCE and not x.collective]
+
     def check_faults(self) -> None:
         """Raise `RunnerInputError` for the first bad row the input guard found since the last
         check (and clear it): a device-to-host read, so call it where the host syncs anyway.
@@ -253,7 +267,8 @@ class ProgramRunner:
                            workspace=[self._view(s, width) for s in launch.workspace],
                            attrs=attrs, node=launch.node, op=launch.op,
                            kernel=launch.kernel, slots=tuple(s.where for s in launch.outputs),
-                           origin=_built_at(self.circuit, launch.node))
+                           origin=_built_at(self.circuit, launch.node),
+                           collective=is_collective(launch.op, launch.kernel))
 
     def _view(self, s: Slot, width: int) -> torch.Tensor:
         dtype = torch_dtype(s.dtype)

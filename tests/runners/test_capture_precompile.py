@@ -1,0 +1,185 @@
+"""GraphRunner's precompile (issue 15 item 5): `precompile_kernels` visits every launch the
+captured widths make, with Triton's launch entry diverted so nothing runs, and compiles each
+distinct specialisation once. On CPU (TRITON_INTERPRET=1) it runs the very launchers the
+program runs, so the test records the real launches of every width under the interpreter and
+checks the keys the precompile visited cover them (and that it launched nothing); on a GPU, a
+capture after the precompile compiles no kernel at all."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.circuit.program import REFERENCE
+from draft_circuit.runners.cudagraph import _compile_only, precompile_kernels, specialisation_key
+from draft_circuit.runners.padding import fill_neutral
+from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.testing import cuda, random_mtp_weights
+from tests.runners.tiny_chain import tiny_config
+
+CFG = tiny_config()
+KV = KvLayout(num_blocks=40, block_size=8, max_blocks_per_seq=4)
+# 1 (the ==1 class), powers of two and their neighbours (a constexpr next_power_of_2(n) changes
+# there), 16 and 32 (the %16 class) and 17 / 33 beside them
+WIDTHS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33]
+
+
+@triton.jit
+def _probe(x_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale, mask=offs < n)
+
+
+@pytest.fixture(scope="module")
+def program():
+    head = MtpHead(CFG)
+    circuit = emit_draft_chain(head, 2, max_width=max(WIDTHS), kv=KV)
+    params = head.bind(random_mtp_weights(CFG, seed=5))
+    compiled = compile_draft(circuit, params, WIDTHS, options=CompileOptions(interpret_kernels=True))
+    states = {"k_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim),
+              "v_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim)}
+    runner = ProgramRunner(compiled, states, debug=0)
+    fill_neutral(compiled.circuit, runner.static_inputs, 0, 0)  # what GraphRunner captures over
+    return runner
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The specialisation keys of the interpreter's real (not warm-up) launches, in order."""
+    from triton.runtime import interpreter
+
+    seen: list[tuple] = []
+    run = interpreter.InterpretedFunction.run
+
+    def recorded(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            seen.append(specialisation_key(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recorded)
+    return seen
+
+
+def test_precompile_covers_every_launch_the_widths_make(program, launched):
+    for w in WIDTHS:
+        program.execute(w)
+    real = set(launched)
+    assert real, "the interpreted program launched no Triton kernel"
+    before = {k: v.clone() for k, v in program.states.items()}
+    out_before = {k: v.clone() for k, v in program.output_buffers(max(WIDTHS)).items()}
+    launched.clear()
+    done = precompile_kernels(program, WIDTHS, threads=2)
+    assert launched == [], "precompile launched kernels instead of only compiling them"
+    for k, v in program.states.items():
+        assert torch.equal(v, before[k]), f"precompile wrote state {k}"
+    for k, v in program.output_buffers(max(WIDTHS)).items():
+        assert torch.equal(v, out_before[k]), f"precompile wrote output {k}"
+    assert real <= done.keys, f"launches precompile never saw: {sorted(real - done.keys)[:3]}"
+    assert done.keys == real  # nothing it compiles is never launched either
+    # every kernel launch of every width was visited, and the keys dedupe them
+    expected = sum(1 for w in WIDTHS for x in program.kernel_launches(w))
+    assert done.launches >= expected > len(done.keys)
+    assert done.kernels == 0  # the interpreter compiles nothing
+
+
+def _names(keys):
+    return {k[0].rsplit(".", 1)[-1] for k in keys}
+
+
+def test_width_specialisations_are_distinct_where_triton_compiles_anew(program, launched):
+    """Which compiles a width needs: n == 1 and n % 16 == 0 (Triton's int specialisation) split
+    every kernel given n; the input guard's constexpr block, next_power_of_2(n), splits its own
+    kernel further (what GraphRunner's once-per-`warmup_class` warm-up did not foresee: widths
+    2, 4, 8, 15, 16, 31, 32 compiled inside their capture on the H200); widths of one class and
+    one block share every compile."""
+    by_width = {}
+    for w in WIDTHS:
+        launched.clear()
+        program.execute(w)
+        by_width[w] = frozenset(launched)
+    assert by_width[3] == by_width[4] and by_width[5] == by_width[8]
+    assert _names(by_width[2] ^ by_width[3]) == {"input_guard_kernel"}
+    assert _names(by_width[17] ^ by_width[33]) == {"input_guard_kernel"}
+    assert _names(by_width[16] ^ by_width[17]) > {"input_guard_kernel"}  # %16: more kernels
+    assert _names(by_width[1] ^ by_width[2]) > {"input_guard_kernel"}    # == 1: more kernels
+
+
+def test_kernel_launches_leave_out_reference_ops(program):
+    """The precompile visits what may compile: kernels, not reference ops or collectives; a
+    plan of reference ops only (CPU, no interpreted kernels) gives it nothing to visit."""
+    for w in WIDTHS:
+        visited = program.kernel_launches(w)
+        assert visited and all(x.kernel != REFERENCE and not x.collective for x in visited)
+    plain = ProgramRunner(compile_draft(program.compiled.source, program.compiled.params, [1, 4]),
+                          program.states, debug=0)
+    assert plain._bound[4] and plain.kernel_launches(4) == []
+    assert precompile_kernels(plain, [1, 4], threads=1).launches == 0
+
+
+def test_specialisation_key_follows_triton_rules():
+    x = torch.zeros(64, dtype=torch.float16)
+
+    def key(t, n, scale=1.0, block=64, **kw):
+        return specialisation_key(_probe, (t, n, scale), {"BLOCK": block, **kw})
+    assert key(x, 17) == key(x, 18) == key(x, 31)  # neither 1 nor a multiple of 16
+    assert len({key(x, 1), key(x, 16), key(x, 17), key(x, 2**33)}) == 4
+    assert key(x, 16) == key(x, 48)
+    assert key(x, 17, block=32) != key(x, 17)      # a constexpr by value
+    assert key(x[1:], 17) != key(x, 17)            # 2 bytes off 16-byte alignment
+    assert key(x[8:], 17) == key(x, 17)            # 16 bytes in: aligned again
+    assert key(x.float(), 17) != key(x, 17)        # dtype
+    assert key(x, 17, scale=2.5) == key(x, 17)     # floats are not specialised
+    assert key(x, 17, num_warps=4) != key(x, 17)   # launch options are part of a compile
+
+
+def test_diversion_is_this_threads_only(launched):
+    x = torch.arange(16, dtype=torch.float32)
+    seen = []
+
+    def other():
+        _probe[(1,)](x, 16, 2.0, BLOCK=16)
+    with _compile_only(lambda k, a, kw: seen.append(a)):
+        _probe[(1,)](x, 16, 2.0, BLOCK=16)  # this thread: visited, not launched
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert len(seen) == 1 and len(launched) == 1  # the other thread launched for real
+    assert torch.equal(x, torch.arange(16, dtype=torch.float32) * 2)
+    _probe[(1,)](x, 16, 2.0, BLOCK=16)  # restored after the block
+    assert len(launched) == 2
+
+
+@cuda
+def test_capture_after_precompile_compiles_nothing():
+    """On the GPU: precompile a plan's widths through one program runner, then capture them
+    with precompile off; Triton's post-compile hook must not fire once (every specialisation
+    the warm-ups and captures launch was compiled ahead), and every width is captured. A
+    vocabulary no other test uses keeps the kernels out of this process's caches before."""
+    from triton import knobs
+
+    from draft_circuit.runners.cudagraph import GraphRunner
+
+    cfg = tiny_config(vocab_size=173)
+    head = MtpHead(cfg, "float16")
+    circuit = emit_draft_chain(head, 2, max_width=max(WIDTHS), kv=KV)
+    params = head.bind(random_mtp_weights(cfg, seed=5, dtype=torch.float16, device="cuda"))
+    compiled = compile_draft(circuit, params, WIDTHS, device="cuda")
+    shape = (KV.num_blocks, KV.block_size, cfg.num_key_value_heads, cfg.head_dim)
+    states = {k: torch.zeros(shape, dtype=torch.float16, device="cuda") for k in ("k_cache", "v_cache")}
+    program = ProgramRunner(compiled, states, debug=0)
+    done = precompile_kernels(program, WIDTHS)
+    assert 0 < done.kernels <= len(done.keys)  # two keys may name one compile, never the reverse
+    fired = []
+    old = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: fired.append(k.get("key"))
+    try:
+        runner = GraphRunner(compiled, states, strict=True, precompile=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = old
+    assert fired == [] and runner.widths == tuple(WIDTHS)
+    precompiled = GraphRunner(compiled, states, strict=True).stats.precompile
+    assert precompiled is not None and precompiled.keys == done.keys
