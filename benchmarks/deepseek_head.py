@@ -5,8 +5,9 @@ vocabulary 129280), every projection and expert fp8 e4m3 with 128x128 block scal
 checkpoints store them (embedding, lm-head, eh_proj, norms and router bf16 / fp32), and its floor.
 All 256 experts are made (about 11 GiB of fp8 on the device, made one tensor at a time).
 
-There is no plain-torch MLA peer: the circuit strategies run and their drafts are checked against
-the project's eager oracle, as for EAGLE-3.
+The plain-torch peer strategies run benchmarks/torch_mtp_mla.py (its fp8 weights dequantised to
+bf16 once at setup, so it holds the 256 experts in bf16 beside the circuit's fp8 ones: ~22 GiB more);
+every strategy's drafts are checked against the project's eager oracle.
 """
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from draft_circuit.circuit.layers.moe import BIAS, SCALE, quantize_blocks
 from draft_circuit.circuit.layers.rope import RopeScaling
 from draft_circuit.ops.moe import SCALE_BLOCK, expected_distinct_experts
 
-NO_PEER = ("skipped: no plain-torch MLA peer (circuit strategies only; drafts_agree_eager compares "
-           "with the project's eager oracle)")
 _YARN = RopeScaling(rope_type="yarn", theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 DEEPSEEK_V3 = MlaConfig(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_attention_heads=128,

@@ -23,8 +23,9 @@ measured in the same run. `--configs moe` (not in the default) runs a MoE MTP la
 chain over a 32,768-id draft vocabulary (every strategy; its circuit time is also given over the
 `8b` chain's floor, issue 18's target), `eagle3_8b` the EAGLE-3 drafter at its published 8B
 shapes (circuit strategies only, checked against the project's eager oracle; draft_heads.py),
-`deepseek_v3` DeepSeek-V3's MTP layer (MLA, YaRN, 256 fp8 experts, fp8 projections; circuit
-strategies only, against the eager oracle; its floor counts latent rows; deepseek_head.py).
+`deepseek_v3` DeepSeek-V3's MTP layer (MLA, YaRN, 256 fp8 experts, fp8 projections; its torch
+peer is torch_mtp_mla.py, fp8 dequantised to bf16 at setup; every strategy's drafts are checked
+against the project's eager oracle; its floor counts latent rows; deepseek_head.py).
 Results go to `--out` (JSON) and `--results-md` (markdown), rewritten
 after every config so a run cut short still leaves its numbers. torch_compile runs last, after
 every config's other strategies (its compiles are the slowest and least certain part); a
@@ -61,7 +62,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks import deepseek_head as dsh  # noqa: E402
 from benchmarks import draft_heads as dh  # noqa: E402
 from benchmarks import torch_mtp as tm  # noqa: E402
+from benchmarks import torch_mtp_mla as tmla  # noqa: E402
 from draft_circuit.circuit.layers.config import MTP_PARAM_SHAPES, MtpConfig  # noqa: E402
+from draft_circuit.circuit.layers.mla import MlaConfig  # noqa: E402
 from draft_circuit.circuit.layers.moe import BIAS, MoeConfig, moe_checkpoint_shapes  # noqa: E402
 from draft_circuit.ops.moe import expected_distinct_experts  # noqa: E402
 
@@ -336,13 +339,15 @@ class Bench:
                      else MoeMtpHead(config, s.dtype_name) if isinstance(config, MoeConfig)
                      else dh.make_head(config, s.dtype_name))
         self.draft_vocab = dh.DRAFT_VOCABS.get(name)
-        # torch_mtp runs GQA MTP heads (over any vocabulary); not EAGLE-3, not MLA
-        self.no_peer = NO_PEER if dh.is_eagle3(config) else dsh.NO_PEER if dsh.is_mla(config) else None
-        self.peer = self.no_peer is None
+        # torch_mtp runs GQA MTP heads (over any vocabulary), torch_mtp_mla DeepSeek-V3's; not EAGLE-3
+        self.no_peer = NO_PEER if dh.is_eagle3(config) else None
+        self.peer, mla = self.no_peer is None, dsh.is_mla(config)
         weights = (dh.random_eagle3_weights(config, s.device, s.dtype, s.seed) if dh.is_eagle3(config)
-                   else dsh.random_weights(config, s.device, s.dtype, s.seed) if dsh.is_mla(config)
+                   else dsh.random_weights(config, s.device, s.dtype, s.seed) if mla
                    else random_weights(config, s))
         self.params = self.head.bind(weights)
+        # the MLA peer reads the checkpoint tensors: fp8 dequantised once, the rest shared with params
+        peer_weights = tmla.peer_weights(config, weights, s.dtype) if mla else None
         del weights  # gate and up live on only inside gate_up
         if self.draft_vocab:
             vocab = dh.subset_vocab(config.vocab_size, self.draft_vocab, s.seed)
@@ -377,6 +382,14 @@ class Bench:
                                   tm.attn_blocks_for(max_live, s.num_drafts, s.block_size,
                                                      s.max_blocks))
         self.freqs = tm.inv_freq(c.head_dim, c.rope_theta, dev)
+        # what the peer strategies run: torch_mtp over the circuit's params and pools, or for MLA
+        # torch_mtp_mla over its weights and one latent pool made from the circuit's two
+        self.peer_params, self.peer_caches = self.params, (self.k_cache, self.v_cache)
+        self.peer_step_advance, self.peer_chain = tm.mtp_step_advance, tm.mtp_chain
+        if isinstance(c, MlaConfig) and peer_weights is not None:
+            self.peer_params, self.peer_caches = peer_weights, (tmla.latent_pool(self.k_cache, self.v_cache),)
+            self.peer_step_advance, self.peer_chain = tmla.mla_step_advance, tmla.mla_chain
+            self.freqs = tmla.rope_inv_freq(c.rope, c.qk_rope_head_dim, dev)
         self.dtype_bytes = torch.empty((), dtype=s.dtype).element_size()
 
     def mean_live_at(self, n: int) -> float:
@@ -388,10 +401,18 @@ class Bench:
 
     def eager_chain(self, inp: dict[str, torch.Tensor]):
         if not self.peer:  # the project's oracle: the reference every draft is checked against
-            return (self.oracle().run({**inp, "active": torch.ones_like(inp["tokens"])})["drafts"],)
-        return tm.mtp_chain(self.params, self.shape, self.freqs, self.s.num_drafts,
-                            inp["tokens"], inp["hidden"], inp["positions"], inp["block_tables"],
-                            inp["live_rows"], self.k_cache, self.v_cache)
+            return self.oracle_chain(inp)
+        return self.peer_chain(self.peer_params, self.shape, self.freqs, self.s.num_drafts,
+                               inp["tokens"], inp["hidden"], inp["positions"], inp["block_tables"],
+                               inp["live_rows"], *self.peer_caches)
+
+    def oracle_chain(self, inp: dict[str, torch.Tensor]):
+        return (self.oracle().run({**inp, "active": torch.ones_like(inp["tokens"])})["drafts"],)
+
+    def reference_chain(self, inp: dict[str, torch.Tensor]):
+        """What drafts_agree_eager compares with: the torch peer, or for EAGLE-3 and MLA (whose
+        peer is checked against it in tests) the project's eager oracle, as before the MLA peer."""
+        return self.oracle_chain(inp) if dsh.is_mla(self.config) else self.eager_chain(inp)
 
     def oracle(self):
         from draft_circuit.circuit.layers.mtp import emit_draft_chain
@@ -444,9 +465,9 @@ def case_graph_per_step(b: Bench, n: int, cap: Capturer) -> Case:
     k = b.s.num_drafts
 
     def step():
-        return tm.mtp_step_advance(b.params, b.shape, b.freqs, static["tokens"], static["hidden"],
+        return b.peer_step_advance(b.peer_params, b.shape, b.freqs, static["tokens"], static["hidden"],
                                    static["positions"], static["block_tables"],
-                                   static["live_rows"], b.k_cache, b.v_cache)
+                                   static["live_rows"], *b.peer_caches)
     replay, (tok, lp, hid, pos, rows) = cap.capture(step)
     drafts = torch.empty(n, k, dtype=torch.int32, device=b.s.device)
     confs = torch.empty(n, k, dtype=torch.float32, device=b.s.device)
@@ -548,13 +569,12 @@ class CompiledStep:
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo.config, knob):
                 setattr(dynamo.config, knob, 64)
-        for t in (*b.params.values(), b.k_cache, b.v_cache, b.freqs):
+        for t in (*b.peer_params.values(), *b.peer_caches, b.freqs):
             dynamo.mark_static_address(t)
-        shape, freqs = b.shape, b.freqs
+        shape, freqs, advance = b.shape, b.freqs, b.peer_step_advance
 
-        def step(w, tokens, hidden, positions, tables, rows, kc, vc):
-            return tm.mtp_step_advance(w, shape, freqs, tokens, hidden, positions, tables, rows,
-                                       kc, vc)
+        def step(w, tokens, hidden, positions, tables, rows, *caches):
+            return advance(w, shape, freqs, tokens, hidden, positions, tables, rows, *caches)
         if b.s.compile_backend:
             self.fn = torch.compile(step, backend=b.s.compile_backend, dynamic=b.s.compile_dynamic)
         else:
@@ -577,8 +597,8 @@ class CompiledStep:
             tok, hid, pos, rows = x["tokens"], x["hidden"], x["positions"], x["live_rows"]
             toks, lps = [], []
             for _ in range(k):
-                tok, lp, hid, pos, rows = self.fn(b.params, tok, hid, pos, x["block_tables"],
-                                                  rows, b.k_cache, b.v_cache)
+                tok, lp, hid, pos, rows = self.fn(b.peer_params, tok, hid, pos, x["block_tables"],
+                                                  rows, *b.peer_caches)
                 toks.append(tok)
                 lps.append(lp)
             cur["drafts"] = torch.stack(toks, 1)
@@ -685,12 +705,13 @@ class Run:
             "max_blocks_per_seq": s.max_blocks, "mean_live_rows": b.mean_live,
             "attn_rows_torch": b.shape.attn_rows, "floors": floors, "widths": {},
             "circuit": None, "circuit_fast": None, "torch_compile": None,
+            "torch_peer": tmla.PEER_NOTE if dsh.is_mla(c) else None,
         }
 
     def refs(self, b: Bench) -> dict[int, torch.Tensor]:
         out = {}
         for n in self.s.widths:
-            out[n] = b.eager_chain(b.inputs(0, n))[0].clone()
+            out[n] = b.reference_chain(b.inputs(0, n))[0].clone()
         sync(self.s.device)
         return out
 
@@ -755,11 +776,10 @@ class Run:
             for n in s.widths:
                 self.record(name, n, "torch_compile", {"error": "skipped: past --deadline-s"})
             return
-        if dh.is_eagle3(self.configs[name]) or dsh.is_mla(self.configs[name]):
-            reason = dsh.NO_PEER if dsh.is_mla(self.configs[name]) else NO_PEER
-            self.results[name]["torch_compile"] = {"error": reason}
+        if dh.is_eagle3(self.configs[name]):
+            self.results[name]["torch_compile"] = {"error": NO_PEER}
             for n in s.widths:
-                self.record(name, n, "torch_compile", {"error": reason})
+                self.record(name, n, "torch_compile", {"error": NO_PEER})
             return
         log(f"{name}: torch_compile: setting up again (same seeds: same weights and inputs)")
         b = Bench(name, self.configs[name], s)
@@ -946,6 +966,8 @@ def config_markdown(name: str, cfg: dict[str, Any], strategies: list[str]) -> st
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines += _full_vocab_line(cfg)
+    if cfg.get("torch_peer"):
+        lines.append(f"- {cfg['torch_peer']}")
     errors = sorted({f"{st}: {e['error']}" for row in cfg["widths"].values()
                      for st, e in row.items() if "error" in e})
     for e in [*errors, *cfg.get("errors", [])]:

@@ -139,9 +139,16 @@ def moe_mlp(w: Mapping[str, torch.Tensor], c: MoeConfig, x: torch.Tensor,
               combine matrix of the top-k weights: E experts' bytes a step, n x E SwiGLUs of flops.
     Matmuls in the model dtype, SwiGLU in fp32 rounded back before down, the weighted sum in fp32
     (shared experts added), rounded once to x's dtype. `gather` None: moe_gathers decides."""
-    n, dt = x.shape[0], x.dtype
     logits = F.linear(x.float(), w[GATE].float())
     ids, weights = route_select(logits, w.get(BIAS), route_attrs(c))
+    return moe_experts(w, c, x, ids, weights, gather)
+
+
+def moe_experts(w: Mapping[str, torch.Tensor], c: MoeConfig, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, gather: bool | None = None) -> torch.Tensor:
+    """moe_mlp after routing: x [n, H] through the experts `ids` [n, k] weighted by `weights`
+    f32 [n, k], plus the shared experts, rounded once to x's dtype (the paths of moe_mlp)."""
+    n, dt = x.shape[0], x.dtype
     gu, down = w[EXPERTS_GATE_UP], w[EXPERTS_DOWN]
     if moe_gathers(c, n) if gather is None else gather:
         acc = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)

@@ -1,11 +1,16 @@
 """The benchmark's DeepSeek-V3 config (benchmarks/deepseek_head.py): its floor equals a hand
 count (fp8 projections with row scales, bf16 absorbed W_UK^T / W_UV and heads, latent KV rows,
-expected distinct fp8 experts), and `--dry-run --configs deepseek_v3` runs on CPU with the
-circuit's drafts equal to the eager oracle's (no plain-torch MLA peer: those strategies skip)."""
+expected distinct fp8 experts), and `--dry-run --configs deepseek_v3` runs every strategy on CPU
+(the torch peers on benchmarks/torch_mtp_mla.py) with drafts equal to the eager oracle's; the peer
+shares the embedding, lm-head and eh_proj tensors with the circuit's params."""
 import json
 
 from benchmarks import deepseek_head as dsh
+import torch
+
 from benchmarks import draft_chain as dc
+from benchmarks import torch_mtp_mla as tmla
+from draft_circuit.circuit.layers.moe import EXPERTS_GATE_UP, GATE
 from draft_circuit.ops.moe import expected_distinct_experts
 
 
@@ -28,11 +33,25 @@ def test_deepseek_v3_floor_by_hand():
     assert 2.3e9 < parts["weights"] / k < 2.4e9  # the lm-head (1.85 GB) dominates a step
 
 
-def test_deepseek_dry_run_circuit_agrees_with_eager(tmp_path):
+def test_deepseek_dry_run_every_strategy_agrees_with_eager(tmp_path):
     data = dc.main(["--dry-run", "--configs", "deepseek_v3", "--out", str(tmp_path), "--iters", "2"])
     cfg = data["configs"]["tiny_deepseek"]
-    rows = {r["strategy"]: r for r in cfg["rows"] if r["width"] == 3} if "rows" in cfg else None
-    text = json.dumps(data)
-    assert "no plain-torch MLA peer" in text
-    assert rows is None or rows["circuit"]["drafts_agree_eager"] == 1.0
-    assert '"drafts_agree_eager": 1.0' in text
+    row = cfg["widths"]["3"]
+    assert set(row) == set(dc.STRATEGIES)
+    for strategy, entry in row.items():  # fp32: every strategy drafts what the oracle drafts
+        assert "error" not in entry, (strategy, entry)
+        assert entry["drafts_agree_eager"] == 1.0, strategy
+    assert cfg["torch_peer"] == tmla.PEER_NOTE and "no plain-torch MLA peer" not in json.dumps(data)
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert tmla.PEER_NOTE in md
+
+
+def test_deepseek_bench_peer_shares_the_big_tensors():
+    s, configs, _ = dc.build(dc.parse_args(["--dry-run", "--configs", "deepseek_v3"]))
+    b = dc.Bench("tiny_deepseek", configs["tiny_deepseek"], s)
+    for name in ("embed_tokens.weight", "shared_head.head.weight", "eh_proj.weight", GATE):
+        assert b.peer_params[name].data_ptr() == b.params[name].data_ptr(), name
+    assert b.peer_params[EXPERTS_GATE_UP].dtype == s.dtype  # dequantised; the circuit's stay fp8
+    assert b.params[EXPERTS_GATE_UP].dtype == torch.float8_e4m3fn
+    pool, = b.peer_caches
+    assert torch.equal(pool, tmla.latent_pool(b.k_cache, b.v_cache))
