@@ -3,22 +3,25 @@
 `DeviceDrafts` holds the persistent buffers of `MtpProposer.propose_batch_on_device` and its
 latest batch, so a host can launch its verify pass from device tensors with no host sync:
 
-- `packed` [max_width, 2K] int32: a row's drafts (-1 after its stop) in columns 0..k-1 and its
-  confidences' float32 bits in K..K+k-1 (K: the proposer's num_drafts). The drafts and
-  confidences handed back are views of it.
+- `flat` int32: the latest batch's drafts [n, k] (-1 after a row's stop), then its confidences'
+  float32 bits [n, k], then up to two fault records (below): the drafts and confidences handed
+  back are views of it, filled by ONE `cat` of the chain's outputs (a single launch).
 - `verify` [max_width * (K + 1)] int32: row i's last token, then its drafts with each -1 as 0:
   a verify input of k + 1 rows a sequence, flattened row-major (`verify_tokens`). A host that
   verifies a stopped row's padding rows gets tokens it never accepts (acceptance ends at the
   first -1), and their KV rows lie past the accepted ones, dead like any rejected row's.
-- On CUDA the packed rows are copied to pinned host memory right behind the chain, in stream
-  order (`non_blocking`), with an event recorded after. The states settle on the next call that
-  touches one of them; that read waits on the event, which has long passed once the host has
-  synced on its verify, so the drafts' read costs no sync of its own. On CPU it is `tolist`.
-- The input guards' fault records of the chain and of the catch-up chain (its runs enqueued
-  before this batch) travel to pinned memory in the same way; once the states are recorded, a
-  record showing a fault raises `RunnerInputError` from that runner's `check_faults` (FAULTS
-  20, 25): a bad row surfaces at the step's read, not never, and costs no sync when there is
-  none.
+- On CUDA the input guards' fault records of the chain and of the catch-up chain (its runs
+  enqueued before this batch) are part of the same `cat`, and `flat`'s filled span is copied
+  to pinned host memory right behind the chain, in stream order (`non_blocking`: one copy),
+  with an event recorded after. The states settle on the next call that touches one of them;
+  that read waits on the event, which has long passed once the host has synced on its verify,
+  so the drafts' read costs no sync of its own. Once the states are recorded, a record
+  showing a fault raises `RunnerInputError` from that runner's `check_faults` (FAULTS 20, 25):
+  a bad row surfaces at the step's read, not never, and costs no sync when there is none. On
+  CPU a runner raised in its run; nothing is copied.
+
+A batch costs four device operations besides the chain's replay (the cat, the verify input's
+token column and clamp, the host copy; three on CPU), whatever n.
 
 The buffers are reused by the next device-resident batch, which settles the previous one first.
 """
@@ -34,6 +37,7 @@ from draft_circuit.runners.contract import Served
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
+from draft_circuit.runners.proposer_readback import FlatViews
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
@@ -47,29 +51,35 @@ class DeviceDrafts:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.k = num_drafts
-        w, k2 = max_width, 2 * max(num_drafts, 1)
-        self.packed = torch.full((w, k2), -1, dtype=torch.int32, device=self.device)
+        w, k = max_width, max(num_drafts, 1)
+        size = 2 * w * k + 2 * FAULT_WORDS
+        self.flat = torch.full((size,), -1, dtype=torch.int32, device=self.device)
         self.verify = torch.zeros(w * (num_drafts + 1), dtype=torch.int32, device=self.device)
-        self._host = torch.zeros((w, k2), dtype=torch.int32, pin_memory=True) if self.cuda \
-            else self.packed
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True) if self.cuda \
+            else self.flat
+        # (a meta-device proposer, shapes only, has no host view)
+        self._host_np = self._host.numpy() if self._host.device.type == "cpu" else None
         self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self._faults = torch.zeros((2, FAULT_WORDS), dtype=torch.int32, pin_memory=True) \
-            if self.cuda else torch.zeros((2, FAULT_WORDS), dtype=torch.int32)
         self._watched: list[object] = []  # the runners whose records the latest fill copied
+        self._records = 0  # how many of them have a record (all: a fault check reads numpy)
+        self._all_recorded = False
         self.batch: PendingBatch | None = None
         self._rows = (0, 0)  # (n, k) of the latest batch
         self._shapes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._flat = FlatViews()  # 1-D views of the chain outputs a fill concatenates
+        self._spans: dict[int, torch.Tensor] = {}  # flat[:size], per size
+        self._host_spans: dict[int, torch.Tensor] = {}  # its host copy's, per size
 
     def _views(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
-        """(drafts, confidences, verify, its token column, its draft columns, packed rows,
-        their host copy) of an (n, k) batch: views made once per shape (per-step host work)."""
+        """(drafts, confidences, verify, its token column, its draft columns) of an (n, k)
+        batch: views made once per shape (per-step host work)."""
         views = self._shapes.get((n, k))
         if views is None:
             rows = self.verify[:n * (k + 1)].view(n, k + 1)
             views = self._shapes[(n, k)] = (
-                self.packed[:n, :k], self.packed[:n, self.k:self.k + k].view(torch.float32),
-                self.verify[:n * (k + 1)], rows[:, 0], rows[:, 1:], self.packed[:n],
-                self._host[:n])
+                self.flat[:n * k].view(n, k),
+                self.flat[n * k:2 * n * k].view(n, k).view(torch.float32),
+                self.verify[:n * (k + 1)], rows[:, 0], rows[:, 1:])
         return views
 
     def drafts(self, n: int, k: int) -> torch.Tensor:
@@ -87,19 +97,28 @@ class DeviceDrafts:
              runners: Sequence[object] = ()) -> None:
         """Copy a chain's outputs into the buffers and, on CUDA, enqueue their copy to the host,
         with the fault records of `runners` (at most two: the chain's, the catch-up's)."""
-        drafts, confs, _, first, rest, packed, host = self._views(n, k)
-        drafts.copy_(out["drafts"])
-        confs.copy_(out["confidences"])
-        first.copy_(tokens)
-        torch.clamp(out["drafts"], min=0, out=rest)
+        _, _, _, first, rest = self._views(n, k)
         self._rows = (n, k)
         self._watched = [r for i, r in enumerate(runners[:2])
                          if not any(r is q for q in runners[:i])]
+        parts = [self._flat(out["drafts"]), self._flat(out["confidences"], True)]
+        size = 2 * n * k
         if self.cuda:
-            host.copy_(packed, non_blocking=True)
             records = [rec for rec in (fault_record(r) for r in self._watched) if rec is not None]
-            for i, rec in enumerate(records):
-                self._faults[i].copy_(rec, non_blocking=True)
+            parts += records
+            size += len(records) * FAULT_WORDS
+            self._records, self._all_recorded = len(records), len(records) == len(self._watched)
+        span = self._spans.get(size)
+        if span is None:
+            span = self._spans[size] = self.flat[:size]
+        torch.cat(parts, out=span)  # one launch: drafts, confidences, records
+        first.copy_(tokens)
+        torch.clamp(out["drafts"], min=0, out=rest)
+        if self.cuda:
+            host = self._host_spans.get(size)
+            if host is None:
+                host = self._host_spans[size] = self._host[:size]
+            host.copy_(span, non_blocking=True)
             assert self._copied is not None
             self._copied.record()
 
@@ -107,23 +126,30 @@ class DeviceDrafts:
         """After the latest batch's read: raise a bad row its runners' records showed (CUDA: the
         copies made behind the chain; CPU: a runner raised in its run already, nothing to read)."""
         if self.cuda:
-            check_copied_faults(self._watched, self._faults)
+            n, k = self._rows
+            at = 2 * n * k
+            assert self._host_np is not None
+            words = self._host_np[at:at + self._records * FAULT_WORDS]
+            if self._all_recorded and not words[::FAULT_WORDS].any():
+                return  # every runner's record copied, none shows a fault: nothing to ask
+            check_copied_faults(self._watched, self._host[at:at + len(words)].view(-1, FAULT_WORDS))
         else:
             for r in self._watched:
                 if fault_record(r) is None:
                     check_runner_faults(r)
 
     def read(self, drafts: torch.Tensor) -> np.ndarray:
-        """The latest batch's drafts as a host array [n, k] (`drafts` is its view of `packed`):
+        """The latest batch's drafts as a host array [n, k] (`drafts` is its view of `flat`):
         on CUDA the pinned copy, waiting on its event (already passed once the host has synced)."""
-        if not self.cuda:
-            return drafts.numpy()
-        assert self._copied is not None
-        # after the host's verify sync it has passed: no wait
-        if not self._copied.query():  # type: ignore[no-untyped-call]
-            self._copied.synchronize()
         n, k = drafts.shape
-        return self._host[:n, :k].numpy()
+        if self.cuda:
+            assert self._copied is not None
+            # after the host's verify sync it has passed: no wait
+            if not self._copied.query():  # type: ignore[no-untyped-call]
+                self._copied.synchronize()
+        if self._host_np is None:  # a meta-device proposer: no values to read
+            return drafts.numpy()
+        return self._host_np[:n * k].reshape(n, k)
 
 
 def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,

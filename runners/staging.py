@@ -22,8 +22,9 @@ straight into the buffers the chain's program reads.
 - Hiddens are copied into the region's hidden buffer (one `cat` for a catch-up's segments);
   rows past n are zeroed only when n shrank; `log_tau` is refilled only when its value or n
   changes.
-- Drafts and confidences come back in ONE device-to-host copy (confidences packed beside the
-  drafts as int32 bits) into pinned memory, with one sync per call.
+- Drafts and confidences come back in ONE device-to-host copy into pinned memory, with one sync
+  per call (runners/proposer_readback.py): one `cat` (one launch) packs the drafts, the
+  confidences' float32 bits and the runners' fault records side by side first.
 
 Each region has two host mirrors on CUDA, used in turn: before writing one, a run waits for the
 event recorded after the copy that last read it, two runs back, so a copy never reads a
@@ -39,9 +40,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from draft_circuit.ops.input_guard import FAULT_WORDS
-from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 from draft_circuit.runners.padding import neutral_value
+from draft_circuit.runners.proposer_readback import ReadBack
 
 #: the chain inputs a region stages, in the circuit's order (and the region's layout)
 INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
@@ -109,6 +109,11 @@ class _Region:
         self.hidden_np = hidden.numpy() if hidden.device.type == "cpu" and not hidden.requires_grad \
             and hidden.dtype in (torch.float16, torch.float32, torch.float64) else None
         self.hidden_rows: dict[int, torch.Tensor] = {}  # hidden[:n], per n
+        # rows past n zeroed in the same launch as the rows' copy (one cat: the segments, then
+        # zeros up to the rows a wider run left), where a numpy view does not zero them
+        self.zeros = torch.zeros_like(hidden) if runner is not None and self.hidden_np is None \
+            and self.neutral.get("hidden", 0) == 0 else None
+        self.zero_rows: dict[int, torch.Tensor] = {}  # zeros[:m], per m
         self.tau: tuple[float, int] | None = None
         self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
         # the staging's own region: views handed out per (n, with log_tau), made once
@@ -199,18 +204,9 @@ class ChainStaging:
         # the same by the runner's id, checked by a weak reference (a WeakKeyDictionary lookup
         # makes a weakref every call, a microsecond; two runners alternate every step)
         self._by_id: dict[int, tuple[weakref.ref[object], _Region]] = {}
-        # CPU: numpy views of the output tensors a run hands back (a staged runner's are its
-        # own buffers, the same tensors every run; `.numpy()` costs a microsecond each)
-        self._host_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
-        self._records: dict[int, tuple[weakref.ref[object], np.ndarray | None]] = {}
         self._last: Mapping[str, torch.Tensor] | None = None
-        k2 = 2 * self.max_drafts
-        # drafts and confidences, then up to two runners' fault records (chain and catch-up)
-        self._out_dev = torch.zeros(w * k2 + 2 * FAULT_WORDS, dtype=torch.int32,
-                                    device=self.device)
-        self._out_host = torch.zeros(w * k2 + 2 * FAULT_WORDS, dtype=torch.int32,
-                                     pin_memory=self.cuda) if self.cuda else self._out_dev
-        self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        # the read-back of drafts, confidences and fault records (runners/proposer_readback.py)
+        self.readback = ReadBack(width=w, max_drafts=self.max_drafts, device=self.device)
 
     def _region(self, runner: object | None) -> _Region:
         if runner is None:
@@ -292,8 +288,24 @@ class ChainStaging:
         sequences is one launch, not one a sequence; it converts dtypes as a copy does), or,
         when a segment lies on another device, one copy a segment. A runner's own buffer keeps its
         rows past n neutral (a padded program reads them): zeroed when n shrank, or when an
-        unstaged run wrote them."""
+        unstaged run wrote them. Where a numpy view cannot zero them (CUDA, bfloat16), the zeros
+        travel in the rows' own `cat`: one launch whatever the segments."""
         hidden = region.hidden
+        dirty = region.hidden_dirty if region.runner is not None else 0
+        if dirty > n and region.zeros is not None:
+            # the rows and the zeros past them up to the rows a wider run left: one launch
+            span = region.hidden_rows.get(dirty)
+            if span is None:
+                span = region.hidden_rows[dirty] = hidden[:dirty]
+            zeros = region.zero_rows.get(dirty - n)
+            if zeros is None:
+                zeros = region.zero_rows[dirty - n] = region.zeros[:dirty - n]
+            try:  # cat converts dtypes as a copy does; it checks devices before it writes
+                torch.cat([*hiddens, zeros], out=span)
+                region.hidden_dirty = n
+                return
+            except RuntimeError:  # a segment on another device (or one autograd tracks)
+                pass
         rows = region.hidden_rows.get(n)
         if rows is None:  # a view made once a width (a slice is a torch op, microseconds)
             rows = region.hidden_rows[n] = hidden[:n]
@@ -308,11 +320,11 @@ class ChainStaging:
                     hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
                     start += h.shape[0]
         if region.runner is not None:
-            if region.hidden_dirty > n:
+            if dirty > n:
                 if region.hidden_np is not None:
-                    region.hidden_np[n:region.hidden_dirty] = region.neutral["hidden"]
+                    region.hidden_np[n:dirty] = region.neutral["hidden"]
                 else:
-                    hidden[n:region.hidden_dirty].fill_(region.neutral["hidden"])
+                    hidden[n:dirty].fill_(region.neutral["hidden"])
             region.hidden_dirty = n
 
     def tokens(self, n: int) -> torch.Tensor:
@@ -322,66 +334,7 @@ class ChainStaging:
         return self._last["tokens"]
 
     # ---- outputs ----
-    def _fault_word(self, runner: object) -> np.ndarray | None:
-        """A numpy view of a CPU runner's fault record (word 0 nonzero: a fault), None for a
-        runner without one; kept by the runner's id, checked by a weak reference (the record
-        is the guard's one tensor, cleared in place)."""
-        hot = self._records.get(id(runner))
-        if hot is not None and hot[0]() is runner:
-            return hot[1]
-        record = fault_record(runner)
-        view = record.numpy() if record is not None and record.device.type == "cpu" else None
-        try:
-            ref = weakref.ref(runner)
-        except TypeError:
-            return view
-        if len(self._records) >= 8:
-            self._records.clear()
-        self._records[id(runner)] = (ref, view)
-        return view
-
-    def _host_view(self, t: torch.Tensor) -> np.ndarray:
-        """`t.numpy()` of a CPU tensor, kept for the next run that hands back the same tensor
-        (held here, so its id stays its own while the entry lives)."""
-        hot = self._host_views.get(id(t))
-        if hot is not None and hot[0] is t:
-            return hot[1]
-        if len(self._host_views) >= 8:  # a runner that hands back new tensors (the oracle)
-            self._host_views.clear()
-        view = t.numpy()
-        self._host_views[id(t)] = (t, view)
-        return view
-
     def read(self, drafts: torch.Tensor, confidences: torch.Tensor,
              runners: Sequence[object] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts [n, k] and confidences [n, k] as host arrays (views valid until the next read;
-        the caller records and converts them at once): one device-to-host copy, one sync.
-        `runners` (at most two: the chain's, the catch-up's) have their input-guard records
-        read in the same copy, and a fault raises `RunnerInputError` (FAULTS 20, 25) once the
-        drafts are read: a bad row surfaces at this sync, with no read of its own."""
-        if not self.cuda:
-            rows = self._host_view(drafts), self._host_view(confidences)
-            for r in runners:  # a CPU runner raised in its run; nothing pending, no sync
-                word = self._fault_word(r)
-                if word is None or word[0]:  # a fault recorded (or no record): its own check
-                    check_runner_faults(r)   # reads, clears and raises it, as on CUDA
-            return rows
-        n, k = drafts.shape
-        end = n * 2 * k
-        packed = self._out_dev[:end].view(n, 2 * k)
-        packed[:, :k].copy_(drafts)
-        packed[:, k:].copy_(confidences.view(torch.int32))
-        runners = [r for i, r in enumerate(runners[:2]) if not any(r is q for q in runners[:i])]
-        records = [rec for rec in (fault_record(r) for r in runners) if rec is not None]
-        for i, rec in enumerate(records):
-            self._out_dev[end + i * FAULT_WORDS:end + (i + 1) * FAULT_WORDS].copy_(rec)
-        size = end + len(records) * FAULT_WORDS
-        host = self._out_host[:size]
-        host.copy_(self._out_dev[:size], non_blocking=True)
-        assert self._read is not None
-        self._read.record()
-        self._read.synchronize()  # the one sync of the call
-        both = host[:end].view(n, 2 * k)
-        out = both[:, :k].numpy(), both[:, k:].view(torch.float32).numpy()
-        check_copied_faults(runners, host[end:].view(-1, FAULT_WORDS))
-        return out
+        """`ReadBack.read`: drafts and confidences as host arrays, one copy and one sync."""
+        return self.readback.read(drafts, confidences, runners)

@@ -19,3 +19,31 @@ def test_host_ops_runs_and_attributes_ops(tmp_path):
         assert got["time"]["host_us"] > 0
         # the driver slices each sequence's catch-up hiddens: its views, not the proposer's
         assert calls["driver"]["device_views"] == int(n)
+
+
+#: device ops (kernels and copies on CUDA; views and host tensors apart) a steady-state step may
+#: dispatch on CPU, by call, at every width: a device-resident propose stages its hidden (one
+#: copy), packs drafts and confidences (one cat) and builds the verify input (its token column
+#: and a clamp); a catch-up copies its hiddens and zeroes stale rows in one cat; the read, the
+#: trims and the keys are host work. On CUDA add one host-to-device copy a staged run and the
+#: drafts' one device-to-host copy (the CPU mirror is the region itself).
+BOUNDS = {"propose_batch_on_device": 4, "catchup_batch": 1, "last_drafts": 0, "after_verify": 0,
+          "last_pair_key": 0, "propose_batch": 1}
+
+
+def test_a_steady_state_step_dispatches_a_bounded_number_of_device_ops():
+    """The counter of benchmarks/host_ops.py over decode_step's loop at widths 1, 8 and 64
+    (the small-batch and array paths), both propose paths: each call's device ops a step stay
+    within BOUNDS and no call makes a device view (each is a dispatch: views are made once)."""
+    data = host_ops.main(["--device", "cpu", "--quick", "--configs", "small", "--widths",
+                          "1,8,64", "--steps", "4", "--warmup", "3", "--modes", "after,before"])
+    for n, e in data["configs"]["tiny"]["widths"].items():
+        for mode in ("after", "before"):
+            calls = e[mode]["ops"]["calls"]
+            for name, got in calls.items():
+                if name == "driver" or (mode == "before" and name == "catchup_batch"):
+                    continue  # the loop's own slices; the full one-step chain's split catch-up
+                assert got["device"] <= BOUNDS[name], (n, mode, name, got["ops"])
+                assert got["device_views"] == 0, (n, mode, name, got["ops"])
+                assert got["host"] == 0, (n, mode, name, got["ops"])
+        assert max(e["after"]["ops"]["device_ops_per_step"]) <= 5, n

@@ -143,3 +143,40 @@ def test_a_large_batchs_record_is_the_small_batchs_rule(stops):
                              positions[lo:lo + 4])
     assert kept == want
     assert np.array_equal(big.cols, small.cols) and np.array_equal(big.drafts, small.drafts)
+
+
+def test_rows_past_n_are_zeroed_in_the_hiddens_own_copy_where_numpy_cannot():
+    """bfloat16 hiddens (no numpy view): the staging zeroes the rows a wider catch-up left in
+    the same cat as the rows' copy (issue 14: one launch, not a copy and a fill). The KV-only
+    runner's hidden buffer holds exactly the rows given, cast, and zeros past them up to the
+    padded width, through growing and shrinking counts (one segment and several); the KV
+    rows are the full one-step chain's at the same dtype (the eager oracle)."""
+    from draft_circuit.circuit.layers.mtp import MtpHead
+    from draft_circuit.runners.proposer import MtpProposer
+    from draft_circuit.runners.testing import random_mtp_weights
+    from tests.runners.test_proposer import CFG
+
+    def bf16(forward):
+        head = MtpHead(CFG, "bfloat16")
+        return MtpProposer(head, head.bind(random_mtp_weights(CFG, seed=11, dtype=torch.bfloat16)),
+                           num_drafts=K, num_blocks=200, block_size=8, max_blocks_per_seq=12,
+                           max_width=8, widths=(1, 2, 4, 8), forward=forward)
+    mine, oracle = bf16("circuit"), bf16("eager")
+    runner = mine.chains.kv_only()[0]
+    region = mine.staging._region(runner)
+    assert region.runner is runner and region.zeros is not None  # the cat path is the one run
+    pairs = [(mine.alloc_state(), oracle.alloc_state()) for _ in range(4)]
+    for step, counts in enumerate(([3, 3, 2, 1], [1, 0, 0, 0], [2, 1, 0, 3], [0, 2, 0, 0],
+                                   [4, 4, 4, 4], [0, 0, 1, 0])):
+        given = [hidden(70 + step + i, c) if c else hidden(1, 1)[:0] for i, c in enumerate(counts)]
+        for p, states in ((mine, [a for a, _ in pairs]), (oracle, [b for _, b in pairs])):
+            keys = [k if k is not None else -1 for k in p.last_pair_keys(states)]
+            p.catchup_batch([[7 + step] * c for c in counts], given, [k + 2 for k in keys],
+                            states)
+        n = sum(counts)
+        buf = runner.backend.static_inputs["hidden"]
+        want = torch.cat(given).to(torch.bfloat16)
+        assert torch.equal(buf[:n], want)
+        assert (buf[n:runner.plan(n).parts[0][0]] == 0).all()
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(mine.states[name], oracle.states[name])
