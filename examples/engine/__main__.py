@@ -32,6 +32,23 @@ from examples.engine.tp import start as start_tp
 # (a CUDA graph on a GPU): a width past max(--max-batch, the largest default) never runs
 ENGINE_MAX_WIDTH = max(DEFAULT_WIDTHS)
 
+# --num-drafts when not given, by device (issue 20). On a GPU the verify's k + 1 rows share one
+# pass over the weights, so k = 4 (the drafter's chain is the cost). On CPU a row costs: the
+# references' linears run in 8-row tiles and attention in 4-row query tiles (ops/row_invariant.py),
+# and each draft step is ~1.15 ms of a ~14 ms target decode pass. Measured on the embedded
+# default (the quick start, 2-core CPU, interleaved in one process): at batch 4 k = 3 verifies 16
+# rows (2 linear tiles, no padding) for 2.00 accepted drafts, k = 4 verifies 20 (3 tiles, padded)
+# for 2.36; benchmarks/quickstart_cpu.py --versus "--num-drafts 4", 8 repeats: median 1.51x
+# target-only tokens/s at k = 3 against 1.43x at k = 4. A sweep of k = 2..8 (wall, one process):
+# 1.29, 1.42, 1.36, 1.25, 1.25, 1.23, 1.19x. A confidence stop saves verify rows, not chain
+# steps, and did not pay (k = 3 or 4 with tau 0.3-0.5). tests/examples/test_engine_defaults.py.
+DEFAULT_NUM_DRAFTS = {"cpu": 3, "cuda": 4}
+
+
+def default_num_drafts(device: str) -> int:
+    """--num-drafts for `device` ("cpu", "cuda", "cuda:N") when the flag is not given."""
+    return DEFAULT_NUM_DRAFTS["cpu" if device == "cpu" else "cuda"]
+
 
 def _num_drafts(text: str) -> int:
     """1..MAX_NUM_DRAFTS: the chain unrolls one step per draft, so its compile time, arena and
@@ -74,8 +91,10 @@ def parser() -> argparse.ArgumentParser:
                     help="token ids (.json, .pt, .npy) that --draft-vocab N counts")
     ap.add_argument("--forward", choices=("eager", "circuit"), default="circuit",
                     help="drafter: compiled n-row programs, or the eager oracle")
-    ap.add_argument("--num-drafts", type=_num_drafts, default=4, metavar="K",
-                    help=f"drafts per chain, 1..{MAX_NUM_DRAFTS}")
+    ap.add_argument("--num-drafts", type=_num_drafts, metavar="K",
+                    help=f"drafts per chain, 1..{MAX_NUM_DRAFTS} (default: "
+                         f"{DEFAULT_NUM_DRAFTS['cpu']} on CPU, {DEFAULT_NUM_DRAFTS['cuda']} on "
+                         "CUDA, where the verify's rows cost little)")
     ap.add_argument("--draft-confidence-stop", type=float, metavar="TAU",
                     help="stop a chain after the first draft whose top-1 probability is below "
                          "TAU (0 < TAU < 1)")
@@ -131,7 +150,9 @@ def run(args: argparse.Namespace) -> dict:
         "circuit" if args.device.startswith("cuda") else "eager")
     config = EngineConfig(speculate=not args.no_speculation, forward=args.forward,
                           target_forward=target_forward,
-                          num_drafts=args.num_drafts, draft_confidence_stop=args.draft_confidence_stop,
+                          num_drafts=args.num_drafts if args.num_drafts is not None
+                          else default_num_drafts(args.device),
+                          draft_confidence_stop=args.draft_confidence_stop,
                           widths=args.widths, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
                           max_rows=args.max_rows,
                           dtype=getattr(torch, args.dtype), device=args.device, draft_vocab=vocab,
