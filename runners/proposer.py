@@ -105,10 +105,11 @@ class MtpProposer:
 
     def warm_up(self) -> None:
         """Build (compile, and on a GPU capture) the chains every engine step uses: the k-step
-        chain and the one-step catch-up chain. A masked chain or another k is built on first use."""
-        self.chains.get(self.num_drafts, False)
+        chain and the one-step catch-up chain, and the staging's views of their every width.
+        A masked chain or another k is built on first use."""
+        chain = self.chains.get(self.num_drafts, False)
         self.chains.get(1, False)
-        self.chains.kv_only()
+        self.staging.warm((chain, self.chains.kv_only()[0]))
 
     # ---- circuit binding (the host may compile and install the runners itself) ----
     def circuit_draft(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftBinding:

@@ -69,6 +69,8 @@ class DeviceDrafts:
         self._flat = FlatViews()  # 1-D views of the chain outputs a fill concatenates
         self._spans: dict[int, torch.Tensor] = {}  # flat[:size], per size
         self._host_spans: dict[int, torch.Tensor] = {}  # its host copy's, per size
+        for n in range(1, max_width + 1):  # made now, not on a width's first batch
+            self._views(n, num_drafts)
 
     def _views(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
         """(drafts, confidences, verify, its token column, its draft columns) of an (n, k)

@@ -227,6 +227,24 @@ class ChainStaging:
         self._by_id[id(runner)] = (weakref.ref(runner), region)
         return region
 
+    def warm(self, runners: Sequence[object]) -> None:
+        """Make now, at construction, the views a run of each of `runners` would make the
+        first time it meets a width (the runner's staged buffers, the hidden rows, the zeros):
+        a catch-up's row count changes every step, so without this an engine's first few
+        hundred steps each pay tens of microseconds for a width they meet first."""
+        for runner in runners:
+            region = self._region(runner)
+            if region is self._own:
+                continue
+            widths = getattr(runner, "widths", ())
+            for n in widths:
+                if n <= region.width:
+                    runner.staged_inputs(n)  # type: ignore[attr-defined]
+            for n in range(1, region.width + 1):
+                region.hidden_rows.setdefault(n, region.hidden[:n])
+                if region.zeros is not None:
+                    region.zero_rows.setdefault(n, region.zeros[:n])
+
     # ---- inputs ----
     def inputs(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                live: Sequence[int] | np.ndarray, slots: np.ndarray,

@@ -180,3 +180,31 @@ def test_rows_past_n_are_zeroed_in_the_hiddens_own_copy_where_numpy_cannot():
         assert (buf[n:runner.plan(n).parts[0][0]] == 0).all()
     for name in ("k_cache", "v_cache"):
         assert torch.equal(mine.states[name], oracle.states[name])
+
+
+def test_every_widths_views_are_made_at_construction():
+    """A catch-up's row count changes every step: the staged buffers, hidden rows and device
+    batch views of every width are made when the proposer is built (staging.warm), so no
+    step makes one (a first-met width cost tens of microseconds for the first hundreds of
+    steps)."""
+    p = make("circuit", num_blocks=200, max_blocks_per_seq=12)
+    chain, kv = p.chain_runner(), p.chains.kv_only()[0]
+    made = {id(r): (set(r._staged), set(p.staging._region(r).hidden_rows)) for r in (chain, kv)}
+    for r in (chain, kv):
+        region = p.staging._region(r)
+        assert set(r._staged) == {n for n in r.widths if n <= region.width}
+        assert set(region.hidden_rows) == set(range(1, region.width + 1))
+    views = len(p.device_drafts._shapes)
+    states = [prefilled(p, 40 + i, length=9)[0] for i in range(4)]
+    for step, counts in enumerate(([3, 1, 0, 2], [4, 4, 4, 4], [1, 0, 0, 0])):
+        keys = p.last_pair_keys(states)
+        p.propose_batch_on_device([5] * 4, hidden(9, 4), [k + 2 for k in keys], K, states)
+        p.last_drafts(states)
+        p.after_verify_batch([0] * 4, states)
+        keys = p.last_pair_keys(states)
+        p.catchup_batch([[7] * c for c in counts],
+                        [hidden(60 + i, c) if c else hidden(1, 1)[:0] for i, c in enumerate(counts)],
+                        [k + 2 for k in keys], states)
+    for r in (chain, kv):
+        assert (set(r._staged), set(p.staging._region(r).hidden_rows)) == made[id(r)]
+    assert len(p.device_drafts._shapes) == views
