@@ -274,23 +274,8 @@ def profile_pass(loop: ds.Loop, inst: Instrument, n: int, mode: str) -> dict[str
             inst.profiling = False
         holder["events"] = prof.events()
     _steps(loop, inst, n, mode, measure)
-    ranges: list[tuple[float, float, str]] = []
-    runtime: list[tuple[float, str]] = []
-    from torch.autograd import DeviceType
-    for e in holder["events"]:
-        name = e.name
-        if name.startswith("host_ops::"):
-            ranges.append((e.time_range.start, e.time_range.end, name[len("host_ops::"):]))
-        elif e.device_type == DeviceType.CPU and name.startswith("cu") \
-                and not name.startswith("cudaDeviceSynchronize"):  # runtime/driver API calls
-            runtime.append((e.time_range.start, name))
-    ranges.sort()
-    starts = [r[0] for r in ranges]
-    by: dict[str, Counter[str]] = defaultdict(Counter)
-    for t, name in runtime:
-        i = bisect.bisect_right(starts, t) - 1
-        where = ranges[i][2] if i >= 0 and t <= ranges[i][1] else DRIVER
-        by[where][name] += 1
+    by = attribute(holder["events"], lambda name: name.startswith("cu")
+                   and not name.startswith("cudaDeviceSynchronize"))
     steps = s.steps
     calls = {b: {k: c / steps for k, c in sorted(got.items(), key=lambda x: -x[1])}
              for b, got in sorted(by.items())}
@@ -300,6 +285,29 @@ def profile_pass(loop: ds.Loop, inst: Instrument, n: int, mode: str) -> dict[str
             total.update(got)
     return {"calls": calls, "proposer": {k: c / steps for k, c in sorted(total.items())},
             "launches": sum(total[k] for k in LAUNCHES) / steps}
+
+
+def attribute(events: Any, match: Callable[[str], bool]) -> dict[str, Counter[str]]:
+    """Count the host-side profiler events whose name `match`es (CUDA runtime and driver API
+    calls), by the `host_ops::<call>` range that holds each (none: the driver's)."""
+    from torch.autograd import DeviceType
+    ranges: list[tuple[float, float, str]] = []
+    hits: list[tuple[float, str]] = []
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue  # kernels, copies and the GPU side of an annotation
+        name = e.name
+        if name.startswith("host_ops::"):
+            ranges.append((e.time_range.start, e.time_range.end, name[len("host_ops::"):]))
+        elif match(name):
+            hits.append((e.time_range.start, name))
+    ranges.sort()
+    starts = [r[0] for r in ranges]
+    by: dict[str, Counter[str]] = defaultdict(Counter)
+    for t, name in hits:
+        i = bisect.bisect_right(starts, t) - 1
+        by[ranges[i][2] if i >= 0 and t <= ranges[i][1] else DRIVER][name] += 1
+    return by
 
 
 def measure_width(loop: ds.Loop, inst: Instrument, n: int, mode: str,

@@ -47,3 +47,23 @@ def test_a_steady_state_step_dispatches_a_bounded_number_of_device_ops():
                 assert got["device_views"] == 0, (n, mode, name, got["ops"])
                 assert got["host"] == 0, (n, mode, name, got["ops"])
         assert max(e["after"]["ops"]["device_ops_per_step"]) <= 5, n
+
+
+def test_profiler_events_are_attributed_to_the_call_whose_range_holds_them():
+    """host_ops.attribute (the CUDA pass's runtime-call counts) on a CPU profile: each matched
+    event counts for the host_ops::<call> range around it, the rest for the driver."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.zeros(4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("host_ops::propose"):
+            x.fill_(1)
+            x.fill_(2)
+        x.fill_(3)
+        with torch.profiler.record_function("host_ops::catchup_batch"):
+            x.fill_(4)
+    got = host_ops.attribute(prof.events(), lambda name: name == "aten::fill_")
+    assert {k: dict(v) for k, v in got.items()} == {
+        "propose": {"aten::fill_": 2}, "driver": {"aten::fill_": 1},
+        "catchup_batch": {"aten::fill_": 1}}
