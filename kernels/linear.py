@@ -1,8 +1,12 @@
 """Skinny matmul out[n, N] = x[n, K] @ weight[N, K]^T (+ bias[N]) (fp32 accumulation), optionally
 fused with SwiGLU.
 
-One pinned configuration, no split-K, no autotuning: a row's bits never depend on n (width
-independence). `linear(x, weight, out, bias=None)`; `linear_silu_mul(x, gate_up_weight, out)`.
+Pinned BLOCK_N, BLOCK_K, stages and K order, no split-K, no autotuning: a row's bits never
+depend on n (width independence). The row tile follows kernels.tiles' rule (kind LINEAR): BLOCK_M
+16 at n <= 16 and under the interpreter, BLOCK_M 64 with 4 warps at n > 16 on an H200; that
+choice changes only the tile around a row, never BLOCK_K or the K order, so not the bits
+(kernels.tiles says where that was measured). `linear(x, weight, out, bias=None, tiles=None)`;
+`linear_silu_mul(x, gate_up_weight, out, tiles=None)`; `tiles=` forces a kernels.tiles mode.
 """
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
 
-# Pinned: changing any of these changes the bits of every result (but never makes them depend on n).
-# BLOCK_M = 16 is the smallest tl.dot tile; BLOCK_N = 32 keeps >= 128 programs for N >= 4096.
+# Pinned: changing BLOCK_N or BLOCK_K changes the bits of every result (but never makes them
+# depend on n). BLOCK_M = 16 is the smallest tl.dot tile (the tile at n <= 16; kernels.tiles
+# widens it at n > 16); BLOCK_N = 32 keeps >= 128 programs for N >= 4096.
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 128
 NUM_WARPS, NUM_STAGES = 4, 4
 
@@ -82,34 +88,36 @@ def check_linear_operands(x: torch.Tensor, weight: torch.Tensor, out: torch.Tens
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool,
-            bias: torch.Tensor | None = None) -> None:
+            bias: torch.Tensor | None = None, mode: str | None = None) -> None:
     n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
     if bias is not None:
         check_operand("bias", bias, (n_out,), (x.dtype,), x.device)
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x)
-    grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(n_out, BLOCK_N),)
+    t = tiling.choose(tiling.LINEAR, n, x, mode)
+    grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
     linear_kernel[grid](
         x, weight, out, bias if bias is not None else weight, n, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0), n_out * weight.stride(0) if silu_mul else 0,
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES,
         **pdl,
     )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-           bias: torch.Tensor | None = None) -> None:
+           bias: torch.Tensor | None = None, tiles: str | None = None) -> None:
     """out[n, N] = x[n, K] @ weight[N, K]^T (+ bias[N]). x, weight and bias share a float dtype;
-    out any float dtype."""
-    _launch(x, weight, out, silu_mul=False, bias=bias)
+    out any float dtype. tiles: a kernels.tiles LINEAR mode to force (None: its rule)."""
+    _launch(x, weight, out, silu_mul=False, bias=bias, mode=tiles)
 
 
-def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, out: torch.Tensor) -> None:
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, out: torch.Tensor,
+                    tiles: str | None = None) -> None:
     """out[n, I] = silu(x @ Wg^T) * (x @ Wu^T), gate_up_weight = [Wg; Wu] of shape [2I, K].
 
     Both products and the activation stay in fp32 and round once; linear then silu_mul would
     round the [n, 2I] intermediate to its dtype first, so 16-bit results differ slightly.
     """
-    _launch(x, gate_up_weight, out, silu_mul=True)
+    _launch(x, gate_up_weight, out, silu_mul=True, mode=tiles)

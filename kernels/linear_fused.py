@@ -1,6 +1,9 @@
 """Skinny linears with what their neighbours did folded into a prologue or an epilogue, so a draft
-step launches fewer kernels (issue 15). Every kernel here keeps kernels.linear's pinned tiles
-(BLOCK_M, BLOCK_N, BLOCK_K) and K order, so a row's bits never depend on n:
+step launches fewer kernels (issue 15). Every kernel here keeps kernels.linear's pinned BLOCK_N,
+BLOCK_K, stages and K order, so a row's bits never depend on n. The row tile follows
+kernels.tiles' rule (kind LINEAR) like kernels.linear's: BLOCK_M 16 at n <= 16 and under the
+interpreter, BLOCK_M 64 with 4 warps at n > 16 on an H200 (tiles only, never BLOCK_K or the K
+order: not the bits; the launchers' `tiles=` forces a mode):
 
 - prologue `norm`: x is rmsnorm(x, norm_weight) in HF order, computed per row tile: a first pass
   over the row sums squares in fp32 in fixed NORM_BLOCK_K chunks (one row's sum reads only that
@@ -26,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
                                            describe, launch_kwargs)
-from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
+from draft_circuit.kernels.linear import BLOCK_K, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import (_inv_rms, _mac, _norm_x, _prologue_rows,
                                                   _raw_x, _x_finish, _x_raw, _x_tile)
 
@@ -220,7 +224,7 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
                     eps1: float = 1e-6, x2: torch.Tensor | None = None,
                     norm2: torch.Tensor | None = None, eps2: float = 1e-6,
                     silu_mul: bool = False, residual: torch.Tensor | None = None,
-                    prefetch: bool = False) -> None:
+                    prefetch: bool = False, tiles: str | None = None) -> None:
     """out[n, N] = [p1(x1) | p2(x2)] @ weight^T, one launch.
 
     p1: with `ids` int [n], x1 is a table [V, K1] and row i reads x1[ids[i]] (zeros for an id
@@ -230,14 +234,16 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
     rounded again (linear then add). Floats share one dtype except out (any float).
     prefetch: the first weight tile is loaded before the PDL wait and dependents are released
     after the first K step (the same products in the same order: the same bits; a variant for
-    the tuning pass to measure, GPU only in effect).
+    the tuning pass to measure, GPU only in effect). tiles: a kernels.tiles LINEAR mode to
+    force (None: its rule).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x1)
-    grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(n_out, BLOCK_N),)
+    t = tiling.choose(tiling.LINEAR, n, x1, tiles)
+    grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
     linear_prologue_kernel[grid](
         x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
         x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, weight,
@@ -248,15 +254,17 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
         n_out * weight.stride(0) if silu_mul else 0,
         GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
         NORM2=norm2 is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
-        PREFETCH=prefetch, NORM_BLOCK_K=NORM_BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        PREFETCH=prefetch, NORM_BLOCK_K=NORM_BLOCK_K, num_warps=t.warps(NUM_WARPS),
+        num_stages=NUM_STAGES,
         **pdl)
 
 
 def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+                       weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                       tiles: str | None = None) -> None:
     """outs[i][n, N_i] = rmsnorm(x, norm_weight, eps) @ weights[i]^T for three weights, one
-    launch; the normed row is never stored."""
+    launch; the normed row is never stored. tiles: a kernels.tiles LINEAR mode to force."""
     check(len(weights) == 3 and len(outs) == 3,
           lambda: f"rmsnorm_linear_qkv takes three weights and three outputs, got {len(weights)}, {len(outs)}")
     _rows_contiguous("x", x)
@@ -270,11 +278,12 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         check_operand(f"out{i}", o, (n, w.shape[0]), FLOAT_DTYPES, x.device)
     if n == 0:
         return
-    num_m = triton.cdiv(n, BLOCK_M)
+    t = tiling.choose(tiling.LINEAR, n, x, tiles)
+    num_m = triton.cdiv(n, t.block_m)
     grid = (sum(num_m * triton.cdiv(w.shape[0], BLOCK_N) for w in weights),)
     pdl = launch_kwargs(x)
     rmsnorm_linear_qkv_kernel[grid](
         x, norm_weight, *weights, *outs, n, *(w.shape[0] for w in weights), k, float(eps),
         x.stride(0), *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
-        NORM_BLOCK_K=NORM_BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        NORM_BLOCK_K=NORM_BLOCK_K, num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES, **pdl)

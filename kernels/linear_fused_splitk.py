@@ -23,13 +23,23 @@ tl.dot per tile, the same split sums in the same order; and a row's bits never d
 row's norm reads only that row; its tiles and sums are the same at every n).
 `linear_prologue_splitk(...)` launches two kernels (LAUNCHES); `splitk_pays(rows, k)` is the
 rule the op binding applies, from the weight's shape only.
+
+The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
+the interpreter; at n > 16 on an H200 the M-tile loop (`_prologue_partial_mloop_kernel`: a
+program covers up to 4 row tiles of 16, each with its own 1 / rms and x tiles exactly as the
+16-row kernel builds them, and loads each weight tile once a K step for all of them, one
+pinned-shape tl.dot per row tile) or BLOCK_M 64. Only tiles change, never BLOCK_N, BLOCK_K, the
+split size, the norm chunks or the K order: not the bits.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
                                                 check_prologue_operands)
@@ -106,6 +116,113 @@ def _prologue_partial_kernel(
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _mt_rows(x1_ptr, ids_ptr, x2_ptr, row0, n_rows, stride_x1, stride_x2, table_rows, K, K1, eps1,
+             eps2, nw1_ptr, nw2_ptr, kk, GATHER: tl.constexpr, NORM1: tl.constexpr,
+             TWO_X: tl.constexpr, NORM2: tl.constexpr, BLOCK_M: tl.constexpr,
+             NORM_BLOCK_K: tl.constexpr):
+    """One 16-row tile of the M-loop: its rows' prologue state (as _prologue_partial_kernel's)
+    and the loads of its first x tile kk."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < n_rows
+    off1, ok1, off2, inv1, inv2 = _prologue_rows(
+        x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
+        eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K)
+    a, na, b, nb = _x_raw(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, m_mask, nw2_ptr, kk, K,
+                          TWO_X, NORM1, NORM2)
+    return offs_m, m_mask, off1, ok1, off2, inv1, inv2, a, na, b, nb
+
+
+@triton.jit
+def _mt_step(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, m_mask, nw2_ptr, inv1, inv2,
+             a, na, b, nb, kk, K, wt, acc, TWO_X: tl.constexpr, NORM1: tl.constexpr,
+             NORM2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of one row tile on the step's weight tile wt (loaded once for all row tiles):
+    the next x tile's loads issued, this one finished and multiplied: the 16-row kernel's dot."""
+    a2, na2, b2, nb2 = _x_raw(x1_ptr, off1, ok1, K1, nw1_ptr, x2_ptr, off2, m_mask, nw2_ptr,
+                              kk + BLOCK_K, K, TWO_X, NORM1, NORM2)
+    x = _x_finish(a, na, b, nb, inv1, inv2, kk, K1, TWO_X, NORM1, NORM2)
+    acc = tl.dot(x, wt, acc, input_precision="ieee")
+    return acc, a2, na2, b2, nb2
+
+
+@triton.jit
+def _mt_store(ws_ptr, split, n_rows, N, offs_m, m_mask, offs_n, n_mask, acc):
+    ws_ptrs = ws_ptr + (split * n_rows + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+    tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _prologue_partial_mloop_kernel(
+    x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, ws_ptr,
+    n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w,
+    GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, M_TILES: tl.constexpr,
+):
+    # program = (row block of M_TILES tiles of 16 fastest, N tile) x split; the tiles past the
+    # first are unrolled by hand (tensors cannot be listed), unused ones left as tile 0's copies
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(n_rows, BLOCK_M * M_TILES)
+    row0 = (pid % num_m) * (BLOCK_M * M_TILES)
+    offs_n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = split * SPLIT_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
+    m0, mm0, o10, k10, o20, i10, i20, a0, na0, b0, nb0 = _mt_rows(
+        x1_ptr, ids_ptr, x2_ptr, row0, n_rows, stride_x1, stride_x2, table_rows, K, K1, eps1,
+        eps2, nw1_ptr, nw2_ptr, offs_k, GATHER, NORM1, TWO_X, NORM2, BLOCK_M, NORM_BLOCK_K)
+    m1, mm1, o11, k11, o21, i11, i21, a1, na1, b1, nb1 = m0, mm0, o10, k10, o20, i10, i20, a0, na0, b0, nb0
+    m2, mm2, o12, k12, o22, i12, i22, a2, na2, b2, nb2 = m0, mm0, o10, k10, o20, i10, i20, a0, na0, b0, nb0
+    m3, mm3, o13, k13, o23, i13, i23, a3, na3, b3, nb3 = m0, mm0, o10, k10, o20, i10, i20, a0, na0, b0, nb0
+    if M_TILES > 1:
+        m1, mm1, o11, k11, o21, i11, i21, a1, na1, b1, nb1 = _mt_rows(
+            x1_ptr, ids_ptr, x2_ptr, row0 + BLOCK_M, n_rows, stride_x1, stride_x2, table_rows, K,
+            K1, eps1, eps2, nw1_ptr, nw2_ptr, offs_k, GATHER, NORM1, TWO_X, NORM2, BLOCK_M,
+            NORM_BLOCK_K)
+    if M_TILES > 2:
+        m2, mm2, o12, k12, o22, i12, i22, a2, na2, b2, nb2 = _mt_rows(
+            x1_ptr, ids_ptr, x2_ptr, row0 + 2 * BLOCK_M, n_rows, stride_x1, stride_x2, table_rows,
+            K, K1, eps1, eps2, nw1_ptr, nw2_ptr, offs_k, GATHER, NORM1, TWO_X, NORM2, BLOCK_M,
+            NORM_BLOCK_K)
+    if M_TILES > 3:
+        m3, mm3, o13, k13, o23, i13, i23, a3, na3, b3, nb3 = _mt_rows(
+            x1_ptr, ids_ptr, x2_ptr, row0 + 3 * BLOCK_M, n_rows, stride_x1, stride_x2, table_rows,
+            K, K1, eps1, eps2, nw1_ptr, nw2_ptr, offs_k, GATHER, NORM1, TWO_X, NORM2, BLOCK_M,
+            NORM_BLOCK_K)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    # a static trip count, as _prologue_partial_kernel (tiles past K load nothing, add zeros)
+    for k0 in range(0, SPLIT_K, BLOCK_K):
+        kk = offs_k + k0
+        wt = tl.trans(tl.load(w_ptrs + k0, mask=n_mask[:, None] & (kk < K)[None, :], other=0.0))
+        acc0, a0, na0, b0, nb0 = _mt_step(x1_ptr, o10, k10, K1, nw1_ptr, x2_ptr, o20, mm0, nw2_ptr,
+                                          i10, i20, a0, na0, b0, nb0, kk, K, wt, acc0, TWO_X,
+                                          NORM1, NORM2, BLOCK_K)
+        if M_TILES > 1:
+            acc1, a1, na1, b1, nb1 = _mt_step(x1_ptr, o11, k11, K1, nw1_ptr, x2_ptr, o21, mm1,
+                                              nw2_ptr, i11, i21, a1, na1, b1, nb1, kk, K, wt,
+                                              acc1, TWO_X, NORM1, NORM2, BLOCK_K)
+        if M_TILES > 2:
+            acc2, a2, na2, b2, nb2 = _mt_step(x1_ptr, o12, k12, K1, nw1_ptr, x2_ptr, o22, mm2,
+                                              nw2_ptr, i12, i22, a2, na2, b2, nb2, kk, K, wt,
+                                              acc2, TWO_X, NORM1, NORM2, BLOCK_K)
+        if M_TILES > 3:
+            acc3, a3, na3, b3, nb3 = _mt_step(x1_ptr, o13, k13, K1, nw1_ptr, x2_ptr, o23, mm3,
+                                              nw2_ptr, i13, i23, a3, na3, b3, nb3, kk, K, wt,
+                                              acc3, TWO_X, NORM1, NORM2, BLOCK_K)
+    _mt_store(ws_ptr, split, n_rows, N, m0, mm0, offs_n, n_mask, acc0)
+    if M_TILES > 1:
+        _mt_store(ws_ptr, split, n_rows, N, m1, mm1, offs_n, n_mask, acc1)
+    if M_TILES > 2:
+        _mt_store(ws_ptr, split, n_rows, N, m2, mm2, offs_n, n_mask, acc2)
+    if M_TILES > 3:
+        _mt_store(ws_ptr, split, n_rows, N, m3, mm3, offs_n, n_mask, acc3)
+
+
 def _check_config(cfg: SplitKConfig) -> None:
     pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_n, cfg.block_k))
     check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,
@@ -118,7 +235,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
                            eps1: float = 1e-6, x2: torch.Tensor | None = None,
                            norm2: torch.Tensor | None = None, eps2: float = 1e-6,
                            silu_mul: bool = False, residual: torch.Tensor | None = None,
-                           config: SplitKConfig | None = None) -> None:
+                           config: SplitKConfig | None = None,
+                           tiles: str | None = None) -> Any:
     """out[n, N] = [p1(x1) | p2(x2)] @ weight^T in two launches: partials with the prologue in
     them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue).
 
@@ -131,6 +249,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     Bits: those of materialising the prologue as linear_prologue computes it, then linear_splitk
     (or linear_silu_mul_splitk) with the same config; independent of n (the module docstring
     says why). Not linear_prologue's bits: the split sums add K in another order.
+    tiles: a kernels.tiles SPLITK mode for the partials (None: its rule). Returns Triton's handle
+    of the partials launch (the sweep reads its PTX), or None.
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
@@ -142,16 +262,22 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
-        return
+        return None
     pdl = launch_kwargs(x1)
-    grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, cfg.block_n), shape[0])
-    _prologue_partial_kernel[grid](
-        x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
-        x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, weight, workspace,
-        n, rows, k, k1, x1.shape[0], float(eps1), float(eps2),
-        x1.stride(0), x2.stride(0) if x2 is not None else 0, weight.stride(0),
-        GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
-        NORM2=norm2 is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    t = tiling.choose(tiling.SPLITK, n, x1, tiles)
+    args = (x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
+            x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, weight, workspace,
+            n, rows, k, k1, x1.shape[0], float(eps1), float(eps2),
+            x1.stride(0), x2.stride(0) if x2 is not None else 0, weight.stride(0))
+    consts = dict(GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
+                  NORM2=norm2 is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
+                  num_warps=t.warps(cfg.num_warps), num_stages=cfg.num_stages, **pdl)
+    grid = (triton.cdiv(n, t.rows_per_program) * triton.cdiv(rows, cfg.block_n), shape[0])
+    if t.mode == tiling.MLOOP:
+        handle = _prologue_partial_mloop_kernel[grid](*args, BLOCK_M=BLOCK_M, M_TILES=t.m_tiles,
+                                                      **consts)
+    else:
+        handle = _prologue_partial_kernel[grid](*args, BLOCK_M=t.block_m, **consts)
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
+    return handle

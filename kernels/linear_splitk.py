@@ -3,6 +3,11 @@
 Fixed-size K splits (a split *size*, never a count from n): fp32 partials per split go to a
 workspace, a second kernel sums them serially in split order and rounds once, so a row's bits
 never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, gate_up, out, ws)`.
+
+The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
+the interpreter; at n > 16 on an H200 the M-tile loop (kernels.linear_wide: each weight tile
+loaded once for up to 4 row tiles of 16, the pinned tl.dot per tile) or BLOCK_M 64. Only tiles
+change, never BLOCK_N, BLOCK_K, the split size or the K order: not the bits. `tiles=` forces a mode.
 """
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels.linear import check_linear_operands
 from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
+# (kernels.tiles widens the program's row tile at n > 16 on an H200; the bits stay these)
 # Enough programs at n = 1 to fill a 132-SM H200: about 4 resident per SM (48 KB of shared
 # memory each at BLOCK_N = 32, 4 stages), so that enough weight bytes are in flight.
 TARGET_PROGRAMS = 512  # the first rule's aim; kept for the tuning script's variants
@@ -138,8 +145,27 @@ def reduce_partials(workspace: torch.Tensor, out: torch.Tensor, residual: torch.
         BLOCK=REDUCE_BLOCK, USE_PDL=bool(pdl), num_warps=REDUCE_WARPS, **pdl)
 
 
+def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor, cfg: SplitKConfig,
+                    pdl: dict[str, Any], mode: str | None = None) -> Any:
+    """The first launch: the fp32 partials [splits, n, rows] of x @ weight^T into workspace, at
+    the row tiles kernels.tiles picks for n (kind SPLITK; `mode` forces one). Returns Triton's
+    handle of the launch (the sweep reads its PTX)."""
+    n, k = x.shape
+    rows = weight.shape[0]
+    t = tiling.choose(tiling.SPLITK, n, x, mode)
+    if t.mode == tiling.MLOOP:  # imported here: kernels.linear_wide imports this module
+        from draft_circuit.kernels.linear_wide import splitk_partials
+        return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl)
+    grid = (triton.cdiv(n, t.block_m) * triton.cdiv(rows, cfg.block_n), workspace.shape[0])
+    return _partial_kernel[grid](
+        x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        USE_PDL=bool(pdl), num_warps=t.warps(cfg.num_warps), num_stages=cfg.num_stages, **pdl)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
-            config: SplitKConfig | None, silu_mul: bool, residual: torch.Tensor | None = None) -> None:
+            config: SplitKConfig | None, silu_mul: bool, residual: torch.Tensor | None = None,
+            mode: str | None = None) -> None:
     n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
     if residual is not None:
         check(tuple(residual.shape) == (n, n_out) and residual.dtype == out.dtype
@@ -156,32 +182,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
             out.copy_(residual) if residual is not None else out.zero_()
         return
     pdl = launch_kwargs(x)
-    grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, cfg.block_n), shape[0])
-    _partial_kernel[grid](
-        x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        USE_PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
-    )
+    launch_partials(x, weight, workspace, cfg, pdl, mode)
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
 
 
 def linear_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                   workspace: torch.Tensor | None = None, config: SplitKConfig | None = None,
-                  residual: torch.Tensor | None = None) -> None:
+                  residual: torch.Tensor | None = None, tiles: str | None = None) -> None:
     """out[n, N] = x[n, K] @ weight[N, K]^T (+ residual [n, N], added in the reduce kernel's
     epilogue after the product rounds: linear then add). x and weight share a float dtype; out
     any float dtype (the residual out's; out may alias it). Two launches: partials, then reduce.
 
     workspace: float32 `splitk_workspace_shape(n, N, K, config)`, allocated here if None.
+    tiles: a kernels.tiles SPLITK mode for the partials (None: its rule).
     """
-    _launch(x, weight, out, workspace, config, silu_mul=False, residual=residual)
+    _launch(x, weight, out, workspace, config, silu_mul=False, residual=residual, mode=tiles)
 
 
 def linear_silu_mul_splitk(x: torch.Tensor, gate_up_weight: torch.Tensor, out: torch.Tensor,
                            workspace: torch.Tensor | None = None,
-                           config: SplitKConfig | None = None) -> None:
+                           config: SplitKConfig | None = None, tiles: str | None = None) -> None:
     """out[n, I] = silu(x @ Wg^T) * (x @ Wu^T), gate_up_weight = [Wg; Wu] of shape [2I, K].
 
     Products, sums and activation in fp32, one rounding; workspace `splitk_workspace_shape(n, 2I, K)`.
+    tiles: a kernels.tiles SPLITK mode for the partials (None: its rule).
     """
-    _launch(x, gate_up_weight, out, workspace, config, silu_mul=True)
+    _launch(x, gate_up_weight, out, workspace, config, silu_mul=True, mode=tiles)

@@ -178,14 +178,24 @@ def linear_wide_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
     if n == 0 or n_out == 0:
         return None
     pdl = launch_kwargs(x)
-    grid = (triton.cdiv(n, BLOCK_M * tiles) * triton.cdiv(rows, cfg.block_n), shape[0])
-    handle = linear_wide_kernel[grid](
-        x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0), rows, 0,
-        SILU_MUL=False, SPLIT_K=cfg.split_k, M_TILES=tiles, BLOCK_M=BLOCK_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=bool(pdl), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl)
+    handle = splitk_partials(x, weight, workspace, cfg, tiles, pdl)
     sk.reduce_partials(workspace, out, None, n, n_out, rows, silu_mul, pdl)
     return handle
+
+
+def splitk_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor,
+                    cfg: sk.SplitKConfig, m_tiles: int, pdl: dict[str, Any]) -> Any:
+    """kernels.linear_splitk's partials launch (fp32 [splits, n, rows] into workspace, operands
+    checked by the caller) with m_tiles row tiles of 16 a program: the M-loop mode of
+    kernels.tiles' SPLITK rule. Returns Triton's handle."""
+    n, k = x.shape
+    rows = weight.shape[0]
+    grid = (triton.cdiv(n, BLOCK_M * m_tiles) * triton.cdiv(rows, cfg.block_n), workspace.shape[0])
+    return linear_wide_kernel[grid](
+        x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0), rows, 0,
+        SILU_MUL=False, SPLIT_K=cfg.split_k, M_TILES=m_tiles, BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=bool(pdl), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl)
 
 
 def linear_tiles(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool,
