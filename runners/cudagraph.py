@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -82,14 +82,20 @@ _DIVERT = threading.local()   # set in the thread whose Triton launches only com
 _PRECOMPILE_LOCK = threading.Lock()  # one diversion of Triton's launch entry at a time
 
 
+_PLAIN = (int, bool, float, str, type(None))
+
+
 @functools.lru_cache(maxsize=None)
-def _params(fn: Callable[..., Any]) -> tuple[tuple[str, ...], frozenset[str]]:
-    """A kernel's parameter names and which of them are `tl.constexpr`."""
+def _params(fn: Callable[..., Any]) -> tuple[str, tuple[bool, ...], dict[str, bool]]:
+    """A kernel's name, which of its parameters are `tl.constexpr` (in order, and by name)."""
     params = inspect.signature(fn).parameters
-    return tuple(params), frozenset(n for n, p in params.items() if "constexpr" in str(p.annotation))
+    flags = {n: "constexpr" in str(p.annotation) for n, p in params.items()}
+    return f"{fn.__module__}.{fn.__qualname__}", tuple(flags.values()), flags
 
 
 def _hashable(v: Any) -> Any:
+    if type(v) in _PLAIN:
+        return v
     try:
         hash(v)
         return v
@@ -102,30 +108,26 @@ def _arg_class(v: Any) -> Any:
     address is 16-byte aligned; an int's width and whether it is 1 (then a constant) or a
     multiple of 16; a bool, a float or None by type (None is a constant)."""
     if isinstance(v, torch.Tensor):
-        return ("tensor", str(v.dtype), v.data_ptr() % 16 == 0)
-    if isinstance(v, bool):
-        return ("bool",)
-    if isinstance(v, int):
-        return ("int", -2**31 <= v < 2**31, v == 1, v % 16 == 0)
-    if isinstance(v, float):
-        return ("float",)
-    if v is None:
-        return ("none",)
-    return (type(v).__name__, _hashable(v))
+        return (v.dtype, v.data_ptr() & 15 == 0)
+    kind = type(v)
+    if kind is int:
+        return (-2**31 <= v < 2**31, v == 1, v & 15 == 0)
+    if kind in _PLAIN:
+        return kind
+    return (kind, _hashable(v))
 
 
 def specialisation_key(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     """The compile a launch `kernel[grid](*args, **kwargs)` needs, as a hashable key at least as
     fine as Triton's own: the kernel, every constexpr's value, every other argument's class
-    (`_arg_class`) and the launch options (num_warps, launch_pdl, ...). The grid is not in it."""
-    fn = getattr(kernel, "fn", kernel)
-    names, constexprs = _params(fn)
-    bound = dict(zip(names, args))
-    bound.update((k, v) for k, v in kwargs.items() if k in names)
-    parts = tuple((n, _hashable(bound[n]) if n in constexprs else _arg_class(bound[n]))
-                  for n in names if n in bound)
-    options = tuple(sorted((k, _hashable(v)) for k, v in kwargs.items() if k not in names))
-    return (f"{fn.__module__}.{fn.__qualname__}", parts, options)
+    (`_arg_class`) and the launch options (num_warps, launch_pdl, ...). The grid is not in it.
+    (An argument given by name where another launch gives it in place makes a second key for
+    one compile: finer, never coarser.) On the precompile's path once per launch: kept lean."""
+    name, flags, by_name = _params(getattr(kernel, "fn", kernel))
+    parts = tuple([_hashable(v) if c else _arg_class(v) for v, c in zip(args, flags)])
+    named = tuple([(k, (_hashable(v) if by_name[k] else _arg_class(v)) if k in by_name
+                    else ("option", _hashable(v))) for k, v in kwargs.items()])
+    return (name, parts, named)
 
 
 @contextlib.contextmanager
@@ -151,7 +153,74 @@ def _compile_only(visit: Callable[[Any, tuple[Any, ...], dict[str, Any]], None])
         KernelInterface.__getitem__ = original
 
 
-def _async_mode(pool: ThreadPoolExecutor) -> Any:
+class ForkCompiler(Executor):
+    """An executor for Triton's AsyncCompileMode that compiles in forked children: Triton 3.6
+    holds the GIL through its MLIR and LLVM passes (measured: two threads compile no faster than
+    one), so threads only overlap ptxas. `submit` only collects; `run` forks `workers` children
+    from the calling thread (no other thread of ours runs then: a fork while another thread
+    holds a module's import lock deadlocks the child), which share the compiles through a pipe
+    and write each kernel into Triton's file cache, then completes every future here, where
+    the compile is a cache hit. The children inherit the compiles by fork (nothing is
+    pickled); one that fails or passes `timeout_s` leaves its compiles to this process, which
+    compiles them itself (and raises as a plain compile would)."""
+
+    def __init__(self, workers: int, timeout_s: float = 60.0) -> None:
+        self.workers, self.timeout_s = workers, timeout_s
+        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self.children_failed = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.append((functools.partial(fn, *args, **kwargs), future))
+        return future
+
+    def run(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        if jobs:
+            self._fork([fn for fn, _ in jobs])
+        for fn, future in jobs:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
+                future.set_exception(e)
+
+    def _fork(self, fns: list[Callable[[], Any]]) -> None:
+        read, write = os.pipe()
+        os.write(write, b"".join(i.to_bytes(4, "little") for i in range(len(fns))))
+        os.close(write)  # the children read to its end: one 4-byte index per compile
+        pids = []
+        for _ in range(min(self.workers, len(fns))):
+            pid = os.fork()
+            if pid == 0:  # a child: compile until the pipe is empty, then leave at once
+                code = 0
+                try:
+                    while len(got := os.read(read, 4)) == 4:
+                        try:
+                            fns[int.from_bytes(got, "little")]()
+                        except BaseException:  # noqa: BLE001 - the parent compiles it again
+                            code = 1
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.close(read)
+        deadline = time.monotonic() + self.timeout_s
+        while pids:
+            for pid in list(pids):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    pids.remove(pid)
+                    self.children_failed += status != 0
+            if pids and time.monotonic() > deadline:
+                for pid in pids:  # hung (or slow): what is left compiles here
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                self.children_failed += len(pids)
+                break
+            if pids:
+                time.sleep(0.002)
+
+
+def _async_mode(pool: Executor) -> Any:
     """Triton's AsyncCompileMode over `pool` (3.4+: a warm-up compiles in the pool and returns a
     future); a plain context where this Triton has none (each compile then runs in place)."""
     try:
@@ -181,16 +250,18 @@ def _load(kernel: Any, device: int | None) -> None:
             kernel._run = None  # the lazy path builds it again
 
 
-def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads: int | None = None
-               ) -> Precompiled:
+def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads: int | None = None,
+                       fork: bool | None = None) -> Precompiled:
     """Compile every Triton kernel specialisation `widths`' launch lists need, in parallel, and
     launch nothing: each launch that may compile (`ProgramRunner.kernel_launches`) runs its
     launcher with `kernel[grid](...)` diverted to a visit. A launch whose `specialisation_key` is
     new becomes `kernel.warmup`-style `run(..., warmup=True)` under Triton's AsyncCompileMode,
-    so compiles (MLIR passes, LLVM, ptxas) run in `threads` pool threads; then each compiled
-    kernel's launcher is built and its module loaded, in the pool too. Under TRITON_INTERPRET
-    a warm-up compiles nothing, so on CPU this only visits and records the keys."""
+    so compiles run `threads` at a time: in forked children (`ForkCompiler`; `fork`, default:
+    on a CUDA device) or else in pool threads; then each compiled kernel's launcher is built
+    (gcc) and its module loaded, in pool threads. Under TRITON_INTERPRET a warm-up compiles
+    nothing, so on CPU this only visits and records the keys."""
     threads = threads or min(16, os.cpu_count() or 1)
+    fork = program.device.type == "cuda" if fork is None else fork
     keys: set[tuple[Any, ...]] = set()
     compiled: dict[int, Any] = {}
     visited = 0
@@ -207,11 +278,15 @@ def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads
             compiled.setdefault(id(got), got)
 
     start = time.perf_counter()
+    forked = ForkCompiler(threads) if fork and hasattr(os, "fork") else None
+    # the pool's threads start at its first use: after the forks
     with _PRECOMPILE_LOCK, ThreadPoolExecutor(threads, thread_name_prefix="precompile") as pool:
-        with _async_mode(pool), _compile_only(visit):
+        with _async_mode(forked or pool), _compile_only(visit):
             for w in widths:
                 for x in program.kernel_launches(w):
                     x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
+            if forked is not None:
+                forked.run()
         # AsyncCompileMode's exit waited for every compile; a future now holds its kernel
         done = (f.result(ignore_errors=True) if hasattr(f, "result") else f
                 for f in compiled.values())

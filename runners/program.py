@@ -143,6 +143,7 @@ class ProgramRunner:
             select_for=_select_for(compiled)) if guard else None
         self._guarded = {k: torch.empty_like(self.static_inputs[k]) for k in GUARDED} \
             if self.guard is not None else {}
+        self._views: dict[tuple[Slot, int], torch.Tensor] = {}
         self._bound = {w: [*self._bind_guard(w), *(self._bind(x, w) for x in p.launches)]
                        for w, p in compiled.programs.items()}
         self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
@@ -271,9 +272,18 @@ class ProgramRunner:
                            collective=is_collective(launch.op, launch.kernel))
 
     def _view(self, s: Slot, width: int) -> torch.Tensor:
+        """The tensor slot `s` names at `width`; one view per slot (and width, for a state) is
+        made and shared by every launch binding it (64 widths bind thousands of slots)."""
+        key = (s, width if s.where == "state" else 0)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._make_view(s, width)
+        return view
+
+    def _make_view(self, s: Slot, width: int) -> torch.Tensor:
         dtype = torch_dtype(s.dtype)
         if s.where == "arena":
-            nbytes = _numel(s.shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = _numel(s.shape) * dtype.itemsize
             return self.arena[s.offset:s.offset + nbytes].view(dtype).view(s.shape)
         if s.where == "param":
             return self.compiled.params[s.name]
