@@ -5,9 +5,9 @@ the target layers it taps), optionally over a reduced draft vocabulary (`EngineC
 The constructor reads as the lifecycle: size the KV pools, build the target circuit, build the
 proposer (for --forward circuit, compile its chains' bindings and install the runners), then the
 scheduler. Each
-`step` admits and prefills what fits, then runs one decode step for the whole running batch:
-draft, verify every sequence's [last token, drafts...] in one target pass, accept, trim, catch
-up. The output is target-only greedy decoding's, token for token.
+`step` admits what fits, then runs one decode step for the running batch: draft, verify every
+sequence's [last token, drafts...] in one target pass (the prompts of sequences admitted beside
+a running batch in the same pass), accept, trim, catch up. The output is target-only greedy decoding's, token for token.
 """
 from __future__ import annotations
 
@@ -193,40 +193,66 @@ class Engine:
         return Result(requests, [s.generated for s in seqs], self.stats)
 
     def step(self) -> None:
-        admitted = self.scheduler.admit()
-        if admitted:
-            self._prefill(admitted)
+        """Admit what fits, then one decode step for the sequences already running. A sequence
+        admitted while others run has its prompt prefilled in that step's target pass (its rows
+        after the verify rows: `merge_prefill`), so an admission costs no pass of its own, and
+        decodes from the next step; with nothing running (the first admission, or a batch that
+        finished together) the prefill is its own pass and the new sequences decode at once."""
         running = [s for s in self.scheduler.running if not s.finished]
+        admitted = self.scheduler.admit()
+        merged = admitted if admitted and running and self._merges(running) else []
+        if admitted and not merged:
+            self._prefill(admitted)
+            running = [s for s in self.scheduler.running if not s.finished]
         if running:
             self.stats.steps += 1
             self.stats.widths[len(running)] = self.stats.widths.get(len(running), 0) + 1
             if self.proposer is not None:
-                self._decode(running)
+                self._decode(running, merged)
             else:
-                self._decode_plain(running)
+                self._decode_plain(running, merged)
         for s in [s for s in self.scheduler.running if s.finished]:
             self._finish(s)
+
+    #: prefill admitted sequences in the running batch's decode pass (row-wise ops give every row
+    #: the bits it has alone, so the output is the same; one target pass fewer per admission)
+    merge_prefill: bool = True
+
+    def _merges(self, running: list[Sequence]) -> bool:
+        """Whether this step's admissions join its decode pass: not on the device-resident draft
+        path (its verify input is the proposer's device tensor, launched as it is)."""
+        return self.merge_prefill and (self.proposer is None or not self._on_device(len(running)))
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         outs = self.target.run(seqs, [s.request.prompt for s in seqs])
         self.stats.target_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rows = self._prefilled(seqs, outs)
+        if rows:
+            self._catch_up(rows)
+        self.stats.draft_s += time.perf_counter() - t0
+
+    def _prefilled(self, seqs: Seq[Sequence], outs: list[RowsOut]) -> list[tuple]:
+        """After a prefill pass: each sequence's rows, hidden and first token, its drafter state,
+        and the drafter rows it needs (`_catch_up`'s items): the prompt pairs (prompt[i+1], h_i),
+        i < P-1, catch-up rows at positions 1..P-1."""
         for s, out in zip(seqs, outs):
             s.blocks.set_rows(s.num_prompt)
             s.hidden = out.hiddens[-1]
             self.stats.generated += len(s.append([out.tokens[-1]], self.checkpoint.eos_token_id))
-        if self.proposer is not None:
-            t0 = time.perf_counter()
-            for s in seqs:
-                s.draft_state = self.proposer.alloc_state()
-            # prefill_drafter for all at once: the prompt pairs (prompt[i+1], h_i), i < P-1,
-            # are catch-up rows at positions 1..P-1
-            live = [(s, o) for s, o in zip(seqs, outs) if s.num_prompt > 1 and not s.finished]
-            if live:
-                self.proposer.catchup_batch([s.request.prompt[1:] for s, _ in live],
-                                            [o.hiddens[:s.num_prompt - 1] for s, o in live],
-                                            [1] * len(live), [s.draft_state for s, _ in live])
-            self.stats.draft_s += time.perf_counter() - t0
+        if self.proposer is None:
+            return []
+        for s in seqs:
+            s.draft_state = self.proposer.alloc_state()
+        return [(s, s.request.prompt[1:], o.hiddens[:s.num_prompt - 1], 1)
+                for s, o in zip(seqs, outs) if s.num_prompt > 1 and not s.finished]
+
+    def _catch_up(self, rows: list[tuple]) -> None:
+        """Every (sequence, tokens, their target hiddens, first position) in one proposer call."""
+        assert self.proposer is not None
+        self.proposer.catchup_batch([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+                                    [r[0].draft_state for r in rows])
 
     #: drafts stay on the device through verify (propose_batch_on_device); None: on CUDA only
     #: (CPU keeps the host-returning path; a test sets True to run the device path on CPU)
@@ -237,9 +263,11 @@ class Engine:
             else torch.device(self.config.device).type == "cuda"
         return on and n * (self.k + 1) <= self.target.model.max_rows  # one target pass
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> None:
         """Draft, verify [last token, drafts...] of every sequence in one target pass, accept,
         trim (target rows and drafter rows), then catch the drafter up on the rows it lacks.
+        `prefill`: admitted sequences whose prompts ride in the same pass, after the verify rows
+        (host path only); their drafter rows join the same catch-up call.
 
         On the device path (CUDA) the drafts never come back before verify: the verify input is
         the proposer's device tensor (`draft_on_device`), launched straight behind the chain.
@@ -255,19 +283,25 @@ class Engine:
         assert self.proposer is not None
         t0 = time.perf_counter()
         on_device = self._on_device(len(seqs))
+        if prefill and on_device:
+            raise RuntimeError("a prefill merged into a device-resident verify (see _merges)")
         tokens = draft_on_device(self.proposer, seqs, self.k, self.stats.draft_batches) \
             if on_device else None
+        prefilled: list[RowsOut] = []
         if tokens is None:  # the host-returning path, or a batch the proposer declined
             drafts = (draft_each if on_device else draft)(self.proposer, seqs, self.k,
                                                           self.stats.draft_batches)
             t1 = time.perf_counter()
-            outs = self.target.run(seqs, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
+            outs = self.target.run([*seqs, *prefill], [[s.last_token, *d] for s, d in zip(seqs, drafts)]
+                                   + [s.request.prompt for s in prefill])
+            outs, prefilled = outs[:len(seqs)], outs[len(seqs):]
         else:
             t1 = time.perf_counter()
             outs = self._verify_on_device(seqs, tokens)
             drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()
-        catchup = []  # (sequence, tokens, their target hiddens, first position)
+        # (sequence, tokens, their target hiddens, first position): the merged prompts' first
+        catchup = self._prefilled(prefill, prefilled)
         eos = self.checkpoint.eos_token_id
         accepted = [accept(d, out.tokens) for d, out in zip(drafts, outs)]
         states = [s.draft_state for s in seqs]
@@ -293,8 +327,7 @@ class Engine:
                 catchup.append(self._missing_rows(s, known, known_from, key))
         catchup = [c for c in catchup if c[1]]
         if catchup:  # enqueued, not waited for: the next propose runs behind it
-            self.proposer.catchup_batch([c[1] for c in catchup], [c[2] for c in catchup],
-                                        [c[3] for c in catchup], [c[0].draft_state for c in catchup])
+            self._catch_up(catchup)
         self.stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
         self.stats.target_s += t2 - t1
 
@@ -334,11 +367,14 @@ class Engine:
                                f"but this step holds target hiddens from {known_from} on")
         return (s, s.tokens[first:last + 1], known[first - 1 - known_from:last - known_from], first)
 
-    def _decode_plain(self, seqs: list[Sequence]) -> None:
+    def _decode_plain(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> None:
+        """One target pass of every sequence's last token (and `prefill`'s prompts after them)."""
         t0 = time.perf_counter()
-        outs = self.target.run(seqs, [[s.last_token] for s in seqs])
+        outs = self.target.run([*seqs, *prefill], [[s.last_token] for s in seqs]
+                               + [s.request.prompt for s in prefill])
         self.stats.target_s += time.perf_counter() - t0
-        for s, out in zip(seqs, outs):
+        self._prefilled(prefill, outs[len(seqs):])
+        for s, out in zip(seqs, outs[:len(seqs)]):
             s.blocks.set_rows(s.num_cached + 1)
             self.stats.generated += len(s.append(out.tokens, self.checkpoint.eos_token_id))
 
