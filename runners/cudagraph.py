@@ -164,8 +164,10 @@ class ForkCompiler(Executor):
     pickled); one that fails or passes `timeout_s` leaves its compiles to this process, which
     compiles them itself (and raises as a plain compile would)."""
 
-    def __init__(self, workers: int, timeout_s: float = 60.0) -> None:
-        self.workers, self.timeout_s = workers, timeout_s
+    def __init__(self, workers: int, timeout_s: float = 30.0,
+                 then: Callable[[Any], None] | None = None) -> None:
+        """`then(result)` runs in the child after each compile (the launcher's build)."""
+        self.workers, self.timeout_s, self.then = workers, timeout_s, then
         self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
         self.children_failed = 0
 
@@ -196,8 +198,10 @@ class ForkCompiler(Executor):
                 try:
                     while len(got := os.read(read, 4)) == 4:
                         try:
-                            fns[int.from_bytes(got, "little")]()
-                        except BaseException:  # noqa: BLE001 - the parent compiles it again
+                            result = fns[int.from_bytes(got, "little")]()
+                            if self.then is not None:
+                                self.then(result)
+                        except BaseException:  # noqa: BLE001 - the parent does it again
                             code = 1
                 finally:
                     os._exit(code)
@@ -230,6 +234,15 @@ def _async_mode(pool: Executor) -> Any:
     # a compile that fails is left to the launch that needs it, which raises where the width's
     # capture can count the failure (GraphRunner serves the other widths)
     return AsyncCompileMode(pool, ignore_errors=True)
+
+
+def _build_launcher(kernel: Any) -> None:
+    """Build a compiled kernel's launcher (Triton 3.x: a C module, gcc on a cold cache) into
+    Triton's file cache, host code only: what a forked compile child does after each compile,
+    so the parent's `_load` finds it built."""
+    from triton.runtime.driver import driver
+
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def _load(kernel: Any, device: int | None) -> None:
@@ -278,7 +291,7 @@ def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads
             compiled.setdefault(id(got), got)
 
     start = time.perf_counter()
-    forked = ForkCompiler(threads) if fork and hasattr(os, "fork") else None
+    forked = ForkCompiler(threads, then=_build_launcher) if fork and hasattr(os, "fork") else None
     # the pool's threads start at its first use: after the forks
     with _PRECOMPILE_LOCK, ThreadPoolExecutor(threads, thread_name_prefix="precompile") as pool:
         with _async_mode(forked or pool), _compile_only(visit):
