@@ -153,7 +153,7 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['precompile_s']:.2f} s ({r['precompile_kernels']} kernels, {r['precompile_keys']} "
             f"keys, {r['precompile_threads']} threads) + rest of capture "
             f"{r['capture_wall_s'] - r['precompile_s']:.2f} s = {r['compile_plus_capture_s']:.2f} s; "
-            f"sum capture_ms {r['capture_ms_sum']:.0f}, max {max(r['capture_ms'].values()):.0f} ms; "
+            f"sum capture_ms {r['capture_ms_sum']:.0f}, max {max(r['capture_ms'].values(), default=0):.0f} ms; "
             f"pool {r['pool_bytes_sum'] / 2**20:.1f} MiB reserved beyond the "
             f"{r['arena_bytes'] / 2**20:.1f} MiB arena; warmed {r['warmed_widths']}; failures "
             f"{len(r['failures'])}; replay == program {r['replay_equals_program']}")
