@@ -2,11 +2,12 @@
 
 The lifecycle reads in the constructor: bind the program runner (arena and static buffers are
 allocated before any capture, so no address moves), make every static input row inert, compile
-every Triton specialisation the widths launch in parallel threads (`precompile_kernels`; a
-width's warm-up or capture then compiles nothing), then for each width, largest first, warm up (once per `warmup_class`) and capture, on one stream with no
-device sync between widths; each width's capture time and the graph pool's reserved growth go
-to `stats` and into the plan report (`CompiledDraft.record_capture`). A width whose capture fails is not served (the
-reason is logged and counted; `strict=True` raises instead) and the others keep working.
+every Triton specialisation the widths launch, in parallel (`precompile_kernels`: no warm-up or
+capture compiles then), then for each width, largest first, warm up (once per `warmup_class`)
+and capture, on one stream with no device sync between widths; each width's capture time and
+the graph pool's reserved growth go to `stats` and into the plan report
+(`CompiledDraft.record_capture`). A width whose capture fails is not served (the reason is
+logged and counted; `strict=True` raises instead) and the others keep working.
 Every CUDA call is behind `cuda_available()`, so importing this on a CPU-only torch is safe.
 Single-caller: a second thread entering `run`/`execute` while one is inside raises
 `ConcurrentCallError` (runners/single_caller.py).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import sys
@@ -33,7 +33,7 @@ import torch
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
-from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level
+from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level, specialisation_key
 from draft_circuit.runners.device import cuda_available
 from draft_circuit.runners.single_caller import single_caller
 
@@ -45,10 +45,10 @@ class CaptureError(RuntimeError):
 
 
 def warmup_class(n: int) -> tuple[bool, bool]:
-    """The kernel configurations width n compiles (issue 15 item 5): Triton specialises integer
-    arguments equal to 1 or divisible by 16, and every other launch argument (strides, 256-byte
-    aligned arena offsets) is the same at every width, so one warm-up per class compiles and
-    settles everything the class's widths launch."""
+    """Width n's warm-up class: Triton specialises ints equal to 1 or divisible by 16. After the
+    precompile a warm-up compiles nothing and settles what else the class launches; without it,
+    a width meeting a compile its class did not foresee (a constexpr following n, e.g. the input
+    guard's next_power_of_2(n) block) fails its capture and is retried with a warm-up."""
     return (n == 1, n % 16 == 0)
 
 
@@ -66,10 +66,8 @@ class CaptureStats:
 # ---- precompile: every Triton specialisation the widths launch, compiled before any capture ----
 @dataclass
 class Precompiled:
-    """What `precompile_kernels` did: the specialisation keys of the launches it visited (one
-    per distinct compile; `specialisation_key`), how many launches it visited, the kernels
-    Triton compiled or found in its caches and the wall time, compiles and module loads
-    included."""
+    """What `precompile_kernels` did: the launches' distinct `specialisation_key`s, how many
+    launches it visited, the kernels compiled (or found cached) and loaded, the wall time."""
 
     keys: set[tuple[Any, ...]]
     launches: int
@@ -80,54 +78,6 @@ class Precompiled:
 
 _DIVERT = threading.local()   # set in the thread whose Triton launches only compile
 _PRECOMPILE_LOCK = threading.Lock()  # one diversion of Triton's launch entry at a time
-
-
-_PLAIN = (int, bool, float, str, type(None))
-
-
-@functools.lru_cache(maxsize=None)
-def _params(fn: Callable[..., Any]) -> tuple[str, tuple[bool, ...], dict[str, bool]]:
-    """A kernel's name, which of its parameters are `tl.constexpr` (in order, and by name)."""
-    params = inspect.signature(fn).parameters
-    flags = {n: "constexpr" in str(p.annotation) for n, p in params.items()}
-    return f"{fn.__module__}.{fn.__qualname__}", tuple(flags.values()), flags
-
-
-def _hashable(v: Any) -> Any:
-    if type(v) in _PLAIN:
-        return v
-    try:
-        hash(v)
-        return v
-    except TypeError:
-        return repr(v)
-
-
-def _arg_class(v: Any) -> Any:
-    """What Triton (3.x) compiles a non-constexpr argument for: a tensor's dtype and whether its
-    address is 16-byte aligned; an int's width and whether it is 1 (then a constant) or a
-    multiple of 16; a bool, a float or None by type (None is a constant)."""
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() & 15 == 0)
-    kind = type(v)
-    if kind is int:
-        return (-2**31 <= v < 2**31, v == 1, v & 15 == 0)
-    if kind in _PLAIN:
-        return kind
-    return (kind, _hashable(v))
-
-
-def specialisation_key(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
-    """The compile a launch `kernel[grid](*args, **kwargs)` needs, as a hashable key at least as
-    fine as Triton's own: the kernel, every constexpr's value, every other argument's class
-    (`_arg_class`) and the launch options (num_warps, launch_pdl, ...). The grid is not in it.
-    (An argument given by name where another launch gives it in place makes a second key for
-    one compile: finer, never coarser.) On the precompile's path once per launch: kept lean."""
-    name, flags, by_name = _params(getattr(kernel, "fn", kernel))
-    parts = tuple([_hashable(v) if c else _arg_class(v) for v, c in zip(args, flags)])
-    named = tuple([(k, (_hashable(v) if by_name[k] else _arg_class(v)) if k in by_name
-                    else ("option", _hashable(v))) for k, v in kwargs.items()])
-    return (name, parts, named)
 
 
 @contextlib.contextmanager
@@ -154,27 +104,23 @@ def _compile_only(visit: Callable[[Any, tuple[Any, ...], dict[str, Any]], None])
 
 
 class ForkCompiler(Executor):
-    """An executor for Triton's AsyncCompileMode that compiles in forked children: Triton 3.6
-    holds the GIL through its MLIR and LLVM passes (measured: two threads compile no faster than
-    one), so threads only overlap ptxas. `submit` only collects; `run` forks `workers` children
-    from the calling thread (no other thread of ours runs then: a fork while another thread
-    holds a module's import lock deadlocks the child), which share the compiles through a pipe
-    and write each kernel into Triton's file cache, then completes every future here, where
-    the compile is a cache hit. The children inherit the compiles by fork (nothing is
-    pickled); one that fails or passes `timeout_s` leaves its compiles to this process, which
-    compiles them itself (and raises as a plain compile would)."""
+    """Triton's AsyncCompileMode executor that compiles in forked children (Triton 3.6 holds the
+    GIL through most of a compile: two threads compiled no faster than one). `submit` only
+    collects; `run` forks `workers` children from the calling thread before any thread of ours
+    starts (a fork while a thread holds an import lock hangs the child), which share the jobs
+    through a pipe, run each (a compile fills Triton's file cache) and `then(result)`; then it
+    completes every future here, where a compile is a cache hit. A child that fails or passes
+    `timeout_s` leaves its jobs to this process (which raises as a plain compile would)."""
 
     def __init__(self, workers: int, timeout_s: float = 30.0,
                  then: Callable[[Any], None] | None = None) -> None:
-        """`then(result)` runs in the child after each compile (the launcher's build)."""
         self.workers, self.timeout_s, self.then = workers, timeout_s, then
         self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
         self.children_failed = 0
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._jobs.append((functools.partial(fn, *args, **kwargs), future))
-        return future
+        self._jobs.append((functools.partial(fn, *args, **kwargs), Future()))
+        return self._jobs[-1][1]
 
     def run(self) -> None:
         jobs, self._jobs = self._jobs, []
@@ -189,11 +135,11 @@ class ForkCompiler(Executor):
     def _fork(self, fns: list[Callable[[], Any]]) -> None:
         read, write = os.pipe()
         os.write(write, b"".join(i.to_bytes(4, "little") for i in range(len(fns))))
-        os.close(write)  # the children read to its end: one 4-byte index per compile
+        os.close(write)  # the children read to its end: one 4-byte index per job
         pids = []
         for _ in range(min(self.workers, len(fns))):
             pid = os.fork()
-            if pid == 0:  # a child: compile until the pipe is empty, then leave at once
+            if pid == 0:  # a child: run jobs until the pipe is empty, then leave at once
                 code = 0
                 try:
                     while len(got := os.read(read, 4)) == 4:
@@ -208,71 +154,51 @@ class ForkCompiler(Executor):
             pids.append(pid)
         os.close(read)
         deadline = time.monotonic() + self.timeout_s
-        while pids:
+        while pids and time.monotonic() < deadline:
             for pid in list(pids):
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     pids.remove(pid)
                     self.children_failed += status != 0
-            if pids and time.monotonic() > deadline:
-                for pid in pids:  # hung (or slow): what is left compiles here
-                    os.kill(pid, 9)
-                    os.waitpid(pid, 0)
-                self.children_failed += len(pids)
-                break
-            if pids:
-                time.sleep(0.002)
-
-
-def _async_mode(pool: Executor) -> Any:
-    """Triton's AsyncCompileMode over `pool` (3.4+: a warm-up compiles in the pool and returns a
-    future); a plain context where this Triton has none (each compile then runs in place)."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        return contextlib.nullcontext()
-    # a compile that fails is left to the launch that needs it, which raises where the width's
-    # capture can count the failure (GraphRunner serves the other widths)
-    return AsyncCompileMode(pool, ignore_errors=True)
+            time.sleep(0.002)
+        for pid in pids:  # hung (or slow): what is left runs here
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        self.children_failed += len(pids)
 
 
 def _build_launcher(kernel: Any) -> None:
-    """Build a compiled kernel's launcher (Triton 3.x: a C module, gcc on a cold cache) into
-    Triton's file cache, host code only: what a forked compile child does after each compile,
-    so the parent's `_load` finds it built."""
+    """A compile child's `then`: build the kernel's launcher (Triton 3.x: a C module, gcc) into
+    Triton's file cache, host code only, so the parent's `_load` finds it built."""
     from triton.runtime.driver import driver
 
     driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def _load(kernel: Any, device: int | None) -> None:
-    """Build a compiled kernel's launcher (a C module, gcc on a cold cache) and load its binary
-    onto CUDA device index `device` (None: CPU), what its first launch would do (so not inside a
-    capture). A failure is left to that first launch, which tries again and raises there."""
-    init = getattr(kernel, "_init_handles", None)
-    if init is None:
-        return
+    """Get a kernel's launcher and load its binary onto CUDA device `device`, what its first
+    launch would do (so not in a capture). A failure is left to that launch to retry and raise."""
     try:
         if device is not None:
             torch.cuda.set_device(device)  # a pool thread starts on device 0
-        init()
+        kernel._init_handles()
     except Exception as e:  # noqa: BLE001 - retried (and raised) by the kernel's first launch
-        log.debug("loading %s ahead of its first launch failed: %s", getattr(kernel, "name", kernel), e)
-        if getattr(kernel, "module", None) is None and not isinstance(getattr(kernel, "_run", None),
-                                                                     functools.partial):
-            kernel._run = None  # the lazy path builds it again
+        log.debug("loading %s ahead of its first launch failed: %s", kernel, e)
+        if getattr(kernel, "module", 1) is None and not isinstance(kernel._run, functools.partial):
+            kernel._run = None  # a launcher without its module: the lazy path builds both again
 
 
 def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads: int | None = None,
                        fork: bool | None = None) -> Precompiled:
-    """Compile every Triton kernel specialisation `widths`' launch lists need, in parallel, and
-    launch nothing: each launch that may compile (`ProgramRunner.kernel_launches`) runs its
-    launcher with `kernel[grid](...)` diverted to a visit. A launch whose `specialisation_key` is
-    new becomes `kernel.warmup`-style `run(..., warmup=True)` under Triton's AsyncCompileMode,
-    so compiles run `threads` at a time: in forked children (`ForkCompiler`; `fork`, default:
-    on a CUDA device) or else in pool threads; then each compiled kernel's launcher is built
-    (gcc) and its module loaded, in pool threads. Under TRITON_INTERPRET a warm-up compiles
-    nothing, so on CPU this only visits and records the keys."""
+    """Compile every Triton specialisation `widths`' launches need, in parallel, launching
+    nothing: each launch that may compile (`ProgramRunner.kernel_launches`) runs its launcher
+    with `kernel[grid](...)` diverted to a visit; a new `specialisation_key` becomes
+    `run(..., warmup=True)` under Triton's AsyncCompileMode (3.4+; without it compiles run in
+    place), compiled `threads` at a time in forked children (`ForkCompiler`; `fork` defaults to
+    a CUDA device) or pool threads, a failed one left to its launch; then the kernels are
+    loaded in pool threads. Interpreted (CPU), it only visits and records the keys."""
+    from triton.runtime import _async_compile
+
     threads = threads or min(16, os.cpu_count() or 1)
     fork = program.device.type == "cuda" if fork is None else fork
     keys: set[tuple[Any, ...]] = set()
@@ -283,27 +209,26 @@ def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads
         nonlocal visited
         visited += 1
         key = specialisation_key(kernel, args, kwargs)
-        if key in keys:
-            return
-        keys.add(key)
-        got = kernel.run(*args, grid=None, warmup=True, **kwargs)
-        if got is not None:
-            compiled.setdefault(id(got), got)
+        if key not in keys:
+            keys.add(key)
+            got = kernel.run(*args, grid=None, warmup=True, **kwargs)
+            if got is not None:
+                compiled.setdefault(id(got), got)
 
     start = time.perf_counter()
     forked = ForkCompiler(threads, then=_build_launcher) if fork and hasattr(os, "fork") else None
     # the pool's threads start at its first use: after the forks
     with _PRECOMPILE_LOCK, ThreadPoolExecutor(threads, thread_name_prefix="precompile") as pool:
-        with _async_mode(forked or pool), _compile_only(visit):
+        mode = getattr(_async_compile, "AsyncCompileMode", None)
+        with (mode(forked or pool, ignore_errors=True) if mode else contextlib.nullcontext()), \
+                _compile_only(visit):
             for w in widths:
                 for x in program.kernel_launches(w):
                     x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
             if forked is not None:
-                forked.run()
-        # AsyncCompileMode's exit waited for every compile; a future now holds its kernel
-        done = (f.result(ignore_errors=True) if hasattr(f, "result") else f
-                for f in compiled.values())
-        kernels = {id(k): k for k in done if k is not None}
+                forked.run()  # AsyncCompileMode's exit then finds every future done
+        done = (f.result(ignore_errors=True) if hasattr(f, "result") else f for f in compiled.values())
+        kernels = {id(k): k for k in done if k is not None and hasattr(k, "_init_handles")}
         device = program.device
         index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
@@ -331,9 +256,8 @@ class GraphRunner:
         """`fail_widths` makes those widths' capture fail on purpose (tests of the fallback).
         `group`: the process group of the circuit's collectives (NCCL; they are captured too).
         `guard=False` captures a chain without its input guard (benchmarks/guard_cost.py).
-        `precompile` (default): compile every kernel specialisation the widths launch first, in
-        `precompile_threads` threads (`precompile_kernels`), so no width compiles in its warm-up
-        or capture; False leaves compiles to the warm-ups (benchmarks/capture_time.py's before)."""
+        `precompile` (default): `precompile_kernels` over `precompile_threads` workers first, so
+        no warm-up or capture compiles; False leaves compiles to the warm-ups (the old path)."""
         if not cuda_available():
             raise CaptureError("GraphRunner needs a CUDA device; use ProgramRunner on CPU")
         start = time.perf_counter()
@@ -352,8 +276,7 @@ class GraphRunner:
                 self.stats.precompile = precompile_kernels(self.program, widths,
                                                            threads=precompile_threads)
             except Exception as e:  # noqa: BLE001 - only a speed-up: the warm-ups compile instead
-                log.warning("precompiling the kernels failed (%s: %s); the warm-ups compile them",
-                            type(e).__name__, e)
+                log.warning("precompiling the kernels failed (%r); the warm-ups compile them", e)
         # one capture stream for every width, and no device sync between widths (what
         # torch.cuda.graph adds per capture: a sync and an empty_cache); warm-up only for the
         # first width of each warmup_class

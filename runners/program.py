@@ -17,12 +17,17 @@ Input values: a draft chain's program starts with the input guard's launch (one 
 every other launch reads its guarded copies of tokens, block_tables, live_rows and active: a bad
 row runs inert and `check_faults()` raises `RunnerInputError` naming it (runners/input_guard.py).
 On CPU `run` also refuses bad values on the host before anything runs (runners/input_values.py).
+
+`kernel_launches(n)` lists what of width n may JIT-compile, and `specialisation_key` names the
+compile a Triton launch needs: GraphRunner's precompile (runners/cudagraph.py) uses both.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -87,6 +92,37 @@ def kernel_launch(op_name: str, kernel: str, attrs: Any = None, group: Any = Non
                 return k.on_group(resolve_group(op_name, attrs, group))
             return k.launch
     raise KeyError(f"op {op_name!r} has no kernel {kernel!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Callable[..., Any]) -> tuple[str, tuple[bool, ...], dict[str, bool]]:
+    """A kernel's name, which of its parameters are `tl.constexpr` (in order, and by name)."""
+    flags = {n: "constexpr" in str(p.annotation) for n, p in inspect.signature(fn).parameters.items()}
+    return f"{fn.__module__}.{fn.__qualname__}", tuple(flags.values()), flags
+
+
+def _arg_class(v: Any) -> Any:
+    """What Triton (3.x) compiles a non-constexpr argument for: a tensor's dtype and 16-byte
+    alignment; an int's width and whether it is 1 (a constant) or a multiple of 16; a bool, a
+    float or None by type."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() & 15 == 0)
+    if type(v) is int:
+        return (-2**31 <= v < 2**31, v == 1, v & 15 == 0)
+    return type(v) if type(v) in (bool, float, type(None)) else (type(v), v)
+
+
+def specialisation_key(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The compile `kernel[grid](*args, **kwargs)` needs, as a key at least as fine as Triton's
+    own: the kernel, each constexpr's value, each other argument's `_arg_class`, the launch
+    options (num_warps, launch_pdl, ...); not the grid. (An argument given by name where another
+    launch gives it in place makes two keys for one compile: finer, never coarser.) What
+    GraphRunner's precompile dedupes a 64-width plan's thousands of launches by."""
+    name, flags, by_name = _params(getattr(kernel, "fn", kernel))
+    parts = tuple([v if c else _arg_class(v) for v, c in zip(args, flags)])
+    named = tuple([(k, (v if by_name[k] else _arg_class(v)) if k in by_name else ("option", v))
+                   for k, v in kwargs.items()])
+    return (name, parts, named)
 
 
 class RebindError(RuntimeError):
