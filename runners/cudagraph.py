@@ -35,6 +35,7 @@ from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level, specialisation_key
 from draft_circuit.runners.device import cuda_available
+from draft_circuit.runners.no_device_work import no_device_work
 from draft_circuit.runners.single_caller import single_caller
 
 log = logging.getLogger(__name__)
@@ -220,8 +221,10 @@ def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads
     # the pool's threads start at its first use: after the forks
     with _PRECOMPILE_LOCK, ThreadPoolExecutor(threads, thread_name_prefix="precompile") as pool:
         mode = getattr(_async_compile, "AsyncCompileMode", None)
+        # no_device_work: the diverted kernels leave their outputs unwritten, so a launcher's own
+        # torch ops (an embedding over an argmax's ids) must not compute on them either
         with (mode(forked or pool, ignore_errors=True) if mode else contextlib.nullcontext()), \
-                _compile_only(visit):
+                _compile_only(visit), no_device_work(program.device.type):
             for w in widths:
                 for x in program.kernel_launches(w):
                     x.fn(x.inputs, x.outputs, x.workspace, x.attrs)

@@ -183,3 +183,27 @@ def test_capture_after_precompile_compiles_nothing():
     assert fired == [] and runner.widths == tuple(WIDTHS)
     precompiled = GraphRunner(compiled, states, strict=True).stats.precompile
     assert precompiled is not None and precompiled.keys == done.keys
+
+
+
+def test_a_launchers_own_torch_ops_do_no_work_on_what_diverted_kernels_left(monkeypatch):
+    """The H200 regression: the diverted kernels leave their outputs unwritten, so a launcher's
+    own torch ops met garbage: an embedding over ids an argmax kernel would have written was an
+    out-of-range gather, a device-side assert that killed the CUDA context. The launchers now
+    run under `no_device_work`: nothing computes, nothing is written, the Triton launch beside
+    them is still visited."""
+    from types import SimpleNamespace
+
+    table, state = torch.randn(10, 4), torch.zeros(6, 4)
+    ids = torch.full((3,), 10_000_000)  # what an unwritten arena slot may hold
+
+    def launcher(inputs, outputs, workspace, attrs):
+        emb = table.index_select(0, ids)  # IndexError if it ran
+        state.index_copy_(0, torch.tensor([0, 1, 2]), emb)
+        _probe[(1,)](emb, 3, 2.0, BLOCK=4)
+
+    x = SimpleNamespace(fn=launcher, inputs=[], outputs=[], workspace=None, attrs=None)
+    fake = SimpleNamespace(kernel_launches=lambda w: [x], device=torch.device("cpu"))
+    done = precompile_kernels(fake, [1, 2], threads=1, fork=False)  # type: ignore[arg-type]
+    assert done.launches == 2 and len(done.keys) == 1
+    assert torch.equal(state, torch.zeros(6, 4)), "a launcher's torch write ran"
