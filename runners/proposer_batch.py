@@ -48,6 +48,12 @@ def settle_held(p: "MtpProposer", states: Sequence[object], slots: np.ndarray) -
     """Settle whatever deferred drafts `states` (`p`'s, at `slots`) hold."""
     t = p.slots
     if t.num_pending:  # else no slot holds deferred drafts: nothing to do
+        batch = p.device_drafts.batch
+        if batch is not None and batch.slots is slots and not batch.dropped and not batch.done:
+            # the latest device batch's own states (slots_of's array for them), every one still
+            # holding it (a state holds one pending at most): settling it settles them all
+            batch.settle()
+            return
         pending = t.pending[slots]
         held = pending[pending != None].tolist()  # noqa: E711  (elementwise)
         if held:  # a device batch's drafts (one read for all its states), or deferred ones

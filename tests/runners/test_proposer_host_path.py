@@ -10,7 +10,9 @@ import torch
 
 from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
 from draft_circuit.runners.proposer_slots import SlotBlocks, SlotTable
-from tests.runners.test_proposer import K, hidden, make, prefilled
+from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
+
+CFG_HIDDEN = CFG.hidden_size
 
 
 class _Handle:
@@ -208,3 +210,24 @@ def test_every_widths_views_are_made_at_construction():
     for r in (chain, kv):
         assert (set(r._staged), set(p.staging._region(r).hidden_rows)) == made[id(r)]
     assert len(p.device_drafts._shapes) == views
+
+
+def test_a_batch_read_settles_a_deferred_propose_made_after_its_state_left_the_batch():
+    """settle_held's shortcut (the latest device batch's own states settle with it, when every
+    one still holds it) next to a state that left the batch: handed over and back (which
+    settles the batch), then proposed alone with its drafts deferred, the batch's states read
+    together give that state its deferred drafts, and nothing stays pending."""
+    p = make("circuit", num_blocks=200, max_blocks_per_seq=12)
+    states = [prefilled(p, 80 + i, length=9)[0] for i in range(3)]
+    keys = p.last_pair_keys(states)
+    assert p.propose_batch_on_device([5] * 3, hidden(3, 3), [k + 2 for k in keys], K, states)
+    s = states[1]
+    blocks, rows, key = p.take_drafter_kv(s)
+    assert p.install_drafter_kv(s, blocks, rows, key)
+    embed = torch.zeros(CFG_HIDDEN)
+    deferred = p.propose(6, hidden(4), key + 2, K, s, embed_target=embed)
+    want = [int(t) for t in deferred.tolist() if t >= 0]
+    want = want[:next((i for i, t in enumerate(deferred.tolist()) if t < 0), len(want))]
+    got = p.last_drafts(states)
+    assert p.slots.num_pending == 0
+    assert got[1] == want and s.last_drafts == want
