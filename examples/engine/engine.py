@@ -7,7 +7,8 @@ proposer (for --forward circuit, compile its chains' bindings and install the ru
 scheduler. Each
 `step` admits what fits, then runs one decode step for the running batch: draft, verify every
 sequence's [last token, drafts...] in one target pass (the prompts of sequences admitted beside
-a running batch in the same pass), accept, trim, catch up. The output is target-only greedy decoding's, token for token.
+a running batch in the same pass), accept, trim, catch up. The output is target-only greedy
+decoding's, token for token.
 """
 from __future__ import annotations
 
@@ -300,7 +301,7 @@ class Engine:
             outs = self._verify_on_device(seqs, tokens)
             drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()
-        # (sequence, tokens, their target hiddens, first position): the merged prompts' first
+        # (sequence, tokens, their target hiddens, first position): the merged prompts' rows first
         catchup = self._prefilled(prefill, prefilled)
         eos = self.checkpoint.eos_token_id
         accepted = [accept(d, out.tokens) for d, out in zip(drafts, outs)]
