@@ -3,7 +3,7 @@
 A simulated decode loop on one `MtpProposer` (random weights; config and weight builders are
 benchmarks/draft_chain.py's): n sequences, each prefilled with ~`--live` drafter rows; a step
 is propose (k drafts) -> the host reads the drafts once (a verify stands there in an engine) ->
-`after_verify(a)` with a seeded random acceptance a in 0..k -> `catchup_batch` of the a
+`after_verify_batch` with seeded random acceptances a in 0..k -> `catchup_batch` of the a
 accepted tokens. Two columns per config and width, on the same proposer, weights, seeds and
 acceptances:
 
@@ -266,7 +266,9 @@ class Loop:
         """One decode step's draft side; returns the catch-up rows."""
         p, k = self.p, self.s.num_drafts
         tokens = [self.rng.randrange(self.config.vocab_size) for _ in states]
-        pos = [p.last_pair_key(st) + 2 for st in states]
+        # the batch calls an engine makes (examples/engine: last_pair_keys, after_verify_batch),
+        # not a proposer call a sequence, which would bill the driver's loop as host overhead
+        pos = [q + 2 for q in p.last_pair_keys(states)]
         if mode == "before":
             drafts = p.propose_batch(tokens, self.hid, pos, k, states)
             assert drafts is not None, p.last_served
@@ -275,8 +277,7 @@ class Loop:
                 p.last_served
             drafts = p.last_drafts(states)  # the step's one read (an engine's verify read)
         accepted = [self.rng.randint(0, len(d)) for d in drafts]
-        for st, a in zip(states, accepted):
-            p.after_verify(a, st)
+        p.after_verify_batch(accepted, states)
         p.catchup_batch([d[:a] for d, a in zip(drafts, accepted)],
                         [h[:a] for h, a in zip(self.catch_h, accepted)],
                         [q + 1 for q in pos], states)
