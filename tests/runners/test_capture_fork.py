@@ -5,6 +5,7 @@ parent, which completes the future; a child that fails or hangs leaves the work 
 parent. Checked here with plain functions standing in for compiles (CPU, no Triton needed)."""
 from __future__ import annotations
 
+import inspect
 import os
 import time
 
@@ -77,3 +78,29 @@ def test_a_hung_child_is_killed_at_the_timeout():
     pool.run()
     assert f.result() == 7 and time.monotonic() - start < 10
     assert pool.children_failed == 1
+
+
+def test_triton_async_compile_mode_drives_it(tmp_path):
+    """The contract precompile relies on: Triton's AsyncCompileMode submits each compile to the
+    executor, `run` completes the futures, and the mode's exit finalizes every one of them."""
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    parent = os.getpid()
+    finalized = {}
+
+    def compile_fn(i):
+        if os.getpid() != parent:
+            (tmp_path / f"c{i}").write_text("compiled in a child")
+        return f"kernel{i}"
+    # Triton 3.6 (the GPU host's) submits (key, compile, finalize); later ones add a cleanup
+    cleanup = (lambda k: None,) if "cleanup_fn" in inspect.signature(AsyncCompileMode.submit).parameters else ()
+    pool = ForkCompiler(2)
+    with AsyncCompileMode(pool, ignore_errors=True) as mode:
+        kernels = [mode.submit(("key", i), lambda i=i: compile_fn(i),
+                               lambda k, i=i: finalized.__setitem__(i, k), *cleanup) for i in range(3)]
+        again = mode.submit(("key", 0), lambda: compile_fn(99), lambda k: None, *cleanup)
+        pool.run()
+    assert again is kernels[0]  # one compile per key
+    assert finalized == {0: "kernel0", 1: "kernel1", 2: "kernel2"}
+    assert [k.result() for k in kernels] == ["kernel0", "kernel1", "kernel2"]
+    assert all((tmp_path / f"c{i}").exists() for i in range(3)) and not (tmp_path / "c99").exists()
