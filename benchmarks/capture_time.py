@@ -79,6 +79,8 @@ def _child(config: str, variant: str, widths: int) -> dict[str, Any]:
         "precompile_keys": len(pre.keys) if pre else 0,
         "precompile_launches": pre.launches if pre else 0,
         "precompile_threads": pre.threads if pre else 0,
+        "precompile_forked": pre.forked if pre else False,
+        "precompile_children_failed": pre.children_failed if pre else 0,
         "capture_wall_s": capture_wall_s,
         "compile_plus_capture_s": compile_s + capture_wall_s,
         "capture_ms_sum": sum(st.capture_ms.values()),
@@ -151,7 +153,8 @@ def _line(r: dict[str, Any]) -> str:
         return f"{r['config']:>12} {r['variant']:>6}: ERROR {r['error'][-300:]}"
     return (f"{r['config']:>12} {r['variant']:>6}: compile {r['compile_s']:.2f} s + precompile "
             f"{r['precompile_s']:.2f} s ({r['precompile_kernels']} kernels, {r['precompile_keys']} "
-            f"keys, {r['precompile_threads']} threads) + rest of capture "
+            f"keys, {r['precompile_threads']} {'forked children' if r['precompile_forked'] else 'threads'}, "
+            f"{r['precompile_children_failed']} failed) + rest of capture "
             f"{r['capture_wall_s'] - r['precompile_s']:.2f} s = {r['compile_plus_capture_s']:.2f} s; "
             f"sum capture_ms {r['capture_ms_sum']:.0f}, max {max(r['capture_ms'].values(), default=0):.0f} ms; "
             f"pool {r['pool_bytes_sum'] / 2**20:.1f} MiB reserved beyond the "

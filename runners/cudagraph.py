@@ -75,6 +75,8 @@ class Precompiled:
     kernels: int
     seconds: float
     threads: int
+    forked: bool = False       # compiled in forked children (ForkCompiler)
+    children_failed: int = 0   # of those, children that failed or hung (their work ran here)
 
 
 _DIVERT = threading.local()   # set in the thread whose Triton launches only compile
@@ -237,7 +239,9 @@ def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads
             if device.type == "cuda" else None
         list(pool.map(functools.partial(_load, device=index), kernels.values()))
     return Precompiled(keys=keys, launches=visited, kernels=len(kernels),
-                       seconds=time.perf_counter() - start, threads=threads)
+                       seconds=time.perf_counter() - start, threads=threads,
+                       forked=forked is not None,
+                       children_failed=forked.children_failed if forked is not None else 0)
 
 
 def _progress_bar(total: int) -> Any:
