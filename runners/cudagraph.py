@@ -191,6 +191,14 @@ def _load(kernel: Any, device: int | None) -> None:
             kernel._run = None  # a launcher without its module: the lazy path builds both again
 
 
+def precompile_mode() -> str:
+    """CIRCUIT_PRECOMPILE: `fork` (unset; forked children on CUDA), `threads` or `off`."""
+    mode = os.environ.get("CIRCUIT_PRECOMPILE", "").strip() or "fork"
+    if mode not in ("fork", "threads", "off"):
+        raise ValueError(f"CIRCUIT_PRECOMPILE must be fork, threads or off, got {mode!r}")
+    return mode
+
+
 def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads: int | None = None,
                        fork: bool | None = None) -> Precompiled:
     """Compile every Triton specialisation `widths`' launches need, in parallel, launching
@@ -203,7 +211,7 @@ def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads
     from triton.runtime import _async_compile
 
     threads = threads or min(16, os.cpu_count() or 1)
-    fork = program.device.type == "cuda" if fork is None else fork
+    fork = program.device.type == "cuda" and precompile_mode() == "fork" if fork is None else fork
     keys: set[tuple[Any, ...]] = set()
     compiled: dict[int, Any] = {}
     visited = 0
@@ -278,7 +286,7 @@ class GraphRunner:
         # warm-up writes no KV
         fill_neutral(compiled.circuit, self.program.static_inputs, 0, scratch_block)
         widths = sorted(compiled.widths, reverse=True)  # largest first: the pool fits the rest
-        if precompile:
+        if precompile and precompile_mode() != "off":
             try:
                 self.stats.precompile = precompile_kernels(self.program, widths,
                                                            threads=precompile_threads)

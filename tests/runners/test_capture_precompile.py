@@ -208,3 +208,16 @@ def test_a_launchers_own_torch_ops_do_no_work_on_what_diverted_kernels_left(monk
     done = precompile_kernels(fake, [1, 2], threads=1, fork=False)  # type: ignore[arg-type]
     assert done.launches == 2 and len(done.keys) == 1
     assert torch.equal(state, torch.zeros(6, 4)), "a launcher's torch write ran"
+
+
+def test_precompile_mode_reads_its_knob_and_names_a_bad_value(monkeypatch):
+    from draft_circuit.runners.cudagraph import precompile_mode
+
+    monkeypatch.delenv("CIRCUIT_PRECOMPILE", raising=False)
+    assert precompile_mode() == "fork"
+    for v in ("threads", "off", " fork "):
+        monkeypatch.setenv("CIRCUIT_PRECOMPILE", v)
+        assert precompile_mode() == v.strip()
+    monkeypatch.setenv("CIRCUIT_PRECOMPILE", "yes")
+    with pytest.raises(ValueError, match="CIRCUIT_PRECOMPILE.*'yes'"):
+        precompile_mode()
