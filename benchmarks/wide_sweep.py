@@ -12,7 +12,13 @@ Candidates (family = the kernel whose per-row bits they are compared against):
   splitk family (ref `splitk`, kernels.linear_splitk at its default config; K-split shapes):
   splitk_mloop, the split-K partials with the M-tile loop. cublas (torch.matmul; gate_up: the
   [n, 2I] product only) and lm_fused (kernels.argmax_logprob, token + logprob) have no ref:
-  only their own width invariance is checked.
+  only their own width invariance is checked. `rule` / `splitk_rule`: the production launcher
+  at kernels.tiles' rule (pinned tiles at n <= 16; at n > 16 BLOCK_M 64 / 4 warps, split-K the
+  M-tile loop); the refs force the pinned tiles (tiles="pinned").
+  chain shapes (benchmarks/wide_chain.py): the 8B chain's fused linears as it binds them (q/k/v
+  with its norm, gate_up with norm + SwiGLU, the eh_proj split-K prologue with embedding, two
+  norms and concat, o / down split-K with the residual add), `pinned` (ref) against `rule` and
+  for the split-K ones a forced `mloop` and `bm64`.
 
 Per (shape, candidate, n): us per launch (a CUDA graph of 20 launches cycling weight copies
 that exceed the L2, replayed REPLAYS times, events, median), GB/s of weight bytes, and per row
@@ -47,19 +53,23 @@ if "--dry-run" in sys.argv:  # before triton is imported: its interpreter runs t
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks import wide_chain as wc  # noqa: E402
 from draft_circuit.kernels import argmax_logprob as am  # noqa: E402
 from draft_circuit.kernels import linear_splitk as sk  # noqa: E402
 from draft_circuit.kernels import linear_wide as lw  # noqa: E402
+from draft_circuit.kernels import tiles  # noqa: E402
 from draft_circuit.kernels.linear import linear, linear_silu_mul  # noqa: E402
 
 WIDTHS, DRY_WIDTHS = (1, 8, 16, 32, 64), (1, 17)
 LAUNCHES, REPLAYS = 20, 5
 ROTATE_BYTES = 128 << 20  # > 2x the H200's 50 MB L2: every launch streams its weight from HBM
-# (name, weight rows, K, SwiGLU); 8B-class draft chain
-SHAPES = [("gate_up", 2 * 14336, 4096, True), ("down", 4096, 14336, False),
+# (name, weight rows, K, SwiGLU); 8B-class draft chain: its fused linears first (the rule's
+# verdict), then the plain products
+SHAPES = wc.CHAIN_SHAPES + [("gate_up", 2 * 14336, 4096, True), ("down", 4096, 14336, False),
           ("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("eh_proj", 4096, 8192, False),
           ("lm_head", 128256, 4096, False)]
-DRY_SHAPES = [("gate_up", 2 * 40, 64, True), ("down", 40, 256, False), ("lm_head", 72, 64, False)]
+DRY_SHAPES = [("gate_up", 2 * 40, 64, True), ("down", 40, 256, False), ("lm_head", 72, 64, False)
+              ] + wc.DRY_CHAIN_SHAPES
 DRY_SPLIT = sk.SplitKConfig(block_n=16, split_k=128, block_k=32, num_stages=2)
 # candidate -> (family, tiles (block_m, block_n, warps, stages) for linear_tiles, or None)
 TILES = {"pinned": (16, 32, 4, 4), "bm32": (32, 32, 4, 4), "bm64_w4": (64, 32, 4, 4),
@@ -109,19 +119,22 @@ def mma_of(handle: Any) -> str | None:
 def candidates(name: str, rows: int, k: int, silu: bool, dry: bool) -> dict[str, tuple[str | None, Callable]]:
     """candidate -> (family ref or None, fn(x, w, out, ws) -> Triton handle or None)."""
     out: dict[str, tuple[str | None, Callable]] = {}
+    fn = linear_silu_mul if silu else linear
     for cand, (bm, bn, warps, stages) in TILES.items():
-        if cand == "pinned":  # the production launcher (its PTX: `pinned_handle`)
-            fn = linear_silu_mul if silu else linear
-            out[cand] = ("pinned", lambda x, w, o, ws, fn=fn: fn(x, w, o))
+        if cand == "pinned":  # the production launcher at its pinned tiles (its PTX: linear_tiles')
+            out[cand] = ("pinned", lambda x, w, o, ws: fn(x, w, o, tiles=tiles.PINNED))
         else:
             out[cand] = ("pinned", lambda x, w, o, ws, t=(bm, bn, warps, stages): lw.linear_tiles(
                 x, w, o, silu, t[0], t[1], t[2], t[3]))
     for cand, bn in (("mloop", 32), ("mloop_bn64", 64)):
         cfg = lw.WideConfig(block_n=bn)
         out[cand] = ("pinned", lambda x, w, o, ws, cfg=cfg: lw.linear_wide(x, w, o, silu, config=cfg))
+    out["rule"] = ("pinned", lambda x, w, o, ws: fn(x, w, o))
     split = DRY_SPLIT if dry else sk.default_config(rows, k)
     if name != "lm_head" and not silu and sk.num_splits(rows, k, split) >= 2:
-        out["splitk"] = ("splitk", lambda x, w, o, ws: sk.linear_splitk(x, w, o, ws, split))
+        out["splitk"] = ("splitk", lambda x, w, o, ws: sk.linear_splitk(x, w, o, ws, split,
+                                                                        tiles=tiles.PINNED))
+        out["splitk_rule"] = ("splitk", lambda x, w, o, ws: sk.linear_splitk(x, w, o, ws, split))
         out["splitk_mloop"] = ("splitk", lambda x, w, o, ws: lw.linear_wide_splitk(x, w, o, ws, split))
     out["cublas"] = (None, lambda x, w, o, ws: torch.matmul(x, w.t(), out=o))
     return out
@@ -152,12 +165,14 @@ def sweep_shape(name: str, rows: int, k: int, silu: bool, widths, dev, dt, dry: 
     nmax = max(widths)
     X = torch.randn(nmax, k, generator=gen, device=dev).to(dt)
     cols = rows // 2 if silu else rows
-    cands = candidates(name, rows, k, silu, dry)
+    split = DRY_SPLIT if dry else sk.default_config(rows, k)
+    chain = name in wc.NAMES
+    cands = (wc.chain_candidates(name, rows, k, X, split, dev, dt) if chain
+             else candidates(name, rows, k, silu, dry))
     if name == "lm_head":
         cands["lm_fused"] = (None, None)  # type: ignore[assignment]
     if only:
         cands = {c: v for c, v in cands.items() if c in only or c in ("pinned", "splitk")}
-    split = DRY_SPLIT if dry else sk.default_config(rows, k)
 
     def workspace(n: int) -> torch.Tensor:
         return torch.empty(sk.splitk_workspace_shape(n, rows, k, split), dtype=torch.float32, device=dev)
@@ -178,7 +193,7 @@ def sweep_shape(name: str, rows: int, k: int, silu: bool, widths, dev, dt, dry: 
             return fused, dst
         wide = cand == "cublas" and silu  # the [n, 2I] product only
         dst = torch.empty(n, rows if wide else cols, dtype=dt, device=dev)
-        ws = workspace(n) if cand.startswith("splitk") else None
+        ws = workspace(n) if cand.startswith("splitk") or name in wc.SPLIT_SHAPES else None
         return (lambda i, x: fn(x, ws_[max(i, 0) % copies], dst, ws)), dst  # i < 0: the check, copy 0
 
     def alone(cand: str, fn) -> torch.Tensor:
@@ -211,7 +226,7 @@ def sweep_shape(name: str, rows: int, k: int, silu: bool, widths, dev, dt, dry: 
                 e["us"] = round(graph_us(lambda i: launch(i, x), dev.type == "cuda"), 2)
                 e["gbps"] = round(nbytes / (e["us"] * 1e3), 1)
                 handle = launch(-1, x)
-                if cand == "pinned":  # the same kernel, constants and launch as kernels.linear's
+                if cand == "pinned" and not chain:  # kernels.linear's kernel, constants, launch
                     handle = lw.linear_tiles(x, ws_[0], torch.empty_like(dst), silu, *TILES[cand])
                 e["mma"] = mma_of(handle)
                 e.update(row_report(dst.clone(), refs.get(family) if family else None, own))
@@ -233,26 +248,31 @@ def compile_only(worker: int, jobs: int, shapes, dev, dt, dry: bool, only: set[s
     row count here is a multiple of 16) and the same split config (it follows K alone)."""
     j = 0
     for name, rows, k, silu in shapes:
-        small = rows if dry else 256 if name == "lm_head" else 128 if silu else 64
+        # q/k/v's thirds stay multiples of 16 (as 4096 / 1024 / 1024): the same specialisation
+        small = rows if dry else 256 if name == "lm_head" else 128 if silu else 96 if name == "qkv_norm" else 64
         w = torch.randn(small, k, device=dev).to(dt)
-        cands: dict[str, Any] = candidates(name, small, k, silu, dry)
+        X = torch.randn(64, k, device=dev).to(dt)
+        split = DRY_SPLIT if dry else sk.default_config(small, k)
+        cands: dict[str, Any] = (wc.chain_candidates(name, small, k, X, split, dev, dt)
+                                 if name in wc.NAMES else candidates(name, small, k, silu, dry))
         if name == "lm_head":
             cands["lm_fused"] = (None, lambda x, w, o, ws: am.linear_argmax_logprob(
                 x, w, torch.empty(x.shape[0], dtype=torch.int32, device=dev),
                 torch.empty(x.shape[0], dtype=torch.float32, device=dev)))
-        split = DRY_SPLIT if dry else sk.default_config(small, k)
         for cand, (_, fn) in cands.items():
             j += 1
             if (j - 1) % jobs != worker or cand == "cublas" or (only and cand not in only
                                                                   and cand not in ("pinned", "splitk")):
                 continue
-            for n in (1, 32, 64):
-                x = torch.randn(n, k, device=dev).to(dt)
+            # X[1:2]: a lone row past the first, as the sweep's row-alone runs launch it (the
+            # chain's ids slice there is not 16-byte aligned: a specialisation of its own)
+            for r0, n in ((0, 1), (1, 1), (0, 32), (0, 64)):
+                x = X[r0:r0 + n]
                 dst = torch.empty(n, small // 2 if silu else small, dtype=dt, device=dev)
                 ws = torch.empty(sk.splitk_workspace_shape(n, small, k, split), dtype=torch.float32,
                                  device=dev)
                 fn(x, w, dst, ws)
-                if cand == "pinned":
+                if cand == "pinned" and name not in wc.NAMES:
                     lw.linear_tiles(x, w, dst, silu, *TILES[cand])
     if dev.type == "cuda":
         torch.cuda.synchronize()

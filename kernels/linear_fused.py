@@ -1,7 +1,7 @@
 """Skinny linears with what their neighbours did folded into a prologue or an epilogue, so a draft
 step launches fewer kernels (issue 15). Every kernel here keeps kernels.linear's pinned BLOCK_N,
 BLOCK_K, stages and K order, so a row's bits never depend on n. The row tile follows
-kernels.tiles' rule (kind LINEAR) like kernels.linear's: BLOCK_M 16 at n <= 16 and under the
+kernels.tiles' rule (kind PROLOGUE) like kernels.linear's: BLOCK_M 16 at n <= 16 and under the
 interpreter, BLOCK_M 64 with 4 warps at n > 16 on an H200 (tiles only, never BLOCK_K or the K
 order: not the bits; the launchers' `tiles=` forces a mode):
 
@@ -234,7 +234,7 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
     rounded again (linear then add). Floats share one dtype except out (any float).
     prefetch: the first weight tile is loaded before the PDL wait and dependents are released
     after the first K step (the same products in the same order: the same bits; a variant for
-    the tuning pass to measure, GPU only in effect). tiles: a kernels.tiles LINEAR mode to
+    the tuning pass to measure, GPU only in effect). tiles: a kernels.tiles PROLOGUE mode to
     force (None: its rule).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
@@ -242,7 +242,7 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x1)
-    t = tiling.choose(tiling.LINEAR, n, x1, tiles)
+    t = tiling.choose(tiling.PROLOGUE, n, x1, tiles)
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
     linear_prologue_kernel[grid](
         x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
@@ -264,7 +264,7 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                        tiles: str | None = None) -> None:
     """outs[i][n, N_i] = rmsnorm(x, norm_weight, eps) @ weights[i]^T for three weights, one
-    launch; the normed row is never stored. tiles: a kernels.tiles LINEAR mode to force."""
+    launch; the normed row is never stored. tiles: a kernels.tiles PROLOGUE mode to force."""
     check(len(weights) == 3 and len(outs) == 3,
           lambda: f"rmsnorm_linear_qkv takes three weights and three outputs, got {len(weights)}, {len(outs)}")
     _rows_contiguous("x", x)
@@ -278,7 +278,7 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         check_operand(f"out{i}", o, (n, w.shape[0]), FLOAT_DTYPES, x.device)
     if n == 0:
         return
-    t = tiling.choose(tiling.LINEAR, n, x, tiles)
+    t = tiling.choose(tiling.PROLOGUE, n, x, tiles)
     num_m = triton.cdiv(n, t.block_m)
     grid = (sum(num_m * triton.cdiv(w.shape[0], BLOCK_N) for w in weights),)
     pdl = launch_kwargs(x)

@@ -1,8 +1,8 @@
 """The one width rule for the skinny linears' tiles (issue 15 item 3): which tile a launch uses at
 width n, chosen so that a row's bits never depend on n.
 
-What decides a row's bits is BLOCK_K, the K order, the split size of split-K and the 16-row
-tl.dot operand a row sits in (row % 16); the tile *shape* around it does not: the H200 sweep
+What decides a row's bits is BLOCK_K, the K order and the split size of split-K; the tile
+*shape* around the row did not, where measured: the H200 sweep
 (benchmarks/wide_sweep.py, 2026-12-03, bf16, sm90) gave every row of every candidate tiling
 (BLOCK_M 16/32/64, BLOCK_N 32..128, 2..8 warps, 3..4 stages, wgmma at BLOCK_M 64 with 4 warps)
 bitwise the pinned kernel's row-alone bits. So the launchers may widen the tile with n while
@@ -13,18 +13,21 @@ BLOCK_N, BLOCK_K, stages, the split config and the K loop stay the pinned ones. 
   n <= WIDE_FROM_N (16): PINNED, today's tiles (BLOCK_M 16, the launcher's pinned warps). Under
   the interpreter tl.dot is numpy's matmul, whose sums over a [64, K] block are not those over
   [16, K] ones: a wide tile there would make a row's bits depend on n.
-- CUDA sm90, n > 16, kind LINEAR (kernels.linear's linear / linear_silu_mul,
-  kernels.linear_fused's linear_prologue and rmsnorm_linear_qkv): BM64, BLOCK_M 64 and 4 warps
+- CUDA sm90, n > 16, kinds LINEAR (kernels.linear's linear / linear_silu_mul) and PROLOGUE
+  (kernels.linear_fused's linear_prologue and rmsnorm_linear_qkv): BM64, BLOCK_M 64 and 4 warps
   (one warpgroup: wgmma). At the 8B shapes, n = 64: gate_up 122.9 -> 72.5 us, down 76.5 -> 42.3,
-  q/k/v 31.5 -> 18.1, o 24.1 -> 14.1 (the plain kernel; the sweep measures the prologue ones).
+  q/k/v 31.5 -> 18.1, o 24.1 -> 14.1 (the plain kernel; benchmarks/wide_chain.py has the sweep
+  measure the prologue ones, bits included).
 - CUDA sm90, n > 16, kind SPLITK (kernels.linear_splitk's partials, kernels.linear_fused_splitk's
-  prologue partials): SPLITK_WIDE, MLOOP by default: BLOCK_M 16 and min(4, cdiv(n, 16)) row tiles
+  prologue partials): MLOOP by default: BLOCK_M 16 and min(4, cdiv(n, 16)) row tiles
   a program, each weight tile loaded once a K step for all of them and one pinned-shape tl.dot
   per row tile (bitwise by construction, the interpreter included); BM64 the alternative the
   sweep measures (o at n = 64: splitk 25.4 -> M-loop 14.7 us; eh_proj 45.6 -> 28.7).
 
-`mode=` forces a mode (any device, any n): the sweep's candidates and the tests use it; the op
-bindings never pass it. `describe(kind, n, t)` names the tile a launch gets, for reports.
+Each kind's wide mode is WIDE[kind]: a GPU run that finds a kind's wide mode slower, or not
+bitwise, sets it to PINNED (or SPLITK's to BM64) there and nowhere else. `mode=` forces a mode
+(any device, any n): the sweep's candidates and the tests use it; the op bindings never pass
+it. `describe(kind, n, t)` names the tile a launch gets, for reports.
 """
 from __future__ import annotations
 
@@ -37,13 +40,14 @@ import triton
 from draft_circuit.kernels._common import check, interpreting
 
 PINNED, BM64, MLOOP = "pinned", "bm64", "mloop"
-LINEAR, SPLITK = "linear", "splitk"
-MODES = {LINEAR: (PINNED, BM64), SPLITK: (PINNED, BM64, MLOOP)}
+LINEAR, PROLOGUE, SPLITK = "linear", "prologue", "splitk"
+MODES = {LINEAR: (PINNED, BM64), PROLOGUE: (PINNED, BM64), SPLITK: (PINNED, BM64, MLOOP)}
+# the mode a kind takes at n > WIDE_FROM_N where wide tiles are allowed
+WIDE = {LINEAR: BM64, PROLOGUE: BM64, SPLITK: MLOOP}
 WIDE_FROM_N = 16  # n above this takes the wide tile: at n <= 16 the pinned tile is as fast or faster
 PINNED_BLOCK_M = 16  # the smallest tl.dot tile (kernels.linear.BLOCK_M)
 WIDE_BLOCK_M, WIDE_WARPS = 64, 4  # one warpgroup of 4 warps over 64 rows: Hopper's wgmma
 MAX_M_TILES = 4  # MLOOP: 16-row tiles a program covers (64 rows, the chain's widest n)
-SPLITK_WIDE = MLOOP  # SPLITK's wide mode; BM64 if the extended sweep shows it faster
 MEASURED_ARCH = (9, 0)  # the bits were checked on sm90 only; other GPUs keep the pinned tiles
 
 
@@ -96,15 +100,15 @@ def _tiles(mode: str, n: int) -> Tiles:
 
 
 def choose(kind: str, n: int, t: torch.Tensor, mode: str | None = None) -> Tiles:
-    """The tiles a `kind` (LINEAR or SPLITK) launch of n rows on tensors like t uses: the module
-    docstring's rule, or `mode` where given (checked against the kind)."""
+    """The tiles a `kind` (LINEAR, PROLOGUE or SPLITK) launch of n rows on tensors like t uses:
+    the module docstring's rule, or `mode` where given (checked against the kind)."""
     check(kind in MODES, lambda: f"tile kind must be one of {sorted(MODES)}, got {kind!r}")
     if mode is not None:
         check(mode in MODES[kind], lambda: f"{kind} tiles: mode must be one of {MODES[kind]}, got {mode!r}")
         return _tiles(mode, n)
     if n <= WIDE_FROM_N or not wide_allowed(t):
         return _tiles(PINNED, n)
-    return _tiles(BM64 if kind == LINEAR else SPLITK_WIDE, n)
+    return _tiles(WIDE[kind], n)
 
 
 def describe(kind: str, n: int, t: torch.Tensor, mode: str | None = None) -> str:

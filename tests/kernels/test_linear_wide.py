@@ -110,19 +110,39 @@ def test_sweep_cpu_smoke(tmp_path, monkeypatch):
         raise AssertionError("a --dry-run sweep called CUDA")
     monkeypatch.setattr(torch.cuda, "Event", refuse)
     monkeypatch.setattr(torch.cuda, "synchronize", refuse)
-    ws.main(["--dry-run", "--out", str(tmp_path), "--candidates", "mloop,bm64_w4,splitk_mloop,cublas,lm_fused"])
+    ws.main(["--dry-run", "--out", str(tmp_path), "--shapes", "gate_up,down,lm_head",
+             "--candidates", "mloop,bm64_w4,splitk_mloop,cublas,lm_fused,rule,splitk_rule"])
     data = json.loads((tmp_path / "wide_sweep.json").read_text())
     assert data["benchmark"] == "wide_sweep" and data["widths"] == list(ws.DRY_WIDTHS)
     got = {(e["shape"], e["candidate"]) for e in data["results"]}
     assert {("gate_up", "mloop"), ("down", "splitk_mloop"), ("lm_head", "lm_fused"),
-            ("gate_up", "bm64_w4"), ("down", "cublas")} <= got
+            ("gate_up", "bm64_w4"), ("down", "cublas"), ("gate_up", "rule"),
+            ("down", "splitk_rule")} <= got
     for e in data["results"]:
         assert "error" not in e, e
         assert e["us"] > 0 and e["eq_self"] <= e["n"]
-        if e["candidate"] in ("pinned", "mloop", "splitk", "splitk_mloop"):  # bitwise by construction
+        # bitwise by construction; the rule keeps the pinned tiles in the interpreter
+        if e["candidate"] in ("pinned", "mloop", "splitk", "splitk_mloop", "rule", "splitk_rule"):
             assert e["eq_ref"] == e["n"] and e["max_abs_diff_ref"] == 0.0, e
     assert set(data["summary"]) == {"gate_up", "down", "lm_head"}
     assert data["summary"]["down"]["1"]["best_bitwise_ref"] is not None
+
+
+def test_sweep_chain_shapes_cpu_smoke(tmp_path, monkeypatch):
+    """The chain's fused linears (benchmarks/wide_chain.py) in the dry sweep: the pinned ref, the
+    rule and the forced M-loop, every row of every width bitwise the ref's row alone."""
+    from benchmarks import wide_sweep as ws
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: pytest.fail("dry run called CUDA"))
+    ws.main(["--dry-run", "--out", str(tmp_path), "--shapes", "qkv_norm,eh_proj_concat_splitk",
+             "--candidates", "rule,mloop"])
+    data = json.loads((tmp_path / "wide_sweep.json").read_text())
+    got = {(e["shape"], e["candidate"]) for e in data["results"]}
+    assert got == {("qkv_norm", "pinned"), ("qkv_norm", "rule"), ("eh_proj_concat_splitk", "pinned"),
+                   ("eh_proj_concat_splitk", "rule"), ("eh_proj_concat_splitk", "mloop")}
+    for e in data["results"]:
+        assert "error" not in e, e
+        assert e["family"] == "pinned" and e["eq_ref"] == e["n"] and e["eq_self"] == e["n"], e
 
 
 def test_sweep_compile_only_worker_runs_its_share(monkeypatch):
@@ -135,4 +155,5 @@ def test_sweep_compile_only_worker_runs_its_share(monkeypatch):
     shapes = [s for s in ws.DRY_SHAPES if s[0] == "down"]
     ws.compile_only(1, 2, shapes, torch.device("cpu"), torch.float32, True, {"mloop"})
     ws.compile_only(0, 2, shapes, torch.device("cpu"), torch.float32, True, {"mloop"})
-    assert calls == ["wide"] * 3  # mloop at n = 1, 32, 64, by exactly one of the two workers
+    # mloop at n = 1 (rows 0 and 1), 32, 64, by exactly one of the two workers
+    assert calls == ["wide"] * 4

@@ -34,19 +34,23 @@ def test_rule_table_where_wide_tiles_are_allowed(monkeypatch):
     x = torch.empty(1, 8)
     monkeypatch.setattr(tiles, "wide_allowed", lambda t: True)
     for n in (1, 8, 16):
-        assert tiles.choose(tiles.LINEAR, n, x) == tiles.Tiles(tiles.PINNED)
-        assert tiles.choose(tiles.SPLITK, n, x) == tiles.Tiles(tiles.PINNED)
+        for kind in tiles.MODES:
+            assert tiles.choose(kind, n, x) == tiles.Tiles(tiles.PINNED)
     for n, m_tiles in ((17, 2), (33, 3), (64, 4), (200, 4)):
         assert tiles.choose(tiles.LINEAR, n, x) == tiles.Tiles(tiles.BM64, 64, 4)
+        assert tiles.choose(tiles.PROLOGUE, n, x) == tiles.Tiles(tiles.BM64, 64, 4)
         assert tiles.choose(tiles.SPLITK, n, x) == tiles.Tiles(tiles.MLOOP, 16, None, m_tiles)
-    monkeypatch.setattr(tiles, "SPLITK_WIDE", tiles.BM64)
+    monkeypatch.setitem(tiles.WIDE, tiles.SPLITK, tiles.BM64)  # a kind's wide mode, switched
+    monkeypatch.setitem(tiles.WIDE, tiles.PROLOGUE, tiles.PINNED)
     assert tiles.choose(tiles.SPLITK, 64, x) == tiles.Tiles(tiles.BM64, 64, 4)
+    assert tiles.choose(tiles.PROLOGUE, 64, x) == tiles.Tiles(tiles.PINNED)
+    assert tiles.choose(tiles.LINEAR, 64, x) == tiles.Tiles(tiles.BM64, 64, 4)
     assert tiles.describe(tiles.LINEAR, 64, x) == "bm64 (BLOCK_M 64, 4 warps)"
 
 
 def test_rule_is_inert_in_the_interpreter_and_off_cuda():
     assert tiles.interpreting()  # this file's CPU tests run interpreted (tests/conftest.py)
-    for kind in (tiles.LINEAR, tiles.SPLITK):
+    for kind in tiles.MODES:
         assert tiles.choose(kind, 64, torch.empty(64, 8)) == tiles.Tiles(tiles.PINNED)
         assert tiles.choose(kind, 64, torch.empty(64, 8, device="meta")) == tiles.Tiles(tiles.PINNED)
     assert tiles.describe(tiles.SPLITK, 64, torch.empty(1)) == "pinned (BLOCK_M 16)"
@@ -115,10 +119,11 @@ def test_gpu_rows_bitwise_alone_and_wide_tiles_at_n64(case, monkeypatch):
         same = (got.view(torch.int16) == alone[:n].view(torch.int16)).all(dim=1)
         assert bool(same.all()), (case, n, (~same).nonzero().flatten()[:8].tolist())
     wide = rec.seen[-2] if KIND[case] == tiles.SPLITK else rec.seen[-1]  # split-K: then its reduce
-    if KIND[case] == tiles.LINEAR:
-        assert wide == (LAUNCHED[case], 64, None, 4), rec.seen[-2:]
-    else:
-        assert wide == (MLOOP_KERNEL[LAUNCHED[case]], 16, 4, cfg.num_warps), rec.seen[-2:]
+    mode = tiles.WIDE[KIND[case]]  # the rule's wide mode for the kind (BM64, split-K MLOOP)
+    assert mode != tiles.PINNED, "the kind's wide mode is switched off: nothing wide to check"
+    want = ((MLOOP_KERNEL[LAUNCHED[case]], 16, 4, cfg.num_warps) if mode == tiles.MLOOP
+            else (LAUNCHED[case], 64, None, 4))
+    assert wide == want, rec.seen[-2:]
 
 
 def _row_inputs(inp, i: int):
