@@ -95,7 +95,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: 
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x)
-    t = tiling.choose(tiling.LINEAR, n, x, mode)
+    t = tiling.choose(tiling.LINEAR, n, x, mode, programs=triton.cdiv(n_out, BLOCK_N))
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
     linear_kernel[grid](
         x, weight, out, bias if bias is not None else weight, n, n_out, k,

@@ -242,7 +242,7 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
     if n == 0 or n_out == 0:
         return
     pdl = launch_kwargs(x1)
-    t = tiling.choose(tiling.PROLOGUE, n, x1, tiles)
+    t = tiling.choose(tiling.PROLOGUE, n, x1, tiles, programs=triton.cdiv(n_out, BLOCK_N))
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
     linear_prologue_kernel[grid](
         x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
@@ -278,7 +278,8 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         check_operand(f"out{i}", o, (n, w.shape[0]), FLOAT_DTYPES, x.device)
     if n == 0:
         return
-    t = tiling.choose(tiling.PROLOGUE, n, x, tiles)
+    t = tiling.choose(tiling.PROLOGUE, n, x, tiles,
+                      programs=sum(triton.cdiv(w.shape[0], BLOCK_N) for w in weights))
     num_m = triton.cdiv(n, t.block_m)
     grid = (sum(num_m * triton.cdiv(w.shape[0], BLOCK_N) for w in weights),)
     pdl = launch_kwargs(x)

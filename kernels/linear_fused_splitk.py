@@ -264,7 +264,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
             out.copy_(residual) if residual is not None else out.zero_()
         return None
     pdl = launch_kwargs(x1)
-    t = tiling.choose(tiling.SPLITK, n, x1, tiles)
+    t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiles,
+                      programs=triton.cdiv(rows, cfg.block_n) * shape[0])
     args = (x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
             x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, weight, workspace,
             n, rows, k, k1, x1.shape[0], float(eps1), float(eps2),

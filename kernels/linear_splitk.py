@@ -152,7 +152,8 @@ def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tens
     handle of the launch (the sweep reads its PTX)."""
     n, k = x.shape
     rows = weight.shape[0]
-    t = tiling.choose(tiling.SPLITK, n, x, mode)
+    t = tiling.choose(tiling.SPLITK, n, x, mode,
+                      programs=triton.cdiv(rows, cfg.block_n) * workspace.shape[0])
     if t.mode == tiling.MLOOP:  # imported here: kernels.linear_wide imports this module
         from draft_circuit.kernels.linear_wide import splitk_partials
         return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl)

@@ -40,11 +40,22 @@ import triton
 from draft_circuit.kernels._common import check, interpreting
 
 PINNED, BM64, MLOOP = "pinned", "bm64", "mloop"
-LINEAR, PROLOGUE, SPLITK = "linear", "prologue", "splitk"
-MODES = {LINEAR: (PINNED, BM64), PROLOGUE: (PINNED, BM64), SPLITK: (PINNED, BM64, MLOOP)}
-# the mode a kind takes at n > WIDE_FROM_N where wide tiles are allowed
-WIDE = {LINEAR: BM64, PROLOGUE: BM64, SPLITK: MLOOP}
-WIDE_FROM_N = 16  # n above this takes the wide tile: at n <= 16 the pinned tile is as fast or faster
+LINEAR, PROLOGUE, SPLITK, PROLOGUE_SPLITK = "linear", "prologue", "splitk", "prologue_splitk"
+MODES = {LINEAR: (PINNED, BM64), PROLOGUE: (PINNED, BM64), SPLITK: (PINNED, BM64, MLOOP),
+         PROLOGUE_SPLITK: (PINNED, BM64, MLOOP)}
+# the mode a kind takes at n > WIDE_FROM_N[kind] where wide tiles are allowed. The split-K
+# prologue (the 8B eh_proj) keeps its pinned tiles: the H200 run of the rule (2026-12-03,
+# benchmarks/wide_chain.py) measured its M-loop slower at n = 32 / 64 (66.2 / 130.0 us against
+# 60.0 / 116.2) and BLOCK_M 64 slower below n = 64
+WIDE = {LINEAR: BM64, PROLOGUE: BM64, SPLITK: MLOOP, PROLOGUE_SPLITK: PINNED}
+# n above this takes the wide tile. The prologue kernels' BLOCK_M 64 costs about one 64-row tile
+# whatever n is (gate_up with its norm: 111.8 us at n = 32, 119.3 at 64), the pinned one about
+# 20-40 us a 16-row tile (85.2 at 32, 161.0 at 64): wide pays from three row tiles on
+WIDE_FROM_N = {LINEAR: 16, PROLOGUE: 32, SPLITK: 16, PROLOGUE_SPLITK: 16}
+# a wide tile has 1/4 of the pinned programs at n = 64: below this many programs along N (and
+# splits) it would leave SMs idle (the H200 has 132), where the pinned grid filled them: the
+# small head (N 1536-2816) measured slower with wide tiles at n = 64 (chain 452.7 -> 560.3 us)
+MIN_WIDE_PROGRAMS = 128
 PINNED_BLOCK_M = 16  # the smallest tl.dot tile (kernels.linear.BLOCK_M)
 WIDE_BLOCK_M, WIDE_WARPS = 64, 4  # one warpgroup of 4 warps over 64 rows: Hopper's wgmma
 MAX_M_TILES = 4  # MLOOP: 16-row tiles a program covers (64 rows, the chain's widest n)
@@ -99,22 +110,27 @@ def _tiles(mode: str, n: int) -> Tiles:
     return Tiles(PINNED)
 
 
-def choose(kind: str, n: int, t: torch.Tensor, mode: str | None = None) -> Tiles:
-    """The tiles a `kind` (LINEAR, PROLOGUE or SPLITK) launch of n rows on tensors like t uses:
-    the module docstring's rule, or `mode` where given (checked against the kind)."""
+def choose(kind: str, n: int, t: torch.Tensor, mode: str | None = None, *,
+           programs: int | None = None) -> Tiles:
+    """The tiles a `kind` (LINEAR, PROLOGUE, SPLITK or PROLOGUE_SPLITK) launch of n rows on
+    tensors like t uses: the module docstring's rule, or `mode` where given (checked against the
+    kind). `programs`: the launch's programs along N (times its splits) at one row tile; fewer
+    than MIN_WIDE_PROGRAMS keep the pinned tiles (None: not checked)."""
     check(kind in MODES, lambda: f"tile kind must be one of {sorted(MODES)}, got {kind!r}")
     if mode is not None:
         check(mode in MODES[kind], lambda: f"{kind} tiles: mode must be one of {MODES[kind]}, got {mode!r}")
         return _tiles(mode, n)
-    if n <= WIDE_FROM_N or not wide_allowed(t):
+    if n <= WIDE_FROM_N[kind] or not wide_allowed(t) or (
+            programs is not None and programs < MIN_WIDE_PROGRAMS):
         return _tiles(PINNED, n)
     return _tiles(WIDE[kind], n)
 
 
-def describe(kind: str, n: int, t: torch.Tensor, mode: str | None = None) -> str:
+def describe(kind: str, n: int, t: torch.Tensor, mode: str | None = None, *,
+             programs: int | None = None) -> str:
     """'bm64 (BLOCK_M 64, 4 warps)', 'mloop (4 x 16 rows)' or 'pinned (BLOCK_M 16)': the tile a
     launch at width n gets, as a plan report or a benchmark would print it."""
-    c = choose(kind, n, t, mode)
+    c = choose(kind, n, t, mode, programs=programs)
     if c.mode == BM64:
         return f"bm64 (BLOCK_M {c.block_m}, {c.num_warps} warps)"
     if c.mode == MLOOP:

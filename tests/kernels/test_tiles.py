@@ -20,7 +20,7 @@ from tests.kernels.tile_cases import (CASES, KIND, LAUNCHED, MLOOP_KERNEL, Launc
                                       make_inputs)
 
 SMALL_SPLIT = sk.SplitKConfig(block_n=16, split_k=64, block_k=32, num_warps=4, num_stages=2)
-SPLITK_CASES = [c for c in CASES if KIND[c] == tiles.SPLITK]
+SPLITK_CASES = [c for c in CASES if KIND[c] in (tiles.SPLITK, tiles.PROLOGUE_SPLITK)]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,18 @@ def test_rule_table_where_wide_tiles_are_allowed(monkeypatch):
             assert tiles.choose(kind, n, x) == tiles.Tiles(tiles.PINNED)
     for n, m_tiles in ((17, 2), (33, 3), (64, 4), (200, 4)):
         assert tiles.choose(tiles.LINEAR, n, x) == tiles.Tiles(tiles.BM64, 64, 4)
-        assert tiles.choose(tiles.PROLOGUE, n, x) == tiles.Tiles(tiles.BM64, 64, 4)
+        # the prologue kernels widen from three row tiles on (n > 32)
+        assert tiles.choose(tiles.PROLOGUE, n, x) == (tiles.Tiles(tiles.BM64, 64, 4) if n > 32
+                                                      else tiles.Tiles(tiles.PINNED))
         assert tiles.choose(tiles.SPLITK, n, x) == tiles.Tiles(tiles.MLOOP, 16, None, m_tiles)
+        # the split-K prologue measured slower wide: pinned at every n
+        assert tiles.choose(tiles.PROLOGUE_SPLITK, n, x) == tiles.Tiles(tiles.PINNED)
+        # too few programs along N to fill the SMs at a wide tile: pinned
+        for kind in tiles.MODES:
+            assert tiles.choose(kind, n, x, programs=tiles.MIN_WIDE_PROGRAMS - 1) == \
+                tiles.Tiles(tiles.PINNED)
+        assert tiles.choose(tiles.LINEAR, n, x, programs=tiles.MIN_WIDE_PROGRAMS) == \
+            tiles.Tiles(tiles.BM64, 64, 4)
     monkeypatch.setitem(tiles.WIDE, tiles.SPLITK, tiles.BM64)  # a kind's wide mode, switched
     monkeypatch.setitem(tiles.WIDE, tiles.PROLOGUE, tiles.PINNED)
     assert tiles.choose(tiles.SPLITK, 64, x) == tiles.Tiles(tiles.BM64, 64, 4)
@@ -108,18 +118,22 @@ def test_gpu_rows_bitwise_alone_and_wide_tiles_at_n64(case, monkeypatch):
         pytest.fail("a cuda test ran without a compiled GPU path")
     if torch.cuda.get_device_capability() != tiles.MEASURED_ARCH:
         pytest.skip(f"the wide rule is for sm90 only; this GPU is {torch.cuda.get_device_capability()}")
-    # K = 1024 + 1024 (the concat's two halves), N 1024; the split config is the rule's own
-    cfg = sk.default_config(1024, 2048)
-    inp = make_inputs(64, 1024, 2048, 1024, 512, torch.bfloat16, "cuda", cfg, seed=1)
+    # K = 1024 + 1024 (the concat's two halves), N 4096 (enough programs for the wide tiles:
+    # tiles.MIN_WIDE_PROGRAMS); the split config is the rule's own. A kind whose wide mode is
+    # PINNED (the split-K prologue) runs its M-loop forced: its bits still must not move
+    cfg = sk.default_config(4096, 2048)
+    inp = make_inputs(64, 4096, 2048, 1024, 512, torch.bfloat16, "cuda", cfg, seed=1)
     fn = CASES[case]
+    forced = tiles.MLOOP if tiles.WIDE[KIND[case]] == tiles.PINNED else None
     alone = torch.cat([fn(_row_inputs(inp, i), 1, None) for i in range(64)])
     rec = LaunchRecorder(monkeypatch)
     for n in range(2, 65):
-        got = fn(inp, n, None)
+        got = fn(inp, n, forced if n > 16 else None)
         same = (got.view(torch.int16) == alone[:n].view(torch.int16)).all(dim=1)
         assert bool(same.all()), (case, n, (~same).nonzero().flatten()[:8].tolist())
-    wide = rec.seen[-2] if KIND[case] == tiles.SPLITK else rec.seen[-1]  # split-K: then its reduce
-    mode = tiles.WIDE[KIND[case]]  # the rule's wide mode for the kind (BM64, split-K MLOOP)
+    # split-K: then its reduce
+    wide = rec.seen[-2] if KIND[case] in (tiles.SPLITK, tiles.PROLOGUE_SPLITK) else rec.seen[-1]
+    mode = forced or tiles.WIDE[KIND[case]]  # the rule's wide mode for the kind (BM64, MLOOP)
     assert mode != tiles.PINNED, "the kind's wide mode is switched off: nothing wide to check"
     want = ((MLOOP_KERNEL[LAUNCHED[case]], 16, 4, cfg.num_warps) if mode == tiles.MLOOP
             else (LAUNCHED[case], 64, None, 4))

@@ -136,8 +136,9 @@ CASES: dict[str, Callable[[Inputs, int, str | None], torch.Tensor]] = {
     "splitk_silu": _splitk_silu, "prologue_splitk_concat": _pro_splitk_concat,
     "prologue_splitk_norm_silu": _pro_splitk_norm_silu,
     "prologue_splitk_residual": _pro_splitk_residual}
-KIND = {c: tiles.SPLITK if "splitk" in c else tiles.LINEAR if c.startswith("linear")
-        else tiles.PROLOGUE for c in CASES}
+KIND = {c: tiles.PROLOGUE_SPLITK if c.startswith("prologue_splitk") else tiles.SPLITK
+        if "splitk" in c else tiles.LINEAR if c.startswith("linear") else tiles.PROLOGUE
+        for c in CASES}
 LAUNCHED = {"linear": "linear_kernel", "linear_silu_mul": "linear_kernel",
             "rmsnorm_linear_qkv": "rmsnorm_linear_qkv_kernel",
             "prologue_norm_silu": "linear_prologue_kernel",

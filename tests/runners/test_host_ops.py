@@ -28,7 +28,7 @@ def test_host_ops_runs_and_attributes_ops(tmp_path):
 #: trims and the keys are host work. On CUDA add one host-to-device copy a staged run and the
 #: drafts' one device-to-host copy (the CPU mirror is the region itself).
 BOUNDS = {"propose_batch_on_device": 4, "catchup_batch": 1, "last_drafts": 0, "after_verify": 0,
-          "last_pair_key": 0, "propose_batch": 1}
+          "after_verify_batch": 0, "last_pair_key": 0, "last_pair_keys": 0, "propose_batch": 1}
 
 
 def test_a_steady_state_step_dispatches_a_bounded_number_of_device_ops():
