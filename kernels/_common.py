@@ -43,17 +43,23 @@ def _device_is_hopper_plus(index: int) -> bool:
         return False
 
 
+def compiled_cuda_index(t: torch.Tensor) -> int | None:
+    """The CUDA device index of t where kernels on it run compiled (not interpreted), else None
+    (a CPU tensor, TRITON_INTERPRET, or a CUDA call that raises: a CPU build)."""
+    if interpreting() or t.device.type != "cuda":
+        return None
+    if t.device.index is not None:
+        return t.device.index
+    try:
+        return torch.cuda.current_device()
+    except Exception:
+        return None
+
+
 def pdl_supported(t: torch.Tensor) -> bool:
     """Programmatic dependent launch needs a CUDA tensor on sm90+ and a compiled (not interpreted) kernel."""
-    if interpreting() or t.device.type != "cuda":
-        return False
-    index = t.device.index
-    if index is None:
-        try:
-            index = torch.cuda.current_device()
-        except Exception:
-            return False
-    return _device_is_hopper_plus(index)
+    index = compiled_cuda_index(t)
+    return index is not None and _device_is_hopper_plus(index)
 
 
 def launch_kwargs(t: torch.Tensor) -> dict:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from draft_circuit.kernels._common import check, interpreting
+from draft_circuit.kernels._common import check, compiled_cuda_index, interpreting
 
 PINNED, BM64, MLOOP = "pinned", "bm64", "mloop"
 LINEAR, PROLOGUE, SPLITK, PROLOGUE_SPLITK = "linear", "prologue", "splitk", "prologue_splitk"
@@ -91,15 +91,8 @@ def _arch(index: int) -> tuple[int, int] | None:
 def wide_allowed(t: torch.Tensor) -> bool:
     """Whether the rule may widen tiles for tensors like t: compiled (not interpreted) on a CUDA
     GPU of the measured architecture."""
-    if interpreting() or t.device.type != "cuda":
-        return False
-    index = t.device.index
-    if index is None:
-        try:
-            index = torch.cuda.current_device()
-        except Exception:
-            return False
-    return _arch(index) == MEASURED_ARCH
+    index = compiled_cuda_index(t)
+    return index is not None and _arch(index) == MEASURED_ARCH
 
 
 def _tiles(mode: str, n: int) -> Tiles:

@@ -23,14 +23,6 @@ def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", refuse)
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_quick_cpu_run_writes_every_field(tmp_path, capsys, one_thread):
     out, md = tmp_path / "decode_step.json", tmp_path / "RESULTS.md"
     ds.main(["--device", "cpu", "--quick", "--configs", "small,moe", "--out", str(out),

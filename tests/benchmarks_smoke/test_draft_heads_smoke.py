@@ -24,12 +24,7 @@ KV = KvLayout(num_blocks=40, block_size=4, max_blocks_per_seq=8)
 K = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py beside this file
 
 
 def test_torch_peer_over_a_subset_equals_the_eager_runner():

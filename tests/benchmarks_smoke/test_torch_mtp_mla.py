@@ -25,12 +25,7 @@ K = 3
 KV = KvLayout(num_blocks=80, block_size=4, max_blocks_per_seq=9)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py beside this file
 
 
 def run_both(c, head, weights, width: int, seed: int, offset: int):
