@@ -2,10 +2,11 @@
 
 The lifecycle reads in the constructor: bind the program runner (arena and static buffers are
 allocated before any capture, so no address moves), make every static input row inert, compile
-every Triton specialisation the widths launch, in parallel (`precompile_kernels`: no warm-up or
-capture compiles then), then for each width, largest first, warm up (once per `warmup_class`)
-and capture, on one stream with no device sync between widths; each width's capture time and
-the graph pool's reserved growth go to `stats` and into the plan report
+every Triton specialisation the widths launch, in parallel (`precompile_kernels` in
+runners/precompile.py: no warm-up or capture compiles then; a warm Triton file cache forks no
+compile child), then for each width, largest first, warm up (once per `warmup_class`) and
+capture, on one stream with no device sync between widths; each width's capture time and the
+graph pool's reserved growth go to `stats` and into the plan report
 (`CompiledDraft.record_capture`). A width whose capture fails is not served (the reason is
 logged and counted; `strict=True` raises instead) and the others keep working.
 Every CUDA call is behind `cuda_available()`, so importing this on a CPU-only torch is safe.
@@ -17,25 +18,27 @@ input row replays inert, and `check_faults()`, called where the host syncs anywa
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import sys
-import threading
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
-from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level, specialisation_key
+from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level
+from draft_circuit.runners.program import specialisation_key as specialisation_key
 from draft_circuit.runners.device import cuda_available
-from draft_circuit.runners.no_device_work import no_device_work
+# the precompile lives in runners/precompile.py; its names stay importable from here
+from draft_circuit.runners.precompile import ForkCompiler as ForkCompiler
+from draft_circuit.runners.precompile import Precompiled as Precompiled
+from draft_circuit.runners.precompile import _compile_only as _compile_only
+from draft_circuit.runners.precompile import precompile_kernels as precompile_kernels
+from draft_circuit.runners.precompile import precompile_mode as precompile_mode
 from draft_circuit.runners.single_caller import single_caller
 
 log = logging.getLogger(__name__)
@@ -61,195 +64,7 @@ class CaptureStats:
     warmed: dict[int, int] = field(default_factory=dict)  # warm-up runs each width took
     failures: dict[int, str] = field(default_factory=dict)
     bind_s: float = 0.0        # the program runner's construction (arena, static buffers, binds)
-    precompile: "Precompiled | None" = None  # None: precompile was off
-
-
-# ---- precompile: every Triton specialisation the widths launch, compiled before any capture ----
-@dataclass
-class Precompiled:
-    """What `precompile_kernels` did: the launches' distinct `specialisation_key`s, how many
-    launches it visited, the kernels compiled (or found cached) and loaded, the wall time."""
-
-    keys: set[tuple[Any, ...]]
-    launches: int
-    kernels: int
-    seconds: float
-    threads: int
-    forked: bool = False       # compiled in forked children (ForkCompiler)
-    children_failed: int = 0   # of those, children that failed or hung (their work ran here)
-
-
-_DIVERT = threading.local()   # set in the thread whose Triton launches only compile
-_PRECOMPILE_LOCK = threading.Lock()  # one diversion of Triton's launch entry at a time
-
-
-@contextlib.contextmanager
-def _compile_only(visit: Callable[[Any, tuple[Any, ...], dict[str, Any]], None]) -> Iterator[None]:
-    """In this thread, `kernel[grid](...)` calls `visit(kernel, args, kwargs)` instead of
-    launching (Triton's `KernelInterface.__getitem__`, the entry of JIT and interpreted kernels
-    alike, is diverted while inside; other threads launch as before)."""
-    from triton.runtime.jit import KernelInterface
-
-    original = KernelInterface.__getitem__
-
-    def getitem(self: Any, grid: Any) -> Any:
-        if not getattr(_DIVERT, "on", False):
-            return original(self, grid)
-        return lambda *args, **kwargs: visit(self, args, kwargs)
-
-    KernelInterface.__getitem__ = getitem
-    _DIVERT.on = True
-    try:
-        yield
-    finally:
-        _DIVERT.on = False
-        KernelInterface.__getitem__ = original
-
-
-class ForkCompiler(Executor):
-    """Triton's AsyncCompileMode executor that compiles in forked children (Triton 3.6 holds the
-    GIL through most of a compile: two threads compiled no faster than one). `submit` only
-    collects; `run` forks `workers` children from the calling thread before any thread of ours
-    starts (a fork while a thread holds an import lock hangs the child), which share the jobs
-    through a pipe, run each (a compile fills Triton's file cache) and `then(result)`; then it
-    completes every future here, where a compile is a cache hit. A child that fails or passes
-    `timeout_s` leaves its jobs to this process (which raises as a plain compile would)."""
-
-    def __init__(self, workers: int, timeout_s: float = 30.0,
-                 then: Callable[[Any], None] | None = None) -> None:
-        self.workers, self.timeout_s, self.then = workers, timeout_s, then
-        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
-        self.children_failed = 0
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        self._jobs.append((functools.partial(fn, *args, **kwargs), Future()))
-        return self._jobs[-1][1]
-
-    def run(self) -> None:
-        jobs, self._jobs = self._jobs, []
-        if jobs:
-            self._fork([fn for fn, _ in jobs])
-        for fn, future in jobs:
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
-                future.set_exception(e)
-
-    def _fork(self, fns: list[Callable[[], Any]]) -> None:
-        read, write = os.pipe()
-        os.write(write, b"".join(i.to_bytes(4, "little") for i in range(len(fns))))
-        os.close(write)  # the children read to its end: one 4-byte index per job
-        pids = []
-        for _ in range(min(self.workers, len(fns))):
-            pid = os.fork()
-            if pid == 0:  # a child: run jobs until the pipe is empty, then leave at once
-                code = 0
-                try:
-                    while len(got := os.read(read, 4)) == 4:
-                        try:
-                            result = fns[int.from_bytes(got, "little")]()
-                            if self.then is not None:
-                                self.then(result)
-                        except BaseException:  # noqa: BLE001 - the parent does it again
-                            code = 1
-                finally:
-                    os._exit(code)
-            pids.append(pid)
-        os.close(read)
-        deadline = time.monotonic() + self.timeout_s
-        while pids and time.monotonic() < deadline:
-            for pid in list(pids):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    pids.remove(pid)
-                    self.children_failed += status != 0
-            time.sleep(0.002)
-        for pid in pids:  # hung (or slow): what is left runs here
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        self.children_failed += len(pids)
-
-
-def _build_launcher(kernel: Any) -> None:
-    """A compile child's `then`: build the kernel's launcher (Triton 3.x: a C module, gcc) into
-    Triton's file cache, host code only, so the parent's `_load` finds it built."""
-    from triton.runtime.driver import driver
-
-    driver.active.launcher_cls(kernel.src, kernel.metadata)
-
-
-def _load(kernel: Any, device: int | None) -> None:
-    """Get a kernel's launcher and load its binary onto CUDA device `device`, what its first
-    launch would do (so not in a capture). A failure is left to that launch to retry and raise."""
-    try:
-        if device is not None:
-            torch.cuda.set_device(device)  # a pool thread starts on device 0
-        kernel._init_handles()
-    except Exception as e:  # noqa: BLE001 - retried (and raised) by the kernel's first launch
-        log.debug("loading %s ahead of its first launch failed: %s", kernel, e)
-        if getattr(kernel, "module", 1) is None and not isinstance(kernel._run, functools.partial):
-            kernel._run = None  # a launcher without its module: the lazy path builds both again
-
-
-def precompile_mode() -> str:
-    """CIRCUIT_PRECOMPILE: `fork` (unset; forked children on CUDA), `threads` or `off`."""
-    mode = os.environ.get("CIRCUIT_PRECOMPILE", "").strip() or "fork"
-    if mode not in ("fork", "threads", "off"):
-        raise ValueError(f"CIRCUIT_PRECOMPILE must be fork, threads or off, got {mode!r}")
-    return mode
-
-
-def precompile_kernels(program: ProgramRunner, widths: Sequence[int], *, threads: int | None = None,
-                       fork: bool | None = None) -> Precompiled:
-    """Compile every Triton specialisation `widths`' launches need, in parallel, launching
-    nothing: each launch that may compile (`ProgramRunner.kernel_launches`) runs its launcher
-    with `kernel[grid](...)` diverted to a visit; a new `specialisation_key` becomes
-    `run(..., warmup=True)` under Triton's AsyncCompileMode (3.4+; without it compiles run in
-    place), compiled `threads` at a time in forked children (`ForkCompiler`; `fork` defaults to
-    a CUDA device) or pool threads, a failed one left to its launch; then the kernels are
-    loaded in pool threads. Interpreted (CPU), it only visits and records the keys."""
-    from triton.runtime import _async_compile
-
-    threads = threads or min(16, os.cpu_count() or 1)
-    fork = program.device.type == "cuda" and precompile_mode() == "fork" if fork is None else fork
-    keys: set[tuple[Any, ...]] = set()
-    compiled: dict[int, Any] = {}
-    visited = 0
-
-    def visit(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        nonlocal visited
-        visited += 1
-        key = specialisation_key(kernel, args, kwargs)
-        if key not in keys:
-            keys.add(key)
-            got = kernel.run(*args, grid=None, warmup=True, **kwargs)
-            if got is not None:
-                compiled.setdefault(id(got), got)
-
-    start = time.perf_counter()
-    forked = ForkCompiler(threads, then=_build_launcher) if fork and hasattr(os, "fork") else None
-    # the pool's threads start at its first use: after the forks
-    with _PRECOMPILE_LOCK, ThreadPoolExecutor(threads, thread_name_prefix="precompile") as pool:
-        mode = getattr(_async_compile, "AsyncCompileMode", None)
-        # no_device_work: the diverted kernels leave their outputs unwritten, so a launcher's own
-        # torch ops (an embedding over an argmax's ids) must not compute on them either
-        with (mode(forked or pool, ignore_errors=True) if mode else contextlib.nullcontext()), \
-                _compile_only(visit), no_device_work(program.device.type):
-            for w in widths:
-                for x in program.kernel_launches(w):
-                    x.fn(x.inputs, x.outputs, x.workspace, x.attrs)
-            if forked is not None:
-                forked.run()  # AsyncCompileMode's exit then finds every future done
-        done = (f.result(ignore_errors=True) if hasattr(f, "result") else f for f in compiled.values())
-        kernels = {id(k): k for k in done if k is not None and hasattr(k, "_init_handles")}
-        device = program.device
-        index = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
-        list(pool.map(functools.partial(_load, device=index), kernels.values()))
-    return Precompiled(keys=keys, launches=visited, kernels=len(kernels),
-                       seconds=time.perf_counter() - start, threads=threads,
-                       forked=forked is not None,
-                       children_failed=forked.children_failed if forked is not None else 0)
+    precompile: Precompiled | None = None  # None: precompile was off
 
 
 def _progress_bar(total: int) -> Any:
