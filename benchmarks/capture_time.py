@@ -1,23 +1,32 @@
 """Benchmark: how long a compiled draft chain takes to capture its 64 widths (issue 15 item 5,
 target < 3 s compile + capture on the H200), with GraphRunner's parallel precompile off
 ("before": every kernel specialisation compiles inside the first warm-up or capture that meets
-it) and on ("after": `runners.cudagraph.precompile_kernels` compiles them all first, in threads).
+it) and on ("after": `runners.precompile.precompile_kernels` compiles them all first, in forked
+children), from a cold Triton cache; with --warm also from a warm one (a server restart): after
+a config's "after" run, "warm" runs it again on the same cache dir, and "warm-unprobed" does too
+with the precompile's file-cache probe off (every compile forked to a child, what the warm path
+did before the probe), the two in alternating order.
 
 Fair by construction: every (config, variant) runs in a child process of its own, with a fresh
-empty TRITON_CACHE_DIR (so each starts from a cold Triton cache, on disk and in memory), the
-same weights and inputs (benchmarks/draft_chain.py's Bench at its seed), variants alternating
-per config. Each child reports: compile_s (compile_draft), bind_s (the program runner's
-construction), precompile_s (and its kernels, distinct specialisation keys, launches visited,
-threads), capture_wall_s (GraphRunner's whole construction, then a device sync), the sum and
-the per-width capture_ms, the graph pool's reserved growth per width and in all, the widths
-that took a warm-up, failures, and whether replays equal the program's eager run at 3 widths.
+empty TRITON_CACHE_DIR (so each starts from a cold Triton cache, on disk and in memory; the warm
+variants reuse their config's "after" dir, in memory still cold), the same weights and inputs
+(benchmarks/draft_chain.py's Bench at its seed), variants alternating per config. Each child
+reports: compile_s (compile_draft), bind_s (the program runner's construction), precompile_s
+(and its kernels, distinct specialisation keys, launches visited, threads, compile jobs, jobs
+found in the file cache, children forked, and its phases: key_s, visit_s, probe_s, fork_s,
+complete_s, load_s), capture_wall_s (GraphRunner's whole construction, then a device sync), the
+sum and the per-width capture_ms, the graph pool's reserved growth per width and in all, the
+widths that took a warm-up, failures, and whether replays equal the program's eager run at 3
+widths.
 
     PYTHONPATH=$PWD python3 -m benchmarks.capture_time --configs small,8b --out FILE
+    PYTHONPATH=$PWD python3 -m benchmarks.capture_time --configs small,8b --variants after --warm --out FILE
     PYTHONPATH=$PWD python3 -m benchmarks.capture_time --dry-run --out FILE   # CPU, interpreter
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -26,7 +35,8 @@ import tempfile
 import time
 from typing import Any
 
-VARIANTS = ("before", "after")
+VARIANTS = ("before", "after")             # each from an empty Triton cache
+WARM_VARIANTS = ("warm", "warm-unprobed")  # on the cache dir of their config's "after" run
 CHECK_WIDTHS = (1, 17, 64)
 
 
@@ -37,8 +47,11 @@ def _child(config: str, variant: str, widths: int) -> dict[str, Any]:
     from benchmarks import draft_chain as dc
     from draft_circuit.circuit.layers.mtp import emit_draft_chain
     from draft_circuit.circuit.planner import CompileOptions, compile_draft
+    from draft_circuit.runners import cudagraph, precompile
     from draft_circuit.runners.cudagraph import GraphRunner
 
+    if variant == "warm-unprobed":  # GraphRunner looks the name up at each construction
+        cudagraph.precompile_kernels = functools.partial(precompile.precompile_kernels, cached=None)
     t0 = time.perf_counter()
     s, configs, _ = dc.build(dc.parse_args(["--configs", config, "--max-width", str(widths),
                                             "--widths", str(widths)]))
@@ -54,7 +67,7 @@ def _child(config: str, variant: str, widths: int) -> dict[str, Any]:
     states = {"k_cache": b.k_cache, "v_cache": b.v_cache}
     reserved = torch.cuda.memory_reserved()
     t = time.perf_counter()
-    runner = GraphRunner(compiled, states, scratch_block=0, precompile=variant == "after")
+    runner = GraphRunner(compiled, states, scratch_block=0, precompile=variant != "before")
     torch.cuda.synchronize()
     capture_wall_s = time.perf_counter() - t
     st = runner.stats
@@ -81,6 +94,10 @@ def _child(config: str, variant: str, widths: int) -> dict[str, Any]:
         "precompile_threads": pre.threads if pre else 0,
         "precompile_forked": pre.forked if pre else False,
         "precompile_children_failed": pre.children_failed if pre else 0,
+        "precompile_jobs": pre.jobs if pre else 0,
+        "precompile_cached": pre.cached if pre else 0,
+        "precompile_children": pre.children if pre else 0,
+        "precompile_phases": pre.phases() if pre else {},
         "capture_wall_s": capture_wall_s,
         "compile_plus_capture_s": compile_s + capture_wall_s,
         "capture_ms_sum": sum(st.capture_ms.values()),
@@ -105,8 +122,8 @@ def _dry_child() -> dict[str, Any]:
     from benchmarks import draft_chain as dc
     from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
     from draft_circuit.circuit.planner import CompileOptions, compile_draft
-    from draft_circuit.runners.cudagraph import precompile_kernels
     from draft_circuit.runners.padding import fill_neutral
+    from draft_circuit.runners.precompile import precompile_kernels
     from draft_circuit.runners.program import ProgramRunner
     from draft_circuit.runners.testing import random_mtp_weights
 
@@ -123,12 +140,13 @@ def _dry_child() -> dict[str, Any]:
     pre = precompile_kernels(program, compiled.widths, threads=2)
     return {"config": "tiny", "variant": "dry-run", "widths": len(compiled.widths),
             "precompile_s": pre.seconds, "precompile_keys": len(pre.keys),
-            "precompile_launches": pre.launches, "precompile_kernels": pre.kernels}
+            "precompile_launches": pre.launches, "precompile_kernels": pre.kernels,
+            "precompile_jobs": pre.jobs, "precompile_phases": pre.phases()}
 
 
-def _run_child(config: str, variant: str, widths: int, timeout_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"triton_{config}_{variant}_") as cache, \
-            tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+def _run_child(config: str, variant: str, widths: int, timeout_s: float, cache: str) -> dict[str, Any]:
+    """One (config, variant) in a child process whose TRITON_CACHE_DIR is `cache`."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
         env.pop("TRITON_INTERPRET", None)
         cmd = [sys.executable, "-m", "benchmarks.capture_time", "--child", config,
@@ -148,13 +166,32 @@ def _run_child(config: str, variant: str, widths: int, timeout_s: float) -> dict
         return got
 
 
+def plan(names: list[str], variants: list[str], warm: bool) -> list[tuple[str, list[str]]]:
+    """The children to run: per config, groups of variants that share one fresh cache dir, in
+    order. Cold variants alternate per config (neither always meets the colder machine); with
+    `warm`, "after" (run even if not asked for: it fills the cache) is followed by the two warm
+    variants on its dir, their order alternating too."""
+    groups: list[tuple[str, list[str]]] = []
+    for i, name in enumerate(names):
+        cold = [v for v in VARIANTS if v in variants or (warm and v == "after")]
+        for v in (cold if i % 2 == 0 else cold[::-1]):
+            if v == "after" and warm:
+                groups.append((name, [v, *(WARM_VARIANTS if i % 2 == 0 else WARM_VARIANTS[::-1])]))
+            else:
+                groups.append((name, [v]))
+    return groups
+
+
 def _line(r: dict[str, Any]) -> str:
     if "error" in r:
-        return f"{r['config']:>12} {r['variant']:>6}: ERROR {r['error'][-300:]}"
-    return (f"{r['config']:>12} {r['variant']:>6}: compile {r['compile_s']:.2f} s + precompile "
+        return f"{r['config']:>12} {r['variant']:>13}: ERROR {r['error'][-300:]}"
+    phases = " ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in r.get("precompile_phases", {}).items())
+    return (f"{r['config']:>12} {r['variant']:>13}: compile {r['compile_s']:.2f} s + precompile "
             f"{r['precompile_s']:.2f} s ({r['precompile_kernels']} kernels, {r['precompile_keys']} "
-            f"keys, {r['precompile_threads']} {'forked children' if r['precompile_forked'] else 'threads'}, "
-            f"{r['precompile_children_failed']} failed) + rest of capture "
+            f"keys, {r.get('precompile_jobs', 0)} jobs, {r.get('precompile_cached', 0)} in the file "
+            f"cache, {r.get('precompile_children', 0)} children forked of "
+            f"{r['precompile_threads']} {'forked' if r['precompile_forked'] else 'threads'}, "
+            f"{r['precompile_children_failed']} failed; {phases or 'no phases'}) + rest of capture "
             f"{r['capture_wall_s'] - r['precompile_s']:.2f} s = {r['compile_plus_capture_s']:.2f} s; "
             f"sum capture_ms {r['capture_ms_sum']:.0f}, max {max(r['capture_ms'].values(), default=0):.0f} ms; "
             f"pool {r['pool_bytes_sum'] / 2**20:.1f} MiB reserved beyond the "
@@ -168,9 +205,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="the JSON file to write")
     p.add_argument("--max-width", type=int, default=64, help="capture widths 1..this")
     p.add_argument("--budget-s", type=float, default=115.0, help="all children together")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="cold-cache variants to run, of before,after (before: ~35 s a config)")
+    p.add_argument("--warm", action="store_true",
+                   help="after each config's 'after' run, the warm and warm-unprobed variants on its cache")
     p.add_argument("--dry-run", action="store_true", help="CPU: the tiny config's precompile visit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--variant", choices=VARIANTS, default="after", help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS + WARM_VARIANTS, default="after", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child or args.dry_run:
         result = _dry_child() if args.dry_run else _child(args.child, args.variant, args.max_width)
@@ -179,21 +220,24 @@ def main(argv: list[str] | None = None) -> None:
         if args.dry_run:
             print(json.dumps(result))
         return
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if bad := [v for v in variants if v not in VARIANTS]:
+        p.error(f"--variants: {bad} not among {list(VARIANTS)}")
     start = time.perf_counter()
     results: list[dict[str, Any]] = []
     names = [x.strip() for x in args.configs.split(",") if x.strip()]
-    for i, name in enumerate(names):
-        # alternate which variant goes first, so neither always meets the colder machine
-        for variant in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            left = args.budget_s - (time.perf_counter() - start)
-            if left < 10:
-                results.append({"config": name, "variant": variant, "error": "skipped: budget spent"})
-                continue
-            r = _run_child(name, variant, args.max_width, left)
-            results.append(r)
-            print(_line(r), flush=True)
-            with open(args.out, "w") as f:  # after every child: a run cut short keeps its numbers
-                json.dump({"results": results, "elapsed_s": time.perf_counter() - start}, f, indent=1)
+    for name, group in plan(names, variants, args.warm):
+        with tempfile.TemporaryDirectory(prefix=f"triton_{name}_{group[0]}_") as cache:
+            for variant in group:
+                left = args.budget_s - (time.perf_counter() - start)
+                if left < 10:
+                    results.append({"config": name, "variant": variant, "error": "skipped: budget spent"})
+                    continue
+                r = _run_child(name, variant, args.max_width, left, cache)
+                results.append(r)
+                print(_line(r), flush=True)
+                with open(args.out, "w") as f:  # after every child: a run cut short keeps its numbers
+                    json.dump({"results": results, "elapsed_s": time.perf_counter() - start}, f, indent=1)
     print(f"capture_time: {time.perf_counter() - start:.1f} s in all; {args.out}")
 
 
