@@ -189,9 +189,10 @@ def _line(r: dict[str, Any]) -> str:
     return (f"{r['config']:>12} {r['variant']:>13}: compile {r['compile_s']:.2f} s + precompile "
             f"{r['precompile_s']:.2f} s ({r['precompile_kernels']} kernels, {r['precompile_keys']} "
             f"keys, {r.get('precompile_jobs', 0)} jobs, {r.get('precompile_cached', 0)} in the file "
-            f"cache, {r.get('precompile_children', 0)} children forked of "
-            f"{r['precompile_threads']} {'forked' if r['precompile_forked'] else 'threads'}, "
-            f"{r['precompile_children_failed']} failed; {phases or 'no phases'}) + rest of capture "
+            f"cache, " + (f"{r.get('precompile_children', 0)} of {r['precompile_threads']} children "
+                          f"forked, {r['precompile_children_failed']} failed"
+                          if r['precompile_forked'] else f"{r['precompile_threads']} threads")
+            + f"; {phases or 'no phases'}) + rest of capture "
             f"{r['capture_wall_s'] - r['precompile_s']:.2f} s = {r['compile_plus_capture_s']:.2f} s; "
             f"sum capture_ms {r['capture_ms_sum']:.0f}, max {max(r['capture_ms'].values(), default=0):.0f} ms; "
             f"pool {r['pool_bytes_sum'] / 2**20:.1f} MiB reserved beyond the "
