@@ -34,6 +34,7 @@ import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.contract import Served
+from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
@@ -60,6 +61,7 @@ class DeviceDrafts:
         # (a meta-device proposer, shapes only, has no host view)
         self._host_np = self._host.numpy() if self._host.device.type == "cpu" else None
         self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._stream = CurrentStream(self.device) if self.cuda else None
         self._watched: list[object] = []  # the runners whose records the latest fill copied
         self._records = 0  # how many of them have a record (all: a fault check reads numpy)
         self._all_recorded = False
@@ -121,8 +123,8 @@ class DeviceDrafts:
             if host is None:
                 host = self._host_spans[size] = self._host[:size]
             host.copy_(span, non_blocking=True)
-            assert self._copied is not None
-            self._copied.record()
+            assert self._copied is not None and self._stream is not None
+            self._stream.record(self._copied)
 
     def check_faults(self) -> None:
         """After the latest batch's read: raise a bad row its runners' records showed (CUDA: the

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
+from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 
 
@@ -69,6 +70,7 @@ class ReadBack:
         self._flat = FlatViews()
         self._spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by the read's size
         self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._stream = CurrentStream(device) if self.cuda else None
 
     def _fault_word(self, runner: object) -> np.ndarray | None:
         """A numpy view of a CPU runner's fault record (word 0 nonzero: a fault), None for a
@@ -125,8 +127,8 @@ class ReadBack:
         # one launch: drafts, confidences (their float32 bits) and the records, then one copy
         torch.cat([self._flat(drafts), self._flat(confidences, True), *records], out=span[0])
         span[1].copy_(span[0], non_blocking=True)
-        assert self._read is not None
-        self._read.record()
+        assert self._read is not None and self._stream is not None
+        self._stream.record(self._read)
         self._read.synchronize()  # the one sync of the call
         host = self._out_np
         assert host is not None  # CUDA: pinned host memory

@@ -40,6 +40,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.padding import neutral_value
 from draft_circuit.runners.proposer_readback import ReadBack
 
@@ -99,6 +100,7 @@ class _Region:
                       for _ in range(2 if cuda else 1)] if self.copies else [flat]
         self.mirrors = [_Mirror(h.numpy(), offsets, w, m) for h in self.hosts]
         self.copied = [torch.cuda.Event() for _ in self.hosts] if cuda else []  # type: ignore[no-untyped-call]
+        self.stream = CurrentStream(flat.device) if cuda else None
         self.turn = 0
         devs = {k: flat[offsets[k]:offsets[k] + w] for k in _ROWS}
         self.tokens = devs["tokens"]
@@ -279,8 +281,8 @@ class ChainStaging:
         region.mirrors[turn].fill(n, (tokens, positions, live), tables, slots, region.neutral)
         if region.copies:
             region.flat.copy_(region.hosts[turn], non_blocking=True)
-        if region.cuda:
-            region.copied[turn].record()
+        if region.stream is not None:
+            region.stream.record(region.copied[turn])
         self._stage_hiddens(region, hiddens, n)
         if staged is not None:
             self._fill_tau(region, log_tau, n)
