@@ -122,39 +122,36 @@ def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
     """Built in numpy on the host (small integer arithmetic, where a numpy op costs a
     microsecond or two and a torch op several: the drafter's chain builds one every step, its
     lengths growing by one), each finished index made an int64 tensor once. A pass whose rows
-    are each alone in their tile (a decode, the drafter's chain) skips the slot bookkeeping:
-    every slot of its tile is that row's, and its longest row is itself."""
+    are each alone in their tile (a decode, the drafter's chain) is `_alone_plan`'s, any other
+    `_shared_plan`'s (which gives a pass of lone rows the same values: the tests check it)."""
     tab, length = tables.numpy(), lengths.numpy().astype(np.int64, copy=False)
-    n, tq, kt, m = length.shape[0], QUERY_TILE, KEY_TILE, QUERY_TILE * group
+    n = length.shape[0]
     last = length - 1                                   # the row's own position
-    block = last // tq
-    slot = last - block * tq
-    if n > 1:  # a tile: consecutive rows of one table and one block, positions rising
-        new = np.empty(n, dtype=bool)
-        new[0] = True
+    block = last // QUERY_TILE
+    slot = last - block * QUERY_TILE
+    new = np.empty(n, dtype=bool)  # a tile: consecutive rows of one table and one block, positions rising
+    new[0] = True
+    if n > 1:
         new[1:] = (tab[1:] != tab[:-1]).any(1) | (block[1:] != block[:-1]) | (last[1:] <= last[:-1])
-        alone = bool(new.all())
-    else:
-        alone = True
-    at = np.arange(n) if alone else np.flatnonzero(new)  # alone: tile i is row i; else the tiles' first rows
-    nt = at.shape[0]
-    if alone:
-        tile, firsts, at = at, at, at
-        base = block * tq                               # [nt] the diagonal block's first key
-        # an empty slot sees 0..base (finite), the row's slot its length
-        slot_len = np.where(_arange(tq) == slot[:, None], length[:, None], base[:, None] + 1)
-        longest = last                                  # the tile's longest row's last key
-        q_slot_rows = None
-    else:
-        tile = np.cumsum(new) - 1
-        firsts, at = at, np.arange(nt)
-        base = block[firsts] * tq
-        slot_len = np.repeat(base[:, None] + 1, tq, 1)
-        slot_len[tile, slot] = length
-        slot_row = np.repeat(firsts[:, None], tq, 1)    # an empty slot's query: its tile's first row
-        slot_row[tile, slot] = np.arange(n)
-        longest = slot_len.max(1) - 1
-        q_slot_rows = slot_row
+        if not new.all():
+            return _shared_plan(tab, length, last, block, slot, new, block_size, kv_heads, group)
+    return _alone_plan(tab, length, last, block, slot, block_size, kv_heads, group)
+
+
+def _shared_plan(tab: NDArray[np.integer], length: NDArray[np.int64], last: NDArray[np.int64],
+                 block: NDArray[np.int64], slot: NDArray[np.int64], new: NDArray[np.bool_], block_size: int,
+                 kv_heads: int, group: int) -> _TilePlan:
+    """_make_plan of any pass: `new` marks each tile's first row."""
+    n, tq, kt, m = length.shape[0], QUERY_TILE, KEY_TILE, QUERY_TILE * group
+    firsts = np.flatnonzero(new)                        # the tiles' first rows
+    nt = firsts.shape[0]
+    tile, at = np.cumsum(new) - 1, np.arange(nt)
+    base = block[firsts] * tq                           # [nt] the diagonal block's first key
+    slot_len = np.repeat(base[:, None] + 1, tq, 1)      # an empty slot sees 0..base (finite)
+    slot_len[tile, slot] = length
+    slot_row = np.repeat(firsts[:, None], tq, 1)        # an empty slot's query: its tile's first row
+    slot_row[tile, slot] = np.arange(n)
+    longest = slot_len.max(1) - 1                       # the tile's longest row's last key
     last_chunk = base // kt                             # the chunk holding base, the tile's last
     part = (base - last_chunk * kt) // tq               # the block's QUERY_TILE-key part of it
     full = int(last_chunk.sum())
@@ -190,10 +187,7 @@ def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
     np.greater_equal(first[:, :, 0, 0], base[:, None, None], out=zero[:nt * kv_heads * kt].reshape(nt, kv_heads, kt))
     np.greater_equal((base[:, None] + _arange(tq))[:, None, None], slot_len[:, None, :, None],
                      out=zero[split:].reshape(nt, kv_heads, tq, tq))
-    if q_slot_rows is None:  # every slot holds the tile's one row (tile t is row t)
-        q_rows = np.repeat(((pair_tile * kv_heads)[:, None] + heads[:, 0]).reshape(-1), tq)
-    else:
-        q_rows = q_slot_rows[pair_tile][:, None] * kv_heads + heads
+    q_rows = slot_row[pair_tile][:, None] * kv_heads + heads
     pair = torch.from_numpy(pair_tile)
     return _TilePlan(
         pair_tile=pair,
@@ -203,6 +197,108 @@ def _make_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
         last_past=torch.from_numpy(np.flatnonzero(past)),
         diag_weights=_index((at[:, None] * (kv_heads * m) + _arange(kv_heads * m)) * (kt // tq) + part[:, None]),
         out_rows=_index((tile[:, None] * kv_heads + heads[:, 0]) * tq + slot[:, None]), num_tiles=nt)
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """What of a decode pass's plan (every row alone in its tile, tile i row i) its tables and
+    each row's last chunk decide, and its lengths do not: the (tile, chunk) pairs, the query
+    slots' rows, and the key rows of every chunk before a row's last (all below its diagonal
+    block, so no clamp to its length reaches them). The drafter's chain (lengths + 1 a step)
+    keeps one until a row's diagonal block enters its next chunk: one step in KEY_TILE a row."""
+
+    pair_tile: torch.Tensor      # [P] as _TilePlan's
+    peak_index: torch.Tensor
+    q_rows: torch.Tensor
+    last_keys: NDArray[np.int64]  # [n, KEY_TILE] the last chunks' key positions
+    full_rows: NDArray[np.int64] | None  # [P - n, kv_heads, KEY_TILE] key_rows past the first n pairs
+
+
+# the latest decode passes' chunks, newest last (keyed like _PLANS, by values' bytes)
+_CHUNKS: dict[tuple[object, ...], _Chunks] = {}
+
+
+def _chunks(tab: NDArray[np.integer], last_chunk: NDArray[np.int64], block_size: int, kv_heads: int,
+            group: int) -> _Chunks:
+    """The _Chunks of (tables, last chunks), from the cache when a recent pass had those values."""
+    key = (block_size, kv_heads, group, tab.dtype, tab.shape, last_chunk.tobytes(), tab.tobytes())
+    c = _CHUNKS.pop(key, None)
+    if c is None:
+        c = _make_chunks(tab, last_chunk, block_size, kv_heads, group)
+    _CHUNKS[key] = c
+    if len(_CHUNKS) > _MAX_PLANS:
+        del _CHUNKS[next(iter(_CHUNKS))]
+    return c
+
+
+def _make_chunks(tab: NDArray[np.integer], last_chunk: NDArray[np.int64], block_size: int, kv_heads: int,
+                 group: int) -> _Chunks:
+    """_make_plan's pairs, query rows and key rows of the chunks before the last, for a pass of
+    lone rows (the same values: tests/ops/test_row_invariant_plan_builder.py)."""
+    n, tq, kt = last_chunk.shape[0], QUERY_TILE, KEY_TILE
+    at = np.arange(n)
+    heads = _arange(kv_heads)[:, None]
+    full = int(last_chunk.sum())
+    full_rows = None
+    if full:  # the chunks before the last, tile by tile
+        full_tile = np.repeat(at, last_chunk)
+        full_chunk = np.arange(full) - np.repeat(np.cumsum(last_chunk) - last_chunk, last_chunk)
+        pair_tile = np.concatenate((at, full_tile))
+        pos = full_chunk[:, None] * kt + _arange(kt)   # below the row's diagonal block: no clamp
+        blk = pos // block_size
+        rows = (tab[full_tile[:, None], blk].astype(np.int64) * block_size + (pos - blk * block_size)) * kv_heads
+        full_rows = rows[:, None] + heads
+    else:
+        pair_tile = at
+    pair = torch.from_numpy(pair_tile)
+    return _Chunks(
+        pair_tile=pair, peak_index=pair.view(-1, 1, 1).expand(-1, kv_heads * tq * group, 1),
+        q_rows=_index(np.repeat(((pair_tile * kv_heads)[:, None] + heads[:, 0]).reshape(-1), tq)),
+        last_keys=last_chunk[:, None] * kt + _arange(kt), full_rows=full_rows)
+
+
+def _alone_plan(tab: NDArray[np.integer], length: NDArray[np.int64], last: NDArray[np.int64],
+                block: NDArray[np.int64], slot: NDArray[np.int64], block_size: int, kv_heads: int,
+                group: int) -> _TilePlan:
+    """_make_plan of a pass whose rows are each alone in their tile (tile i is row i, every slot
+    of it that row's query, its longest row itself): the same values, the length-free part
+    (_Chunks) from its cache, so a chain's step builds only what its lengths move: the last
+    chunks' rows (clamped to the row's length), the diagonal blocks, the masks, the slots."""
+    n, tq, kt, m = length.shape[0], QUERY_TILE, KEY_TILE, QUERY_TILE * group
+    base = block * tq                                   # [n] the diagonal block's first key
+    last_chunk = base // kt                             # the chunk holding base, the row's last
+    part = (base - last_chunk * kt) // tq               # the block's QUERY_TILE-key part of it
+    c = _chunks(tab, last_chunk, block_size, kv_heads, group)
+    at, heads = _arange(n), _arange(kv_heads)[:, None]
+    keys = c.last_keys                                  # [n, kt]
+    # a key past the row reads the row's last key instead (masked or zeroed all the same): table
+    # entries past a sequence's rows may name no block (padding, a sentinel)
+    pos = np.minimum(keys, last[:, None])
+    blk = pos // block_size
+    rows = (tab[at[:, None], blk].astype(np.int64) * block_size + (pos - blk * block_size)) * kv_heads
+    split = c.pair_tile.shape[0] * kv_heads * kt
+    value_rows = np.empty(split + n * kv_heads * tq * tq, dtype=np.int64)
+    key_rows = value_rows[:split].reshape(-1, kv_heads, kt)
+    np.add(rows[:, None], heads, out=key_rows[:n])      # the last chunks first, as _make_plan's pairs
+    if c.full_rows is not None:
+        key_rows[n:] = c.full_rows
+    diag = rows.reshape(n, kt // tq, tq)[at, part]      # [n, tq keys]
+    value_rows[split:].reshape(n, kv_heads, tq, tq)[...] = (diag[:, None] + heads)[:, :, None]
+    # an empty slot sees 0..base (finite), the row's slot its length
+    slot_len = np.where(_arange(tq) == slot[:, None], length[:, None], base[:, None] + 1)
+    first = keys[:, None, None, None]                   # [n, 1, 1, 1, kt]
+    past = np.empty((n, kv_heads, tq, group, kt), dtype=bool)
+    np.greater_equal(first, slot_len[:, None, :, None, None], out=past)
+    zero = np.zeros(value_rows.shape[0], dtype=bool)
+    np.greater_equal(first[:, :, 0, 0], base[:, None, None], out=zero[:n * kv_heads * kt].reshape(n, kv_heads, kt))
+    np.greater_equal((base[:, None] + _arange(tq))[:, None, None], slot_len[:, None, :, None],
+                     out=zero[split:].reshape(n, kv_heads, tq, tq))
+    return _TilePlan(
+        pair_tile=c.pair_tile, peak_index=c.peak_index, q_rows=c.q_rows,
+        key_rows=torch.from_numpy(value_rows[:split]), value_rows=torch.from_numpy(value_rows),
+        value_zero=torch.from_numpy(zero.nonzero()[0]), last_past=torch.from_numpy(past.reshape(-1).nonzero()[0]),
+        diag_weights=_index((at[:, None] * (kv_heads * m) + _arange(kv_heads * m)) * (kt // tq) + part[:, None]),
+        out_rows=_index((at[:, None] * kv_heads + heads[:, 0]) * tq + slot[:, None]), num_tiles=n)
 
 
 @lru_cache(maxsize=16)
