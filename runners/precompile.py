@@ -133,7 +133,9 @@ class ForkCompiler(Executor):
     They share the missed jobs through a pipe, run each (a compile fills Triton's file cache)
     and `then(result)`; then it completes every future here, where a compile is a cache hit. A
     child that fails or passes `timeout_s` leaves its jobs to this process (which raises as a
-    plain compile would). `probe_s`, `fork_s`, `complete_s`: where `run`'s time went."""
+    plain compile would), and so does a fork that fails. `run` completes every future whatever
+    happens (AsyncCompileMode's exit waits on them all). `probe_s`, `fork_s`, `complete_s`: where
+    `run`'s time went."""
 
     def __init__(self, workers: int, timeout_s: float = 30.0,
                  then: Callable[[Any], None] | None = None,
@@ -161,21 +163,23 @@ class ForkCompiler(Executor):
 
     def run(self) -> None:
         jobs, self._jobs = self._jobs, []
-        start = time.perf_counter()
-        missed = [job.fn for job in jobs if not self._is_cached(job)]
-        self.cached_jobs += len(jobs) - len(missed)
-        self.probe_s += time.perf_counter() - start
-        if missed:
+        try:
             start = time.perf_counter()
-            self._fork(missed)
-            self.fork_s += time.perf_counter() - start
-        start = time.perf_counter()
-        for job in jobs:
-            try:
-                job.future.set_result(job.fn())
-            except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
-                job.future.set_exception(e)
-        self.complete_s += time.perf_counter() - start
+            missed = [job.fn for job in jobs if not self._is_cached(job)]
+            self.cached_jobs += len(jobs) - len(missed)
+            self.probe_s += time.perf_counter() - start
+            if missed:
+                start = time.perf_counter()
+                self._fork(missed)
+                self.fork_s += time.perf_counter() - start
+        finally:  # every future completes, whatever happened: AsyncCompileMode's exit waits on them
+            start = time.perf_counter()
+            for job in jobs:
+                try:
+                    job.future.set_result(job.fn())
+                except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
+                    job.future.set_exception(e)
+            self.complete_s += time.perf_counter() - start
 
     def _fork(self, fns: list[Callable[[], Any]]) -> None:
         read, write = os.pipe()
@@ -183,7 +187,11 @@ class ForkCompiler(Executor):
         os.close(write)  # the children read to its end: one 4-byte index per job
         pids = []
         for _ in range(min(self.workers, len(fns))):
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as e:  # EAGAIN, ENOMEM: a big process may not fork; fewer children
+                log.warning("forking a compile child failed (%r); its share compiles here", e)
+                break
             if pid == 0:  # a child: run jobs until the pipe is empty, then leave at once
                 code = 0
                 try:

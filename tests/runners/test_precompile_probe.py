@@ -38,13 +38,18 @@ def _keyed(pool, key, fn, label):
 
 
 def _no_fork(monkeypatch):
+    """os.fork refused (as a process that cannot fork sees it); the attempts, to assert none."""
+    tried = []
+
     def refuse():
-        raise AssertionError("forked a child although every job was cached")
+        tried.append(1)
+        raise OSError(11, "fork refused by the test")
     monkeypatch.setattr(os, "fork", refuse)
+    return tried
 
 
 def test_every_job_cached_forks_no_child_and_completes_here(monkeypatch):
-    _no_fork(monkeypatch)
+    forks = _no_fork(monkeypatch)
     asked = []
     pool = ForkCompiler(4, cached=lambda key, name: asked.append((key, name)) or True)
     futures = [_keyed(pool, f"k{i}", lambda i=i: (os.getpid(), i), "kern") for i in range(5)]
@@ -52,6 +57,7 @@ def test_every_job_cached_forks_no_child_and_completes_here(monkeypatch):
     assert [f.result() for f in futures] == [(os.getpid(), i) for i in range(5)]
     assert asked == [(f"k{i}", "kern") for i in range(5)]
     assert pool.children == 0 and pool.cached_jobs == 5 and pool.jobs == 5 and pool.fork_s == 0.0
+    assert forks == []
 
 
 def test_only_the_misses_go_to_children(tmp_path):
@@ -72,12 +78,37 @@ def test_only_the_misses_go_to_children(tmp_path):
 def test_a_wrong_probe_only_moves_the_compile_here(monkeypatch):
     """A job the probe calls cached that is not (a file deleted since, another Triton's keys):
     the parent's completion is then the compile itself, so the result is the same."""
-    _no_fork(monkeypatch)
+    forks = _no_fork(monkeypatch)
     compiled_here = []
     pool = ForkCompiler(2, cached=lambda key, name: True)
     f = _keyed(pool, "k", lambda: compiled_here.append(os.getpid()) or "kernel", "kern")
     pool.run()
-    assert f.result() == "kernel" and compiled_here == [os.getpid()]
+    assert f.result() == "kernel" and compiled_here == [os.getpid()] and forks == []
+
+
+def test_a_failed_fork_compiles_here_and_never_hangs_the_mode(monkeypatch):
+    """os.fork raising (EAGAIN/ENOMEM in a big process): the jobs compile in the parent and
+    every future completes; before, the error left the futures pending and AsyncCompileMode's
+    exit waited on them for ever (run in a thread here, so a hang fails instead of hanging)."""
+    import threading
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    forks = _no_fork(monkeypatch)
+    got: list = []
+    cleanup = (lambda k: None,) if "cleanup_fn" in inspect.signature(AsyncCompileMode.submit).parameters else ()
+
+    def body():
+        pool = ForkCompiler(2, cached=lambda key, name: False)
+        with AsyncCompileMode(pool, ignore_errors=True) as mode:
+            kernels = [mode.submit(f"key{i}", lambda i=i: i * 10, lambda k: None, *cleanup) for i in range(3)]
+            pool.run()
+        got.extend(k.result() for k in kernels)
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout=20)
+    assert not t.is_alive(), "AsyncCompileMode's exit hung on futures a failed fork left pending"
+    assert got == [0, 10, 20] and len(forks) == 1  # one refused fork, then no more tries
 
 
 def test_an_unanswered_probe_forks_as_before(tmp_path):
@@ -194,7 +225,7 @@ WIDTHS = [1, 2, 3, 16, 32]  # three specialisations: n == 1, neither, n % 16 == 
 
 def test_a_warm_precompile_forks_no_child(async_kernels, monkeypatch):
     asked = []
-    _no_fork(monkeypatch)
+    forks = _no_fork(monkeypatch)
     done = precompile_kernels(_program(WIDTHS), WIDTHS, threads=4, fork=True,  # type: ignore[arg-type]
                               cached=lambda key, name: asked.append(name) or True)
     assert done.forked and done.jobs == 3 and done.cached == 3 and done.children == 0
@@ -203,7 +234,7 @@ def test_a_warm_precompile_forks_no_child(async_kernels, monkeypatch):
     assert all(name.startswith(here) for name in async_kernels.where())  # compiled here only
     assert done.kernels == 3 and sorted(async_kernels.loads) == sorted(
         name.removeprefix(here) for name in async_kernels.where())
-    assert done.fork_s == 0.0 and done.launches == len(WIDTHS)
+    assert done.fork_s == 0.0 and done.launches == len(WIDTHS) and forks == []
 
 
 def test_a_cold_precompile_still_compiles_in_children(async_kernels):
