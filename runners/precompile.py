@@ -163,6 +163,7 @@ class ForkCompiler(Executor):
 
     def run(self) -> None:
         jobs, self._jobs = self._jobs, []
+        # every future must complete, whatever happens: AsyncCompileMode's exit waits on them all
         try:
             start = time.perf_counter()
             missed = [job.fn for job in jobs if not self._is_cached(job)]
@@ -172,14 +173,19 @@ class ForkCompiler(Executor):
                 start = time.perf_counter()
                 self._fork(missed)
                 self.fork_s += time.perf_counter() - start
-        finally:  # every future completes, whatever happened: AsyncCompileMode's exit waits on them
-            start = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 - only a speed-up: the jobs compile here below
+            log.warning("compiling in forked children failed (%r); compiling here", e)
+        except BaseException as e:  # an interrupt: fail the futures rather than compile on
             for job in jobs:
-                try:
-                    job.future.set_result(job.fn())
-                except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
-                    job.future.set_exception(e)
-            self.complete_s += time.perf_counter() - start
+                job.future.set_exception(e)
+            raise
+        start = time.perf_counter()
+        for job in jobs:
+            try:
+                job.future.set_result(job.fn())
+            except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
+                job.future.set_exception(e)
+        self.complete_s += time.perf_counter() - start
 
     def _fork(self, fns: list[Callable[[], Any]]) -> None:
         read, write = os.pipe()

@@ -176,6 +176,21 @@ def test_in_file_cache_finds_what_compile_leaves(tmp_path, monkeypatch):
     assert in_file_cache("long-key", long)
 
 
+def test_an_interrupt_fails_the_futures_instead_of_compiling_on(monkeypatch):
+    """A KeyboardInterrupt while forking: no job is compiled here after it, each future carries
+    it (so AsyncCompileMode's exit returns at once) and it propagates."""
+    ran = []
+
+    def interrupted(fns):
+        raise KeyboardInterrupt
+    pool = ForkCompiler(2, cached=lambda key, name: False)
+    monkeypatch.setattr(pool, "_fork", interrupted)
+    futures = [_keyed(pool, f"k{i}", lambda i=i: ran.append(i), "kern") for i in range(2)]
+    with pytest.raises(KeyboardInterrupt):
+        pool.run()
+    assert ran == [] and all(isinstance(f.exception(timeout=0), KeyboardInterrupt) for f in futures)
+
+
 @pytest.fixture
 def async_kernels(monkeypatch, tmp_path):
     """The interpreter's warm-up `run` submits to the active AsyncCompileMode the way 3.6's
