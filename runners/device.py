@@ -30,8 +30,8 @@ class CurrentStream:
             return torch.cuda.current_stream(self.index)
         key = torch._C._cuda_getCurrentStream(self.index)
         if key != self._key or self._stream is None:
-            self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
-                                             device_type=key[2])
+            self._stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]  # torch stub
+                stream_id=key[0], device_index=key[1], device_type=key[2])
             self._key = key
         return self._stream
 
