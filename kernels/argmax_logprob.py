@@ -75,6 +75,16 @@ def _top1_finish(m, tok, s, token_ptr, logprob_ptr, row):
 
 
 @triton.jit
+def _final_token(m, tok, ids_ptr, HAS_IDS: tl.constexpr):
+    """The row's draft: -1 for an empty row, else the winning index, or with an id table (a
+    reduced draft vocabulary) the target id it holds: ids[tok], one load a row (map_ids)."""
+    empty = m == float("-inf")
+    if HAS_IDS:
+        tok = tl.load(ids_ptr + tl.where(empty, 0, tok))  # an empty row's index is no index
+    return tl.where(empty, -1, tok)
+
+
+@triton.jit
 def _allowed(x, idx, in_vocab, mask_row_ptr, HAS_MASK: tl.constexpr):
     """in the vocab, finite (NaN and +-Inf never win) and, with a mask, its bit set."""
     ok = in_vocab & (tl.abs(x) < float("inf"))
@@ -166,9 +176,9 @@ def _linear_partials_kernel(
 @triton.jit
 def _merge_partials_kernel(
     ws_ptr, token_ptr, logprob_ptr, num_chunks, active_ptr, kept_ptr,
-    fallback_ptr, last_ptr, log_tau_ptr, active_out_ptr,
+    fallback_ptr, last_ptr, log_tau_ptr, active_out_ptr, ids_ptr,
     MERGE_BLOCK: tl.constexpr, KEEP: tl.constexpr, LAST: tl.constexpr, GATE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_IDS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per row; blocks of chunk partials folded serially in chunk order
     row = tl.program_id(0).to(tl.int64)
@@ -187,16 +197,18 @@ def _merge_partials_kernel(
         # chunks hold ascending id ranges, so the lowest token among the max chunks is the answer
         m, tok, s = _top1_reduce(m, tok, s, valid & (m > float("-inf")), 0)
         m_run, tok_run, s_run = _top1_merge(m_run, tok_run, s_run, m, tok, s)
-    _top1_finish(m_run, tok_run, s_run, token_ptr, logprob_ptr, row)
+    # the token (mapped through the id table where there is one) and everything derived from it
+    token = _final_token(m_run, tok_run, ids_ptr, HAS_IDS)
+    # max - logsumexp = -log s, as _top1_finish
+    logprob = tl.where(m_run == float("-inf"), float("-inf"), -tl.log(s_run))
+    tl.store(token_ptr + row, token)
+    tl.store(logprob_ptr + row, logprob)
     if KEEP:  # keep_if_active folded in: an inactive row's draft is -1
-        empty = m_run == float("-inf")
-        token = tl.where(empty, -1, tok_run)
         active = tl.load(active_ptr + row) != 0
         tl.store(kept_ptr + row, tl.where(active, token, -1))
         if LAST:  # keep_if_active(token, active, fallback): the last kept draft so far
             tl.store(last_ptr + row, tl.where(active, token, tl.load(fallback_ptr + row)))
         if GATE:  # confidence_gate(active, logprob, log_tau) on the logprob just stored
-            logprob = tl.where(empty, float("-inf"), -tl.log(s_run))
             # not (logprob < log_tau): a NaN threshold never stops a row, as the reference
             stop = logprob < tl.load(log_tau_ptr + row)
             tl.store(active_out_ptr + row, (active & (stop == 0)).to(tl.int32))
@@ -257,7 +269,7 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
                           eps: float = 1e-6, fallback: torch.Tensor | None = None,
                           last_out: torch.Tensor | None = None, log_tau: torch.Tensor | None = None,
                           active_out: torch.Tensor | None = None,
-                          normed: torch.Tensor | None = None) -> None:
+                          normed: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
     """argmax_logprob(x @ weight.T), logits fp32 and never written out; x [n, K], weight [V, K] same dtype.
     With `active` int32 [n] and `kept_out` int32 [n]: also kept_out = token where active != 0, else -1
     (keep_if_active in the merge's epilogue, no launch of its own). With `norm_weight` [K]: x is
@@ -268,7 +280,9 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
     launches: the partials, then their merge (whose epilogue writes kept, last and active).
     With `normed` [n, K] (x's dtype, needs norm_weight): the norm is a launch of its own
     (kernels.rmsnorm into normed, which the partials then read; three launches), where
-    `prenorm_pays` says the prologue costs more."""
+    `prenorm_pays` says the prologue costs more. With `ids` int32 [V] (a reduced draft
+    vocabulary's id table): the token is ids[top-1 index], -1 staying -1, and kept / last carry
+    that id (argmax then map_ids, read in the merge: no launch of its own)."""
     check(x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1,
           lambda: f"x must be [n, K] fp32/fp16/bf16 with contiguous rows; got {describe('x', x)}")
     n, K = x.shape
@@ -299,6 +313,8 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
         check(norm_weight is not None, lambda: "normed needs norm_weight (it holds the normed x)")
         check_operand("normed", normed, (n, K), (x.dtype,), x.device)
         check(normed.is_contiguous(), lambda: f"{describe('normed', normed)}: expected contiguous")
+    if ids is not None:
+        check_operand("ids", ids, (V,), (torch.int32,), x.device)
     shape = linear_argmax_workspace_shape(n, V)
     workspace = fp32_workspace(workspace, shape, x.device)
     if n == 0:
@@ -326,7 +342,7 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
         active if keep else token_out, kept_out if keep else token_out,
         fallback if fallback is not None else token_out, last_out if last_out is not None else token_out,
         log_tau if log_tau is not None else logprob_out,
-        active_out if active_out is not None else token_out,
+        active_out if active_out is not None else token_out, ids if ids is not None else token_out,
         MERGE_BLOCK=MERGE_BLOCK, KEEP=keep, LAST=fallback is not None, GATE=log_tau is not None,
-        USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
+        HAS_IDS=ids is not None, USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
     )

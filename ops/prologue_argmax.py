@@ -8,7 +8,9 @@ with the same conventions: each op's reference is the composition of its parts' 
 Each has two Triton bindings over kernels.argmax_logprob: `*_prenorm` first (the norm a launch
 of its own, then the partials and the merge: three launches) where the weight's shape says the
 prologue costs more (V x K from argmax_logprob.PRENORM_FROM), and the norm in the partials'
-prologue (two launches) for the rest.
+prologue (two launches) for the rest. With attr `ids` (fuse_lm_head_argmax absorbed the map_ids
+of a reduced draft vocabulary) the last input is the id table and every token output is mapped
+through it in the merge (ops/sampling.py's IdsAttrs).
 """
 from __future__ import annotations
 
@@ -17,14 +19,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draft_circuit.circuit.types import TensorSpec
-from draft_circuit.ops.basic import EpsAttrs, LinearAttrs, rmsnorm_ref
+from draft_circuit.ops.basic import EpsAttrs, rmsnorm_ref
 from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
-from draft_circuit.ops.prologue_linear import _norm_then, _weight_cost
+from draft_circuit.ops.prologue_linear import _norm_then
 from draft_circuit.ops.registry import (FUSED, MATMUL, NORM, REDUCTION, SAMPLING, Cost, CostContext, Env,
                                         OpDef, Specs, register)
 from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, KeepAttrs, _infer_gate, _infer_keep, _infer_linear_argmax,
                                         _infer_linear_argmax_keep, _linear_argmax, _linear_argmax_keep,
-                                        _linear_argmax_ws, gate_on, keep_on)
+                                        _linear_argmax_ws, gate_on, ids_cost, keep_on, split_ids)
 
 _k_lin_argmax = kernel("argmax_logprob", "linear_argmax_logprob")
 _k_prenorm_pays = kernel("argmax_logprob", "prenorm_pays")
@@ -33,12 +35,19 @@ VOCAB_FITS = Condition(f"vocab < {MAX_FUSED_VOCAB}",
                        lambda ins, a: isinstance(v := ins[2].shape[0], int) and v < MAX_FUSED_VOCAB)
 
 
-def _infer_norm_argmax(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
-    return _infer_linear_argmax([_norm_then(ins, a), *ins[2:]], LinearAttrs())
+class EpsIdsAttrs(EpsAttrs):
+    """The final norm's eps, and `ids` (ops/sampling.py's IdsAttrs): the last input is the id
+    table of a reduced draft vocabulary and every token output is mapped through it."""
+
+    ids: bool = False
 
 
-def _infer_norm_argmax_keep(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
-    return _infer_linear_argmax_keep([_norm_then(ins, a), *ins[2:]], LinearAttrs())
+def _infer_norm_argmax(ins: list[TensorSpec], a: EpsIdsAttrs) -> list[TensorSpec]:
+    return _infer_linear_argmax([_norm_then(ins, a), *ins[2:]], a)
+
+
+def _infer_norm_argmax_keep(ins: list[TensorSpec], a: EpsIdsAttrs) -> list[TensorSpec]:
+    return _infer_linear_argmax_keep([_norm_then(ins, a), *ins[2:]], a)
 
 
 def _norm_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
@@ -74,33 +83,34 @@ def _argmax_bindings(name: str, launch: Callable[..., None]) -> tuple[KernelBind
                           workspace=_norm_argmax_ws, launches=2))  # the partials (norm in them), the merge
 
 
-def _launch_norm_argmax(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
-    x, norm, w, *mask = ins
+def _launch_norm_argmax(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsIdsAttrs) -> None:
+    (x, norm, w, *mask), ids = split_ids(ins, a)
     _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], norm_weight=norm, eps=a.eps,
-                    normed=_normed(ws))
+                    normed=_normed(ws), ids=ids)
 
 
-def _launch_norm_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
-    x, norm, w, active, *mask = ins
+def _launch_norm_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsIdsAttrs) -> None:
+    (x, norm, w, active, *mask), ids = split_ids(ins, a)
     _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], active=active,
-                    kept_out=outs[2], norm_weight=norm, eps=a.eps, normed=_normed(ws))
+                    kept_out=outs[2], norm_weight=norm, eps=a.eps, normed=_normed(ws), ids=ids)
 
 
 def _argmax_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
-    return _weight_cost(ins, outs, env, ins[0], ins[2:3])
+    n, k = ins[0].concrete(env)
+    return ids_cost(ins, outs, a, env, 2 * n * k * ins[2].concrete(env)[0])
 
 
 register(OpDef(
-    name="rmsnorm_linear_argmax_logprob", inputs=("x", "norm_weight", "weight", "bitmask"),
-    outputs=("token", "logprob"), num_required=3, attrs=EpsAttrs, infer=_infer_norm_argmax,
+    name="rmsnorm_linear_argmax_logprob", inputs=("x", "norm_weight", "weight", "bitmask", "ids"),
+    outputs=("token", "logprob"), num_required=3, attrs=EpsIdsAttrs, infer=_infer_norm_argmax,
     reference=lambda t, a: _linear_argmax([rmsnorm_ref(t[0], t[1], a.eps), *t[2:]], a),
     cost=_argmax_cost, tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
     kernels=_argmax_bindings("triton_rmsnorm_linear_argmax_logprob", _launch_norm_argmax),
 ))
 
 register(OpDef(
-    name="rmsnorm_linear_argmax_keep", inputs=("x", "norm_weight", "weight", "active", "bitmask"),
-    outputs=("token", "logprob", "kept"), num_required=4, attrs=EpsAttrs,
+    name="rmsnorm_linear_argmax_keep", inputs=("x", "norm_weight", "weight", "active", "bitmask", "ids"),
+    outputs=("token", "logprob", "kept"), num_required=4, attrs=EpsIdsAttrs,
     infer=_infer_norm_argmax_keep,
     reference=lambda t, a: _linear_argmax_keep([rmsnorm_ref(t[0], t[1], a.eps), *t[2:]], a),
     cost=_argmax_cost, tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
@@ -110,8 +120,8 @@ register(OpDef(
 
 # ---- the draft bookkeeping in the lm-head merge's epilogue: last_kept and the confidence gate ----
 def _draft_parts(t: list[Any], last: bool, gate: bool) -> tuple[list[Any], Any, Any]:
-    """(x, norm, w, active, [fallback], [log_tau], [bitmask]) -> ([x, norm, w, active, *bitmask],
-    fallback, log_tau)."""
+    """(x, norm, w, active, [fallback], [log_tau], [bitmask], [ids]) -> ([x, norm, w, active,
+    *bitmask, *ids], fallback, log_tau)."""
     x, norm, w, active, *rest = t
     fallback = rest.pop(0) if last else None
     log_tau = rest.pop(0) if gate else None
@@ -123,7 +133,7 @@ def _draft_op(last: bool, gate: bool) -> OpDef:
     extra_in = (("fallback",) if last else ()) + (("log_tau",) if gate else ())
     extra_out = (("last",) if last else ()) + (("active_next",) if gate else ())
 
-    def infer(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
+    def infer(ins: list[TensorSpec], a: EpsIdsAttrs) -> list[TensorSpec]:
         base, fallback, log_tau = _draft_parts(ins, last, gate)
         outs = _infer_norm_argmax_keep(base, a)
         more = []
@@ -133,11 +143,12 @@ def _draft_op(last: bool, gate: bool) -> OpDef:
             more += _infer_gate([base[3], outs[1], log_tau], a)
         return [*outs, *more]
 
-    def reference(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor, ...]:
+    def reference(t: list[torch.Tensor], a: EpsIdsAttrs) -> tuple[torch.Tensor, ...]:
         # _linear_argmax_keep, keep_if_active and confidence_gate's references, active's bool once
+        # (the token already mapped through the id table where there is one)
         base, fallback, log_tau = _draft_parts(t, last, gate)
-        x, norm, w, active, *mask = base
-        token, logprob = _linear_argmax([rmsnorm_ref(x, norm, a.eps), w, *mask], a)
+        x, norm, w, active, *tail = base
+        token, logprob = _linear_argmax([rmsnorm_ref(x, norm, a.eps), w, *tail], a)
         act = active.bool()
         more = [keep_on(token, act, None)]
         if fallback is not None:
@@ -146,20 +157,22 @@ def _draft_op(last: bool, gate: bool) -> OpDef:
             more.append(gate_on(act, logprob, log_tau))
         return (token, logprob, *more)
 
-    def launch(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsAttrs) -> None:
-        base, fallback, log_tau = _draft_parts(ins, last, gate)
+    def launch(ins: Tensors, outs: Tensors, ws: Tensors, a: EpsIdsAttrs) -> None:
+        without, ids = split_ids(ins, a)
+        base, fallback, log_tau = _draft_parts(without, last, gate)
         x, norm, w, active, *mask = base
         more = iter(outs[3:])
         last_out = next(more) if last else None
         active_out = next(more) if gate else None
         _k_lin_argmax()(x, w, outs[0], outs[1], mask[0] if mask else None, ws[0], active=active,
                         kept_out=outs[2], norm_weight=norm, eps=a.eps, fallback=fallback,
-                        last_out=last_out, log_tau=log_tau, active_out=active_out, normed=_normed(ws))
+                        last_out=last_out, log_tau=log_tau, active_out=active_out, normed=_normed(ws),
+                        ids=ids)
 
     return OpDef(
-        name=name, inputs=("x", "norm_weight", "weight", "active", *extra_in, "bitmask"),
+        name=name, inputs=("x", "norm_weight", "weight", "active", *extra_in, "bitmask", "ids"),
         outputs=("token", "logprob", "kept", *extra_out), num_required=4 + len(extra_in),
-        attrs=EpsAttrs, infer=infer, reference=reference, cost=_argmax_cost,
+        attrs=EpsIdsAttrs, infer=infer, reference=reference, cost=_argmax_cost,
         tags=frozenset({REDUCTION, MATMUL, NORM, SAMPLING, FUSED}),
         kernels=_argmax_bindings(f"triton_{name}", launch),
     )

@@ -7,7 +7,7 @@ confidence stop (`confidence_gate`) and `keep_if_active`; Triton bindings for th
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -86,27 +86,75 @@ register(OpDef(
 ))
 
 
+# ---- the lm-head's argmax ops over a reduced draft vocabulary: the id table as their last input ----
+class IdsAttrs(BaseModel):
+    """`ids` (fuse_lm_head_argmax absorbed a map_ids): the op's last input is an int32 id table
+    [V], one target id per vocabulary row, and its token is ids[top-1 index], -1 staying -1 (what
+    argmax then map_ids computes; kept / last carry the mapped id too). The kernels read the
+    winner's entry in the merge, so the mapping costs no launch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ids: bool = False
+
+
+T = TypeVar("T")
+
+
+def split_ids(t: Sequence[T], a: Any) -> tuple[list[T], T | None]:
+    """(an lm-head argmax op's inputs without its id table, the table: None unless `a.ids`)."""
+    if getattr(a, "ids", False):
+        return list(t[:-1]), t[-1]
+    return list(t), None
+
+
+def map_through(token: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[token] as int32, -1 (an all-masked draft) staying -1: map_ids' arithmetic, the ids
+    in range (ops/vocab.py's map_ids_ref checks that first)."""
+    out = table[token.clamp(min=0).long()].to(torch.int32)
+    return out.masked_fill(token < 0, -1)
+
+
+def _check_ids(vocab: Dim, ids: TensorSpec) -> None:
+    check(ids.dtype == "int32" and ids.shape == (vocab,),
+          lambda: f"id table must be int32 [{vocab}] (one target id per vocabulary row), got {ids}")
+
+
 def _infer_linear_argmax(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
+    ins, ids = split_ids(ins, a)
+    check(len(ins) >= 2, lambda: f"takes x and weight before its id table, got {len(ins)} input(s)")
     (logits,) = _infer_linear(ins[:2], a)
     if len(ins) > 2:
         _check_mask(logits, int(logits.shape[1]), ins[2])
+    if ids is not None:
+        _check_ids(logits.shape[1], ids)
     return _outs(logits.shape[0])
 
 
 def _linear_argmax(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tensor, torch.Tensor]:
     # logits in fp32 whatever the weights (the kernel never rounds them); in fp32 this is the
     # unfused pair's computation exactly, so CPU programs match eager bitwise
+    t, ids = split_ids(t, a)
     logits = linear_ref(t[0], t[1], torch.float32)
-    return argmax_logprob_ref(logits, t[2] if len(t) > 2 else None)
+    token, logprob = argmax_logprob_ref(logits, t[2] if len(t) > 2 else None)
+    return (token if ids is None else map_through(token, ids)), logprob
+
+
+def ids_cost(ins: Specs, outs: Specs, a: Any, env: Env, flops: int) -> Cost:
+    """Every input read once and every output written once, but an id table only at the rows'
+    winners (one entry a row, as map_ids' cost counts it), never whole."""
+    base, ids = split_ids(ins, a)
+    cost = default_cost(base, outs, env, flops=flops)
+    return cost if ids is None else Cost(cost.bytes_read + outs[0].nbytes(env), cost.bytes_written, flops)
 
 
 def _linear_argmax_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
     n, k = ins[0].concrete(env)
-    return default_cost(ins, outs, env, flops=2 * n * k * ins[1].concrete(env)[0])
+    return ids_cost(ins, outs, a, env, 2 * n * k * ins[1].concrete(env)[0])
 
 
 def _launch_linear_argmax(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
-    _k_lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[2] if len(ins) > 2 else None, ws[0])
+    ins, ids = split_ids(ins, a)
+    _k_lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[2] if len(ins) > 2 else None, ws[0], ids=ids)
 
 
 def _linear_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
@@ -114,8 +162,8 @@ def _linear_argmax_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
 
 
 register(OpDef(
-    name="linear_argmax_logprob", inputs=("x", "weight", "bitmask"), outputs=("token", "logprob"),
-    num_required=2, infer=_infer_linear_argmax, reference=_linear_argmax,
+    name="linear_argmax_logprob", inputs=("x", "weight", "bitmask", "ids"), outputs=("token", "logprob"),
+    num_required=2, attrs=IdsAttrs, infer=_infer_linear_argmax, reference=_linear_argmax,
     cost=_linear_argmax_cost, tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
     kernels=(KernelBinding("triton_linear_argmax_logprob", _launch_linear_argmax, Applies(TRITON, conditions=(
         Condition(f"vocab < {MAX_FUSED_VOCAB}", lambda ins, a: isinstance(v := ins[1].shape[0], int) and v < MAX_FUSED_VOCAB),)),
@@ -187,8 +235,8 @@ register(OpDef(
 
 # ---- the lm-head's draft: linear_argmax_logprob with keep_if_active in its epilogue ----
 def _infer_linear_argmax_keep(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
-    x, w, active, *mask = ins
-    outs = _infer_linear_argmax([x, w, *mask], a)
+    x, w, active, *tail = ins  # tail: the bitmask and the id table, each where present
+    outs = _infer_linear_argmax([x, w, *tail], a)
     _infer_keep([outs[0], active], KeepAttrs())
     return [*outs, outs[0]]
 
@@ -199,15 +247,16 @@ def _linear_argmax_keep(t: list[torch.Tensor], a: BaseModel) -> tuple[torch.Tens
 
 
 def _launch_linear_argmax_keep(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
+    ins, ids = split_ids(ins, a)
     _k_lin_argmax()(ins[0], ins[1], outs[0], outs[1], ins[3] if len(ins) > 3 else None, ws[0],
-                    active=ins[2], kept_out=outs[2])
+                    active=ins[2], kept_out=outs[2], ids=ids)
 
 
 register(OpDef(
     # fuse_argmax_keep: `kept` is keep_if_active(token, active) (fill -1); `token` stays for the
     # next step's embedding, which drafts on even where this row's draft is not kept
-    name="linear_argmax_keep", inputs=("x", "weight", "active", "bitmask"),
-    outputs=("token", "logprob", "kept"), num_required=3, infer=_infer_linear_argmax_keep,
+    name="linear_argmax_keep", inputs=("x", "weight", "active", "bitmask", "ids"),
+    outputs=("token", "logprob", "kept"), num_required=3, attrs=IdsAttrs, infer=_infer_linear_argmax_keep,
     reference=_linear_argmax_keep, cost=_linear_argmax_cost,
     tags=frozenset({REDUCTION, MATMUL, SAMPLING, FUSED}),
     kernels=(KernelBinding("triton_linear_argmax_keep", _launch_linear_argmax_keep, Applies(TRITON, conditions=(

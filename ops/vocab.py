@@ -5,7 +5,9 @@ tokens), with capturable torch bindings for CUDA.
 A subset is an int32 table `ids[S]` of target ids: subset token s is target token ids[s]. The
 draft head's logits run over the S subset rows; `map_ids` turns its argmax into a target id and
 `remap_bitmask` gives it the mask over those S tokens (bit s of the result = bit ids[s] of the
-input; bits past S in the last word are 0). Both are per-row, so width independent.
+input; bits past S in the last word are 0). Both are per-row, so width independent. A map_ids that
+alone reads the lm-head argmax's token rides in that argmax's merge (fuse_lm_head_argmax; the
+ops' `ids` attr, ops/sampling.py): its torch binding runs only where the fusion does not apply.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors, traced_launches
 from draft_circuit.ops.registry import (GATHER, SAMPLING, Cost, CostContext, Env, OpDef, Specs, check,
                                         index_dtype, rank, register)
-from draft_circuit.ops.sampling import mask_words
+from draft_circuit.ops.sampling import map_through, mask_words
 
 
 class DraftIdError(ValueError):
@@ -33,8 +35,7 @@ def map_ids_ref(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         row = int((ids >= size).nonzero()[0, 0])
         raise DraftIdError(f"draft id {int(ids[row])} at row {row} is outside the subset table "
                            f"[0, {size})")
-    out = table[ids.clamp(min=0).long()].to(torch.int32)
-    return out.masked_fill(ids < 0, -1)
+    return map_through(ids, table)  # the arithmetic the lm-head argmax's id table shares
 
 
 def _infer_map_ids(ins: list[TensorSpec], a: BaseModel) -> list[TensorSpec]:
