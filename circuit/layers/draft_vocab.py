@@ -11,7 +11,8 @@ A chain over S subset tokens (`emit_draft_chain(..., draft_vocab=S)`) declares t
 with S rows and the int32 table `draft_vocab.ids` [S]; `bind_draft_vocab` gathers those rows at
 bind time, in ascending target-id order, so a tie between two logits goes to the lower target id,
 exactly as over the full vocabulary. Drafts are mapped back to target ids on the device
-(`map_ids`) and a grammar bitmask over the target vocabulary is remapped to the subset on the
+(`map_ids`, which the planner folds into the lm-head argmax's merge: one table load a row, so a
+subset chain launches what the full chain does a step) and a grammar bitmask over the target vocabulary is remapped to the subset on the
 device (`remap_bitmask`). The confidence of a draft is then its log-probability renormalised over
 the subset: logit - logsumexp over the subset tokens the mask allows (never the full vocabulary).
 """

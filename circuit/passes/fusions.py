@@ -72,8 +72,8 @@ def _keep_after_argmax(c: Circuit, m: Match, taken: Taken) -> Match | None:
 
 def _argmax_keep(m: Match) -> Parts:
     arg, keep = m.producer, m.consumer
-    x, w, *mask = arg.inputs
-    return (arg, keep), (x, w, keep.inputs[1], *mask), (*arg.outputs, keep.outputs[0]), {}
+    x, w, *tail = arg.inputs  # tail: the bitmask and the id table, each where present
+    return (arg, keep), (x, w, keep.inputs[1], *tail), (*arg.outputs, keep.outputs[0]), arg.attrs
 
 
 def _plain_linear_into_add(c: Circuit, m: Match, taken: Taken) -> Match | None:
@@ -88,9 +88,10 @@ def _linear_add(m: Match) -> Parts:
 
 def _norm_prologue(m: Match) -> Parts:
     """rmsnorm(x, w) read (as input 0) by a linear-family op -> the op's prologue variant over
-    (x, w, the op's other inputs), with the norm's eps."""
+    (x, w, the op's other inputs), with the op's attrs (the lm-head argmax's id table) and the
+    norm's eps."""
     norm, lin = m.producer, m.consumer
-    return (norm, lin), (*norm.inputs, *lin.inputs[1:]), lin.outputs, norm.attrs
+    return (norm, lin), (*norm.inputs, *lin.inputs[1:]), lin.outputs, {**lin.attrs, **norm.attrs}
 
 
 def _mtp_input(c: Circuit, m: Match, taken: Taken) -> Match | None:
@@ -182,8 +183,31 @@ def _add_rmsnorm(m: Match) -> Parts:
 
 
 def _lm_head_argmax(m: Match) -> Parts:
+    """(x, w, [bitmask]); with the map_ids the guard absorbed, its id table last (attr `ids`) and
+    the mapped token in the argmax's token's place."""
     lin, arg = m.producer, m.consumer
-    return (lin, arg), (*lin.inputs, *arg.inputs[1:]), arg.outputs, {}
+    if not m.more:
+        return (lin, arg), (*lin.inputs, *arg.inputs[1:]), arg.outputs, {}
+    (to_ids,) = m.more
+    return ((lin, arg, to_ids), (*lin.inputs, *arg.inputs[1:], to_ids.inputs[1]),
+            (to_ids.outputs[0], *arg.outputs[1:]), {"ids": True})
+
+
+def _lm_head_and_its_ids(c: Circuit, m: Match, taken: Taken) -> Match | None:
+    """An unbiased lm-head linear; where the argmax's token is read only by a map_ids through a
+    table of one target id per vocabulary row (a reduced draft vocabulary's, a param or input:
+    there at the fused node's place), that map_ids too, so the merge writes the mapped id and
+    the keep / gate rows still find the argmax's token as their input."""
+    if _unbiased(c, m, taken) is None:
+        return None
+    lin, arg = m.producer, m.consumer
+    to_ids = sole_user(c, arg.outputs[0])
+    if to_ids is None or to_ids.op != "map_ids" or to_ids.inputs[0] != arg.outputs[0] or to_ids.name in taken:
+        return m
+    table = c.value(to_ids.inputs[1])
+    rows = c.value(lin.inputs[1]).shape[0]
+    fits = c.producer(to_ids.inputs[1]) is None and table.dtype == "int32" and table.shape == (rows,)
+    return Match(lin, arg, (to_ids,)) if fits else m
 
 
 def _rope_kv_write(m: Match) -> Parts:
@@ -213,9 +237,10 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            rewrite=_add_rmsnorm, at="producer"),
     Fusion("fuse_lm_head_argmax",
            "the linear to logits whose only reader is argmax_logprob -> linear_argmax_logprob, "
-           "which reduces over the vocabulary in fp32 without keeping [n, V] logits",
+           "which reduces over the vocabulary in fp32 without keeping [n, V] logits; a map_ids "
+           "of a reduced draft vocabulary reading its token alone rides in the merge (attr ids)",
            producer="linear", consumer="argmax_logprob", edge=0, sole_reader=True,
-           fused_op="linear_argmax_logprob", rewrite=_lm_head_argmax, guard=_unbiased),
+           fused_op="linear_argmax_logprob", rewrite=_lm_head_argmax, guard=_lm_head_and_its_ids),
     Fusion("fuse_rope_kv_write",
            "rope(q), rope(k) and the kv_write of k -> rope_kv_write, rotating q and k and writing "
            "k and v to their paged slots in one launch",

@@ -115,7 +115,11 @@ def test_programs_equal_the_eager_chain_bitwise_at_every_width(masked):
         return batch.inputs, {**batch.states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
 
     compiled = assert_program_matches_eager(chain, sub_params, range(1, 9), batch_for, run_program=run_draft_runner)
-    assert {"map_ids", "remap_bitmask"} & {x.op for x in compiled.programs[1].launches}
+    ops = {x.op for x in compiled.programs[1].launches}
+    # the ids ride in the lm-head argmax (issue 18); the mask is remapped once a chain
+    assert "map_ids" not in ops and ("remap_bitmask" in ops) == masked
+    argmax = [n for n in compiled.circuit.nodes if n.op.startswith("rmsnorm_linear_argmax_keep")]
+    assert len(argmax) == K and all(n.attrs.get("ids") and n.inputs[-1] == DRAFT_VOCAB_IDS for n in argmax)
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -123,8 +127,11 @@ def test_triton_fused_subset_head_matches_eager(width):
     """The fused lm-head kernel (interpreted) over the gathered rows, the mask remapped."""
     head, vocab, _, sub, _, sub_params, batch = setup(width, True, seed=20 + width)
     compiled = compile_draft(sub, sub_params, [width], options=CompileOptions(interpret_kernels=True))
-    # the final norm rides in the fused lm-head's prologue (issue 15: fuse_rmsnorm_argmax)
-    assert "triton_rmsnorm_linear_argmax_logprob" in {x.kernel for x in compiled.programs[width].launches}
+    # the final norm rides in the fused lm-head's prologue (issue 15), the ids and keep_if_active
+    # in its merge (issue 18: map_ids no longer stands between the argmax and the keep)
+    kernels = {x.kernel for x in compiled.programs[width].launches}
+    assert "triton_rmsnorm_linear_argmax_keep" in kernels and "reference" not in {
+        x.kernel for x in compiled.programs[width].launches if x.step is not None}
     states = {**batch.states(), "embed_target": torch.zeros(8, CFG.hidden_size)}
     r = run_side_by_side(sub, sub_params, compiled, batch.inputs, states)
     assert torch.equal(r.got["drafts"], r.want["drafts"])
@@ -148,7 +155,9 @@ def test_plan_bytes_and_floor_shrink_by_the_rows_left_out():
     for full, sub in zip(reports[0].widths, reports[1].widths):
         assert lm_head_bytes(full) - lm_head_bytes(sub) == K * (CFG.vocab_size - S) * CFG.hidden_size * 2
         assert sub.bytes_moved < full.bytes_moved and sub.floor_us < full.floor_us
-        assert "torch_map_ids" in {x.kernel for x in sub.schedule}
+        # the ids are read in the lm-head merge: one int32 a row, no launch of their own (issue 18)
+        assert "torch_map_ids" not in {x.kernel for x in sub.schedule}
+        assert sub.gpu_launches == full.gpu_launches
 
 
 def test_bound_rows_ascend_and_the_table_maps_back():
