@@ -1,14 +1,16 @@
-"""ops.row_invariant's decode plan (`_alone_plan`: every row alone in its tile, a decode or the
+"""ops.row_invariant's decode plan (`_alone_plans`: every row alone in its tile, a decode or the
 drafter's chain) against the general one (`_shared_plan`, which any pass may take): issue 20, the
-chain's lengths grow by one a step, so every step misses the plan cache; the decode plan keeps
+chain's lengths grow by one a step, so every step missed the plan cache. The decode plan keeps
 what only the tables and each row's last key chunk decide (`_Chunks`: the pairs, the query rows,
-the key rows of the chunks before the last) and builds only what the lengths move. The two
-plans must hold the same indices, so the attention the same bits: checked field for field on
-chains across QUERY_TILE block and KEY_TILE chunk boundaries (from length 1, from a table's
-last rows), decode rows of random lengths, tables written in place between steps, and bitwise
-through the attention (fp32 / fp16 / bf16, 1 and 2 threads) with NaN queries, non-finite keys
-and values past the rows, table entries naming no block past them and rows of no keys; a row's
-bits are also those it has alone (row invariance).
+the key rows of the chunks before the last), builds only what the lengths move, and a miss
+builds the next AHEAD steps' plans too (lengths + 1, + 2, ...: the chain's next steps and the
+next decode pass find theirs). Every plan, built or built ahead, must hold the general plan's
+indices, so the attention the same bits: checked field for field on chains across QUERY_TILE
+block and KEY_TILE chunk boundaries (from length 1, from a table's last rows), decode rows of
+random lengths, tables written in place between steps, and bitwise through the attention (fp32
+/ fp16 / bf16, 1 and 2 threads) with NaN queries, non-finite keys and values past the rows,
+table entries naming no block past them and rows of no keys; a row's bits are also those it
+has alone (row invariance).
 """
 import math
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from draft_circuit.ops import row_invariant
+from draft_circuit.ops import row_invariant, row_invariant_plan
 from draft_circuit.ops.row_invariant import KEY_TILE, QUERY_TILE, TILED_DTYPES, row_invariant_attention
 
 # (heads, kv_heads, head_dim, block_size): the embedded default, a block smaller than a chunk, one
@@ -74,45 +76,72 @@ def _chains(block, g):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}b{s[3]}")
 def test_the_decode_plan_has_the_general_plans_indices(shape):
+    """Through the cache, as the attention asks: a chain's steps get plans built ahead."""
     heads, kv_heads, _, block = shape
     group = heads // kv_heads
     g = torch.Generator().manual_seed(sum(shape))
     row_invariant._CHUNKS.clear()
+    row_invariant._PLANS.clear()
     count = 0
     for tables, lengths, what in _chains(block, g):
         for lens in (lengths, lengths.int()):  # the engine's int64, and int32
-            got = row_invariant._make_plan(tables, lens, block, kv_heads, group)
-            _same(got, _general(tables, lens, block, kv_heads, group), what)
+            _same(row_invariant._make_plan(tables, lens, block, kv_heads, group),
+                  _general(tables, lens, block, kv_heads, group), what)
+            _same(row_invariant._tile_plan(tables, lens, block, kv_heads, group),
+                  _general(tables, lens, block, kv_heads, group), what + " (cached)")
         count += 1
     assert count > 200
     assert len(row_invariant._CHUNKS) <= row_invariant._MAX_PLANS
+    assert len(row_invariant._PLANS) <= row_invariant._MAX_PLANS
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}b{s[3]}")
+def test_plans_are_built_ahead_only_inside_the_tables_and_the_last_chunk(shape):
+    heads, kv_heads, _, block = shape
+    group = heads // kv_heads
+    g = torch.Generator().manual_seed(sum(shape) + 2)
+    tables = _tables(block, 3, g)
+    end = tables.shape[1] * block  # the tables' capacity: the last row a table holds
+    for lengths, want in (([1, 2, 3], 4), ([KEY_TILE, 5, 9], 1), ([KEY_TILE - 1, 5, 9], 2),
+                          ([2 * KEY_TILE - 3, 5, 9], 4), ([end, 5, 9], 1), ([end - 1, 5, 9], 2)):
+        lens = torch.tensor(lengths)
+        plans = row_invariant._make_plans(tables, lens, block, kv_heads, group, 4)
+        assert len(plans) == want, lengths
+        for step, plan in enumerate(plans):
+            _same(plan, _general(tables, lens + step, block, kv_heads, group), f"{lengths} + {step}")
+    # a pass that shares a tile (a verify) gets its one plan
+    assert len(row_invariant._make_plans(tables[[0, 0]], torch.tensor([9, 10]), block, kv_heads, group, 4)) == 1
 
 
 def test_the_chunks_are_kept_along_a_chain_and_follow_the_tables(monkeypatch):
     """A chain's steps share their _Chunks until a row's last chunk moves (one step in
-    KEY_TILE); tables written in place (a block allocated, a row moved) get chunks of their new
-    values, and the plan stays the general one's."""
-    built = []
-    make = row_invariant._make_chunks
-    monkeypatch.setattr(row_invariant, "_make_chunks", lambda *a: built.append(a[1].copy()) or make(*a))
+    KEY_TILE) and find the plans built ahead; tables written in place (a block allocated, a row
+    moved) get chunks and plans of their new values, and every plan stays the general one's."""
+    built, misses = [], []
+    make, plans = row_invariant_plan._make_chunks, row_invariant_plan._make_plans
+    monkeypatch.setattr(row_invariant_plan, "_make_chunks", lambda *a: built.append(a[1].copy()) or make(*a))
+    monkeypatch.setattr(row_invariant_plan, "_make_plans", lambda *a: misses.append(a[1].clone()) or plans(*a))
     g = torch.Generator().manual_seed(3)
     tables, lengths = _tables(16, 4, g), torch.tensor([1, 20, 33, 41])
     row_invariant._CHUNKS.clear()
-    for step in range(2 * KEY_TILE):
+    row_invariant._PLANS.clear()
+    steps = 2 * KEY_TILE
+    for step in range(steps):
         lens = lengths + step
-        _same(row_invariant._make_plan(tables, lens, 16, 2, 2), _general(tables, lens, 16, 2, 2), f"step {step}")
-    # one build per distinct (last chunk of every row) along the chain
-    distinct = {tuple(((lengths + s - 1) // QUERY_TILE * QUERY_TILE // KEY_TILE).tolist()) for s in range(2 * KEY_TILE)}
+        _same(row_invariant._tile_plan(tables, lens, 16, 2, 2), _general(tables, lens, 16, 2, 2), f"step {step}")
+    # one chunk build per distinct (last chunk of every row) along the chain
+    distinct = {tuple(((lengths + s - 1) // QUERY_TILE * QUERY_TILE // KEY_TILE).tolist()) for s in range(steps)}
     assert len(built) == len(distinct)
-    before = len(built)
-    lens = lengths + 40
-    plan = row_invariant._make_plan(tables, lens, 16, 2, 2)
+    # a miss every 1 + AHEAD steps, or where a row's last chunk moves
+    assert steps // (1 + row_invariant.AHEAD) <= len(misses) <= steps // (1 + row_invariant.AHEAD) + len(distinct)
+    before, lens = len(built), lengths + 40
+    row_invariant._make_plan(tables, lens, 16, 2, 2)
     assert len(built) == before  # found again by value
     tables[2, 1] = tables[3, 3]  # in place: a block read by a chunk before row 2's last
-    _same(row_invariant._make_plan(tables, lens, 16, 2, 2), _general(tables, lens, 16, 2, 2), "table written in place")
+    _same(row_invariant._tile_plan(tables, lens, 16, 2, 2), _general(tables, lens, 16, 2, 2), "table written in place")
+    _same(row_invariant._tile_plan(tables, lens + 1, 16, 2, 2), _general(tables, lens + 1, 16, 2, 2), "the next step")
     assert len(built) == before + 1
     assert len(row_invariant._CHUNKS) <= row_invariant._MAX_PLANS
-    assert plan.num_tiles == 4
 
 
 @pytest.mark.parametrize("threads", (1, 2))
