@@ -81,8 +81,9 @@ def test_triton_program_matches_eager(width):
     chain = emit_draft_chain(head, K, max_width=4, kv=KV, embed_target=True)
     compiled = compile_draft(chain, params, [width], options=CompileOptions(interpret_kernels=True))
     kernels = {x.kernel for x in compiled.programs[width].launches}
-    # the final norm rides in the fused lm-head's prologue (issue 15: fuse_rmsnorm_argmax)
-    assert {"triton_rmsnorm_linear_argmax_logprob", "triton_rope_kv_write", "triton_decode_attention"} <= kernels
+    # the final norm rides in the fused lm-head (issue 15: fuse_rmsnorm_argmax), and with the
+    # draft vocabulary map_ids and keep_if_active fold into it too (issue 18)
+    assert {"triton_rmsnorm_linear_argmax_keep", "triton_rope_kv_write", "triton_decode_attention"} <= kernels
     batch = eager_inputs(width, seed=50 + width)
     states = {**batch.states(), "embed_target": torch.zeros(4, CFG.hidden_size)}
     r = run_side_by_side(chain, params, compiled, batch.inputs, states)
