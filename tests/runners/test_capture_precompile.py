@@ -160,8 +160,6 @@ def test_capture_after_precompile_compiles_nothing():
     with precompile off; Triton's post-compile hook must not fire once (every specialisation
     the warm-ups and captures launch was compiled ahead), and every width is captured. A
     vocabulary no other test uses keeps the kernels out of this process's caches before."""
-    from triton import knobs
-
     from draft_circuit.runners.cudagraph import GraphRunner
 
     cfg = tiny_config(vocab_size=173)
@@ -174,14 +172,7 @@ def test_capture_after_precompile_compiles_nothing():
     program = ProgramRunner(compiled, states, debug=0)
     done = precompile_kernels(program, WIDTHS)
     assert 0 < done.kernels <= len(done.keys)  # two keys may name one compile, never the reverse
-    fired = []
-    old = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda *a, **k: fired.append(k.get("key"))
-    try:
-        runner = GraphRunner(compiled, states, strict=True, precompile=False)
-    finally:
-        knobs.runtime.jit_post_compile_hook = old
-    assert fired == [] and runner.widths == tuple(WIDTHS)
+    assert_captures_without_compiling(compiled, states, WIDTHS)
     precompiled = GraphRunner(compiled, states, strict=True).stats.precompile
     assert precompiled is not None and precompiled.keys == done.keys
 
@@ -221,3 +212,20 @@ def test_precompile_mode_reads_its_knob_and_names_a_bad_value(monkeypatch):
     monkeypatch.setenv("CIRCUIT_PRECOMPILE", "yes")
     with pytest.raises(ValueError, match="CIRCUIT_PRECOMPILE.*'yes'"):
         precompile_mode()
+
+
+def assert_captures_without_compiling(compiled, states, widths) -> None:
+    """A GraphRunner without its own precompile captures `widths` compiling nothing (Triton's
+    post-compile hook never fires): everything it launches was compiled before (CUDA only)."""
+    from triton import knobs
+
+    from draft_circuit.runners.cudagraph import GraphRunner
+
+    fired = []
+    old = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: fired.append(k.get("key"))
+    try:
+        runner = GraphRunner(compiled, states, strict=True, precompile=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = old
+    assert fired == [] and runner.widths == tuple(widths)

@@ -276,14 +276,12 @@ def test_a_warm_file_cache_forks_no_compile_child(tmp_path, monkeypatch):
     forked child), forget the compiled kernels in memory (what a server restart does), precompile
     again: every job is found in the file cache, no child is forked, the same kernels load, and
     a capture after it compiles nothing."""
-    from triton import knobs
-
     from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
     from draft_circuit.circuit.planner import compile_draft
-    from draft_circuit.runners.cudagraph import GraphRunner
     from draft_circuit.runners.no_device_work import no_device_work
     from draft_circuit.runners.program import ProgramRunner
     from draft_circuit.runners.testing import random_mtp_weights
+    from tests.runners.test_capture_precompile import assert_captures_without_compiling
     from tests.runners.tiny_chain import tiny_config
 
     monkeypatch.delenv("CIRCUIT_PRECOMPILE", raising=False)
@@ -316,11 +314,4 @@ def test_a_warm_file_cache_forks_no_compile_child(tmp_path, monkeypatch):
     warm = precompile_kernels(program, widths)
     assert warm.jobs == cold.jobs and warm.cached == warm.jobs and warm.children == 0
     assert warm.kernels == cold.kernels and warm.keys == cold.keys and warm.fork_s == 0.0
-    fired = []
-    old = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda *a, **k: fired.append(k.get("key"))
-    try:
-        runner = GraphRunner(compiled, states, strict=True, precompile=False)
-    finally:
-        knobs.runtime.jit_post_compile_hook = old
-    assert fired == [] and runner.widths == tuple(widths)
+    assert_captures_without_compiling(compiled, states, widths)
