@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -46,8 +47,25 @@ class _TilePlan:
 
 
 # the latest plans, newest last: a pass's layers share one, the drafter's steps want a few more
-_PLANS: list[tuple[tuple[object, ...], _TilePlan]] = []
+_PLANS: dict[tuple[object, ...], _TilePlan] = {}
 _MAX_PLANS = 8
+_V = TypeVar("_V")
+
+
+def _recall(cache: dict[tuple[object, ...], _V], key: tuple[object, ...]) -> _V | None:
+    """cache[key] made the newest entry, or None: the plan caches' lookup (_PLANS, _CHUNKS)."""
+    value = cache.pop(key, None)
+    if value is not None:
+        cache[key] = value
+    return value
+
+
+def _remember(cache: dict[tuple[object, ...], _V], key: tuple[object, ...], value: _V) -> None:
+    """cache[key] = value as the newest entry, the oldest dropped past _MAX_PLANS."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > _MAX_PLANS:
+        del cache[next(iter(cache))]
 # the steps a decode plan's miss builds ahead: the CPU chain's k = 3 steps find theirs, a decode
 # pass's next three theirs while the tables stand (a step's plan costs ~20% of one built alone)
 AHEAD = 3
@@ -66,17 +84,15 @@ def _tile_plan(tables: torch.Tensor, lengths: torch.Tensor, block_size: int, kv_
     head = (block_size, kv_heads, group, QUERY_TILE, KEY_TILE, tables.dtype, tables.shape, lengths.dtype)
     tab = tables.numpy().tobytes()
     key = (*head, lens.tobytes(), tab)
-    for i in range(len(_PLANS) - 1, -1, -1):
-        if _PLANS[i][0] == key:
-            _PLANS.append(_PLANS.pop(i))
-            return _PLANS[-1][1]
+    hit = _recall(_PLANS, key)
+    if hit is not None:
+        return hit
     if int(lens.min()) <= 0:
         return None
     plans = _make_plans(tables, lengths, block_size, kv_heads, group, 1 + AHEAD)
     for step in range(len(plans) - 1, 0, -1):  # the step's own plan newest
-        _PLANS.append(((*head, (lens + step).tobytes(), tab), plans[step]))
-    _PLANS.append((key, plans[0]))
-    del _PLANS[:-_MAX_PLANS]
+        _remember(_PLANS, (*head, (lens + step).tobytes(), tab), plans[step])
+    _remember(_PLANS, key, plans[0])
     return plans[0]
 
 
@@ -192,12 +208,10 @@ def _chunks(tab: NDArray[np.integer], last_chunk: NDArray[np.int64], block_size:
             group: int) -> _Chunks:
     """The _Chunks of (tables, last chunks), from the cache when a recent pass had those values."""
     key = (block_size, kv_heads, group, tab.dtype, tab.shape, last_chunk.tobytes(), tab.tobytes())
-    c = _CHUNKS.pop(key, None)
+    c = _recall(_CHUNKS, key)
     if c is None:
         c = _make_chunks(tab, last_chunk, block_size, kv_heads, group)
-    _CHUNKS[key] = c
-    if len(_CHUNKS) > _MAX_PLANS:
-        del _CHUNKS[next(iter(_CHUNKS))]
+        _remember(_CHUNKS, key, c)
     return c
 
 
