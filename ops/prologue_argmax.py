@@ -24,7 +24,7 @@ from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding
 from draft_circuit.ops.prologue_linear import _norm_then
 from draft_circuit.ops.registry import (FUSED, MATMUL, NORM, REDUCTION, SAMPLING, Cost, CostContext, Env,
                                         OpDef, Specs, register)
-from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, KeepAttrs, _infer_gate, _infer_keep, _infer_linear_argmax,
+from draft_circuit.ops.sampling import (MAX_FUSED_VOCAB, IdsAttrs, KeepAttrs, _infer_gate, _infer_keep, _infer_linear_argmax,
                                         _infer_linear_argmax_keep, _linear_argmax, _linear_argmax_keep,
                                         _linear_argmax_ws, gate_on, ids_cost, keep_on, split_ids)
 
@@ -35,11 +35,9 @@ VOCAB_FITS = Condition(f"vocab < {MAX_FUSED_VOCAB}",
                        lambda ins, a: isinstance(v := ins[2].shape[0], int) and v < MAX_FUSED_VOCAB)
 
 
-class EpsIdsAttrs(EpsAttrs):
+class EpsIdsAttrs(EpsAttrs, IdsAttrs):
     """The final norm's eps, and `ids` (ops/sampling.py's IdsAttrs): the last input is the id
     table of a reduced draft vocabulary and every token output is mapped through it."""
-
-    ids: bool = False
 
 
 def _infer_norm_argmax(ins: list[TensorSpec], a: EpsIdsAttrs) -> list[TensorSpec]:
