@@ -31,14 +31,8 @@ from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner, RebindError, debug_level
-from draft_circuit.runners.program import specialisation_key as specialisation_key
 from draft_circuit.runners.device import cuda_available
-# the precompile lives in runners/precompile.py; its names stay importable from here
-from draft_circuit.runners.precompile import ForkCompiler as ForkCompiler
-from draft_circuit.runners.precompile import Precompiled as Precompiled
-from draft_circuit.runners.precompile import _compile_only as _compile_only
-from draft_circuit.runners.precompile import precompile_kernels as precompile_kernels
-from draft_circuit.runners.precompile import precompile_mode as precompile_mode
+from draft_circuit.runners.precompile import Precompiled, precompile_kernels, precompile_mode
 from draft_circuit.runners.single_caller import single_caller
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from draft_circuit.runners.cudagraph import ForkCompiler
+from draft_circuit.runners.precompile import ForkCompiler
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
 

@@ -16,7 +16,8 @@ import triton.language as tl
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.circuit.program import REFERENCE
-from draft_circuit.runners.cudagraph import _compile_only, precompile_kernels, specialisation_key
+from draft_circuit.runners.precompile import _compile_only, precompile_kernels
+from draft_circuit.runners.program import specialisation_key
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import cuda, random_mtp_weights
@@ -202,7 +203,7 @@ def test_a_launchers_own_torch_ops_do_no_work_on_what_diverted_kernels_left(monk
 
 
 def test_precompile_mode_reads_its_knob_and_names_a_bad_value(monkeypatch):
-    from draft_circuit.runners.cudagraph import precompile_mode
+    from draft_circuit.runners.precompile import precompile_mode
 
     monkeypatch.delenv("CIRCUIT_PRECOMPILE", raising=False)
     assert precompile_mode() == "fork"
