@@ -1,6 +1,7 @@
 """Reduced draft vocabularies on the device: `map_ids` (draft ids -> target ids through a table,
 -1 stays -1) and `remap_bitmask` (a target-vocabulary token bitmask -> the bits of the subset's
-tokens), with capturable torch bindings for CUDA.
+tokens), each with a capturable torch binding for CUDA; remap_bitmask is first one Triton launch
+(kernels/remap_bitmask.py), the torch binding its fallback (a `kernels=` allow-list without it).
 
 A subset is an int32 table `ids[S]` of target ids: subset token s is target token ids[s]. The
 draft head's logits run over the S subset rows; `map_ids` turns its argmax into a target id and
@@ -17,7 +18,7 @@ import torch
 from pydantic import BaseModel
 
 from draft_circuit.circuit.types import TensorSpec
-from draft_circuit.ops.bindings import CUDA, Applies, KernelBinding, Tensors, traced_launches
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, KernelBinding, Tensors, kernel, traced_launches
 from draft_circuit.ops.registry import (GATHER, SAMPLING, Cost, CostContext, Env, OpDef, Specs, check,
                                         index_dtype, rank, register)
 from draft_circuit.ops.sampling import map_through, mask_words
@@ -119,10 +120,16 @@ def _remap_capturable(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     _pack_bits(_subset_bits(ins[0], ins[1]), out=outs[0])
 
 
+_k_remap = kernel("remap_bitmask", "remap_bitmask")
+
 register(OpDef(
     name="remap_bitmask", inputs=("bitmask", "ids"), outputs=("out",), infer=_infer_remap,
     reference=lambda t, a: (remap_bitmask_ref(t[0], t[1]),), cost=_remap_cost,
     tags=frozenset({GATHER, SAMPLING}),
-    kernels=(KernelBinding("torch_remap_bitmask", _remap_capturable, Applies(CUDA),
-                           launches=traced_launches(_remap_capturable, _infer_remap)),),
+    # the Triton kernel gathers and packs in one launch where the torch binding runs ~15 aten
+    # kernels; the ids are checked against the vocabulary when bound, not here (no host sync)
+    kernels=(KernelBinding("triton_remap_bitmask", lambda i, o, w, a: _k_remap()(i[0], i[1], o[0]),
+                           Applies(TRITON)),
+             KernelBinding("torch_remap_bitmask", _remap_capturable, Applies(CUDA),
+                           launches=traced_launches(_remap_capturable, _infer_remap))),
 ))

@@ -132,10 +132,11 @@ def test_a_subset_chain_plans_the_full_chains_launches(kw):
         full, sub = reports[0].width(w), reports[1].width(w)
         assert sub.launches_per_step == full.launches_per_step == 8
         assert sub.gpu_launches_per_step == full.gpu_launches_per_step == 10
-        # the mask remapped once a chain, before the steps (a CUDA-only torch binding, so a
-        # reference here): its one launch more, beside the two stacks
+        # the mask remapped once a chain, before the steps: one Triton launch more (the
+        # interpreted kernel here; a reference before it, the torch binding being CUDA-only)
         remap = int(bool(kw.get("bitmask")))
-        assert sub.reference_launches == full.reference_launches + remap
+        assert sub.reference_launches == full.reference_launches
+        assert sub.gpu_launches == full.gpu_launches + remap
         assert len(sub.schedule) == len(full.schedule) + remap
 
 
@@ -172,17 +173,20 @@ def test_the_interpreter_runs_what_the_subset_plan_counts(width, monkeypatch):
 def test_the_8b_chain_over_32768_ids_launches_the_full_chains_14_a_step():
     """Issue 18's measurement at plan level: the 8B chain (benchmarks' `8b` shapes) over a
     32,768-id subset planned for CUDA on meta weights, 18 GPU launches a step before (map_ids'
-    torch kernels and keep_if_active unfused), the full chain's 14 now."""
+    torch kernels and keep_if_active unfused), the full chain's 14 now; once a chain, the
+    bitmask's remap is one Triton launch (15 aten kernels of its torch binding before)."""
     cfg = MtpConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                     num_hidden_layers=1, tie_word_embeddings=False, max_position_embeddings=8192)
     head = MtpHead(cfg, "bfloat16")
-    got = {}
+    got, per_chain = {}, {}
     for size in (None, 32768):
         c = emit_draft_chain(head, 3, max_width=8, kv=KvLayout(60, 8, 5), draft_vocab=size, **PROPOSER)
         compiled = compile_draft(c, meta(c), [1, 8], device="cuda")
         got[size] = [compiled.report().width(w).gpu_launches_per_step for w in (1, 8)]
+        per_chain[size] = [compiled.report().width(w).gpu_launches for w in (1, 8)]
         argmax = [n for n in compiled.circuit.nodes if "argmax" in n.op]
         assert len(argmax) == 3 and all(bool(n.attrs.get("ids")) == (size is not None) for n in argmax)
         assert all(n.inputs[-1] == DRAFT_VOCAB_IDS for n in argmax if size)
     assert got[32768] == got[None] == [14, 14]
+    assert per_chain[32768] == [x + 1 for x in per_chain[None]] == [50, 50]  # + triton_remap_bitmask
