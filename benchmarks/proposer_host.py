@@ -6,7 +6,9 @@ list skipped (`backend.execute` a no-op; the chain's drafts buffer preset to a v
 is timed is what the host does around the programs: checks, staging, the runner's input
 handling, the read-back and the states' bookkeeping. `--path host` drafts with propose_batch,
 `--path device` with propose_batch_on_device and one last_drafts read. Prints the median per
-step and per propose, microseconds; `--out` writes them as JSON.
+step and per propose, microseconds, and each proposer call's own median (propose, last_drafts,
+after_verify_batch, last_pair_keys, catchup_batch: `calls`); `--out` writes them as JSON. The
+step's time is its proposer calls', the host's own accept loop left out.
 
 This is a CPU measurement of Python and torch-dispatch overhead, not the H200 number (there a
 launch and a copy cost more host time than a CPU op does; decode_step.py measures that). The
@@ -16,7 +18,9 @@ issue's target is <= 50 us of host overhead a decode step at every n <= 64.
 commit, say): one worker process in this checkout and one in DIR, each running its own
 `measure`, and every round runs each width on both in turn (which goes first alternating), so
 both see the same load; it prints each side's median over `--rounds` rounds and its best
-round (on a shared machine the best round is the quiet one; `--against .` shows the noise).
+round (on a shared machine the best round is the quiet one; `--against .` shows the noise),
+and each call's median over the rounds. Both sides run their own checkout's `measure`: to compare
+like with like, the other checkout needs this file's `measure` (copy it there).
 """
 from __future__ import annotations
 
@@ -57,8 +61,14 @@ def _proposer() -> MtpProposer:
     return p
 
 
-def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float]:
-    """Median host us per decode step and per propose at width n."""
+#: the proposer calls of a step, timed one by one (`calls` in measure's result)
+CALLS = ("propose", "last_drafts", "after_verify", "pair_keys", "catchup")
+
+
+def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | dict[str, float]]:
+    """Median host us per decode step and per propose (the drafts in hand: `last_drafts`
+    included on the device path) at width n, and in `calls` each proposer call's median
+    (CALLS; `last_drafts` 0 on the host path, whose propose hands the drafts back)."""
     p, rng = _proposer(), random.Random(seed)
     g = torch.Generator().manual_seed(seed)
 
@@ -75,38 +85,50 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float]:
     catch = [torch.randn(K, CFG.hidden_size, generator=g) for _ in range(n)]
     views = {a: [c[:a] for c in catch] for a in range(K + 1)}
     fixed = {a: [7] * a for a in range(K + 1)}
-    step_us, propose_us = [], []
+    step_us: list[float] = []
+    propose_us: list[float] = []
+    call_us: dict[str, list[float]] = {c: [] for c in CALLS}
 
     def step() -> None:
         pos = [p.last_pair_key(s) + 2 for s in states]
         t0 = time.perf_counter()
         if path == "device":
             p.propose_batch_on_device([5] * n, hid, pos, K, states)
+            ta = time.perf_counter()
             drafts = p.last_drafts(states)
         else:
             drafts = p.propose_batch([5] * n, hid, pos, K, states)  # type: ignore[assignment]
+            ta = time.perf_counter()
         t1 = time.perf_counter()
         acc = [rng.randint(0, len(d)) for d in drafts]
+        tb = time.perf_counter()
         p.after_verify_batch(acc, states)
+        tc = time.perf_counter()
+        keys = p.last_pair_keys(states)  # the engine finds each catch-up's first row from these
+        td = time.perf_counter()
         keep = [i for i, a in enumerate(acc) if a]
         if keep:
             p.catchup_batch([fixed[acc[i]] for i in keep], [views[acc[i]][i] for i in keep],
-                            [pos[i] + 1 for i in keep], [states[i] for i in keep])
+                            [keys[i] + 2 for i in keep], [states[i] for i in keep])
         t2 = time.perf_counter()
-        step_us.append((t2 - t0) * 1e6)
+        step_us.append((t2 - t0 - (tb - t1)) * 1e6)  # the host's own accept work left out
         propose_us.append((t1 - t0) * 1e6)
+        for c, us in zip(CALLS, (ta - t0, t1 - ta, tc - tb, td - tc, t2 - td)):
+            call_us[c].append(us * 1e6)
     left = steps
     while left > 0:  # tables hold 40 blocks: fresh states every 60 steps (outside the timing)
         for _ in range(3):
             step()
-        del step_us[-3:], propose_us[-3:]  # warm
+        for got in (step_us, propose_us, *call_us.values()):
+            del got[-3:]  # warm
         for _ in range(min(60, left)):
             step()
         left -= 60
         for s in states:
             p.free_state(s)
         states[:] = fresh()
-    return {"step_us": statistics.median(step_us), "propose_us": statistics.median(propose_us)}
+    return {"step_us": statistics.median(step_us), "propose_us": statistics.median(propose_us),
+            "calls": {c: statistics.median(v) for c, v in call_us.items()}}
 
 
 _WORKER = """
@@ -122,14 +144,15 @@ for line in sys.stdin:
 def side_by_side(widths: list[int], path: str, steps: int, rounds: int,
                  against: Path) -> dict[str, dict[str, dict[str, float]]]:
     """{"this": ..., "against": ...}: per width the median step_us over the rounds and the best
-    round's (`best_us`). Each side is a worker process started in its checkout (alike, so
-    neither side is the process that has run the other's rounds); every round runs a width on
-    both in turn, which goes first alternating."""
+    round's (`best_us`), and each call's median over the rounds (`<call>_us`, CALLS; a
+    checkout whose measure times no calls has none). Each side is a worker process started in
+    its checkout (alike, so neither side is the process that has run the other's rounds);
+    every round runs a width on both in turn, which goes first alternating."""
     here = Path(__file__).resolve().parents[1]
     workers = {side: subprocess.Popen([sys.executable, "-c", _WORKER], cwd=root, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                for side, root in (("this", here), ("against", against))}
-    got: dict[str, dict[int, list[float]]] = {side: {n: [] for n in widths} for side in workers}
+    got: dict[str, dict[int, list[dict]]] = {side: {n: [] for n in widths} for side in workers}
     try:
         for r in range(rounds):
             for n in widths:
@@ -138,14 +161,27 @@ def side_by_side(widths: list[int], path: str, steps: int, rounds: int,
                     assert w.stdin is not None and w.stdout is not None
                     w.stdin.write(f"{n} {path} {steps}\n")
                     w.stdin.flush()
-                    got[side][n].append(json.loads(w.stdout.readline())["step_us"])
+                    got[side][n].append(json.loads(w.stdout.readline()))
     finally:
         for w in workers.values():
             assert w.stdin is not None
             w.stdin.close()
             w.wait()
-    return {side: {str(n): {"step_us": statistics.median(v), "best_us": min(v)}
-                   for n, v in per.items()} for side, per in got.items()}
+    return {side: {str(n): _rounds(v) for n, v in per.items()} for side, per in got.items()}
+
+
+def _rounds(results: list[dict]) -> dict[str, float]:
+    """One width's rounds: the median and best step, each call's median."""
+    steps = [r["step_us"] for r in results]
+    out = {"step_us": statistics.median(steps), "best_us": min(steps)}
+    for c in CALLS:
+        if all(c in r.get("calls", {}) for r in results):
+            out[f"{c}_us"] = statistics.median(r["calls"][c] for r in results)
+    return out
+
+
+def _calls_line(calls: dict[str, float]) -> str:
+    return ", ".join(f"{c} {calls[c]:.1f}" for c in CALLS if c in calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,13 +201,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.path} n={n}: {args.against} {a['step_us']:.0f} us a step (best round "
                   f"{a['best_us']:.0f}), this {b['step_us']:.0f} us (best {b['best_us']:.0f}); "
                   f"median of {args.rounds} interleaved rounds")
+            for side, r in ((str(args.against), a), ("this", b)):
+                calls = {c: r[f"{c}_us"] for c in CALLS if f"{c}_us" in r}
+                if calls:
+                    print(f"    {side} calls (us): {_calls_line(calls)}")
         if args.out is not None:
             args.out.write_text(json.dumps({"path": args.path, "against": str(args.against),
                                             "widths": both}, indent=1))
         return 0
     result = {str(n): measure(n, args.path, args.steps) for n in args.n}
     for n, r in result.items():
-        print(f"{args.path} n={n}: {r['step_us']:.0f} us a step, {r['propose_us']:.0f} us a propose")
+        print(f"{args.path} n={n}: {r['step_us']:.0f} us a step, {r['propose_us']:.0f} us a propose; "
+              f"calls (us): {_calls_line(r['calls'])}")  # type: ignore[arg-type]
     if args.out is not None:
         args.out.write_text(json.dumps({"path": args.path, "widths": result}, indent=1))
     return 0
