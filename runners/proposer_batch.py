@@ -44,14 +44,23 @@ def settled_slots(p: "MtpProposer", states: Sequence[object]) -> np.ndarray | No
     return slots
 
 
+def _latest_batch(p: "MtpProposer", slots: np.ndarray) -> PendingBatch | None:
+    """The latest device batch when `slots` is its states' array (`slots_of`'s for them: the
+    same states in the same order) and every one of them still holds it; else None."""
+    batch = p.device_drafts.batch
+    if batch is not None and batch.slots is slots and not batch.dropped and not batch.done:
+        return batch
+    return None
+
+
 def settle_held(p: "MtpProposer", states: Sequence[object], slots: np.ndarray) -> None:
     """Settle whatever deferred drafts `states` (`p`'s, at `slots`) hold."""
     t = p.slots
     if t.num_pending:  # else no slot holds deferred drafts: nothing to do
-        batch = p.device_drafts.batch
-        if batch is not None and batch.slots is slots and not batch.dropped and not batch.done:
-            # the latest device batch's own states (slots_of's array for them), every one still
-            # holding it (a state holds one pending at most): settling it settles them all
+        batch = _latest_batch(p, slots)
+        if batch is not None:
+            # the latest device batch's own states, every one still holding it (a state holds
+            # one pending at most): settling it settles them all
             batch.settle()
             return
         pending = t.pending[slots]
@@ -121,18 +130,26 @@ def catchup_all(p: "MtpProposer", tokens: Sequence[Sequence[int]],
 
 
 def last_drafts_of(p: "MtpProposer", states: Sequence[object]) -> list[list[int]]:
-    """`MtpProposer.last_drafts`: one gather of the drafts column for the whole batch."""
-    slots = settled_slots(p, states)
+    """`MtpProposer.last_drafts`: the drafts its settle recorded when `states` are the latest
+    device batch's, as its read left them (the engine's step: no second read of the columns);
+    otherwise one gather of the drafts column for the whole batch."""
+    slots = p.slots.slots_of(states, MtpProposerState)
     if slots is None:  # a state of another proposer among them
         return [m.last_drafts if (m := p._mine(s)) is not None else [] for s in states]
     if not len(slots):
         return []
     t = p.slots
-    kept = t.kept[slots]
-    widest = int(kept.max())
-    rows: list[list[int]] = t.drafts[slots, :widest].tolist()
-    if (kept != widest).any():  # rows that stopped early: cut each to its kept drafts
-        rows = [r[:c] for r, c in zip(rows, kept.tolist())]
+    if t.num_pending:
+        batch = _latest_batch(p, slots)
+        kept = batch.settle() if batch is not None else None
+        if kept is not None:
+            return kept
+        settle_held(p, states, slots)
+    counts: list[int] = t.kept[slots].tolist()
+    widest = max(counts)
+    rows: list[list[int]] = t.drafts.take(slots, axis=0)[:, :widest].tolist()
+    if min(counts) != widest:  # rows that stopped early: cut each to its kept drafts
+        rows = [r[:c] for r, c in zip(rows, counts)]
     return rows
 
 
@@ -142,7 +159,10 @@ def last_pair_keys_of(p: "MtpProposer", states: Sequence[object]) -> list[int | 
     if slots is None:
         return [p.last_pair_key(s) for s in states]
     t = p.slots
-    keys, has = t.pair_key[slots], t.has_key[slots]
-    if has.all():  # the steady state: every state has rows
-        return keys.tolist()  # type: ignore[no-any-return]
-    return [k if h else None for k, h in zip(keys.tolist(), has.tolist())]
+    # two 1-D gathers read as lists: a numpy reduction (has.all()) costs several microseconds
+    # on a cold call, a C-level scan of the list a fraction of one
+    keys: list[int | None] = t.pair_key[slots].tolist()
+    has: list[int] = t.has_key[slots].tolist()
+    if 0 in has:  # a state without rows (else the steady state: every key as it is)
+        return [k if h else None for k, h in zip(keys, has)]
+    return keys

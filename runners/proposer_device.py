@@ -134,7 +134,7 @@ class DeviceDrafts:
             at = 2 * n * k
             assert self._host_np is not None
             words = self._host_np[at:at + self._records * FAULT_WORDS]
-            if self._all_recorded and not words[::FAULT_WORDS].any():
+            if self._all_recorded and not np.count_nonzero(words[::FAULT_WORDS]):
                 return  # every runner's record copied, none shows a fault: nothing to ask
             check_copied_faults(self._watched, self._host[at:at + len(words)].view(-1, FAULT_WORDS))
         else:

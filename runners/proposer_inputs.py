@@ -214,7 +214,7 @@ def grow_all(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerSt
         short = [i for i, (r, c) in enumerate(zip(rows.tolist(), table.capacity[slots].tolist()))
                  if r > c]
     else:
-        short = np.flatnonzero(rows > table.capacity[slots]).tolist()
+        short = (rows > table.capacity[slots]).nonzero()[0].tolist()
     if short:  # one pool draw for them all (kv_cache.ensure_rows_all: the same ids and errors)
         ensure_rows_all([states[i].blocks for i in short], rows[short].tolist())
 
@@ -238,7 +238,7 @@ _ROWS = methodcaller("size", 0)
 _SHAPE = attrgetter("shape")
 
 def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                 first_pos: Sequence[int], slots: np.ndarray,
+                 first_pos: Sequence[int] | np.ndarray, slots: np.ndarray,
                  bases: np.ndarray | Sequence[int], width: int,
                  exact: bool) -> list[ChainRows] | None:
     """`catchup_chunks` of at most SMALL_BATCH sequences whose rows fit one run, as Python
@@ -248,7 +248,8 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
     live: list[int] = []
     owners: list[int] = []
     segs: list[torch.Tensor] = []
-    for ts, h, p, b, s in zip(tokens, hiddens, first_pos,
+    firsts = first_pos.tolist() if isinstance(first_pos, np.ndarray) else first_pos
+    for ts, h, p, b, s in zip(tokens, hiddens, firsts,
                               bases.tolist() if isinstance(bases, np.ndarray) else bases,
                               slots.tolist()):
         m = len(ts)
@@ -265,46 +266,65 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
     return [ChainRows(toks, segs, pos, np.array(owners, dtype=np.intp), live, kv_only=True)]
 
 
+def _arange(total: int) -> np.ndarray:
+    """0..total-1 (int64, read-only): a slice of one array kept for every catch-up."""
+    global _ARANGE
+    if len(_ARANGE) < total:
+        _ARANGE = np.arange(max(total, 2 * len(_ARANGE)), dtype=np.int64)
+        _ARANGE.flags.writeable = False
+    return _ARANGE[:total]
+
+
+_ARANGE = np.zeros(0, dtype=np.int64)
+
+
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                   first_pos: Sequence[int], slots: np.ndarray,
+                   first_pos: Sequence[int] | np.ndarray, slots: np.ndarray,
                    bases: np.ndarray | Sequence[int], width: int, *,
                    counts: np.ndarray | None = None, ids: list[int] | None = None,
-                   exact: bool = False) -> list[ChainRows]:
+                   exact: bool = False, every: bool | None = None) -> list[ChainRows]:
     """Catch-up rows of several sequences as one-step chain runs of at most `width` rows, in
     row order: sequence i's k-th row pairs tokens[i][k] with hiddens[i][k] at RoPE position
     first_pos[i] + k and is written at drafter row bases[i] + k of slot slots[i], attending to
     the rows before it (earlier chunks, or earlier rows of the same kv_write launch). Built as
-    array operations over all rows (np.repeat of each sequence's values, one arange), the
-    hiddens as whole-sequence segments sliced only where a chunk boundary cuts one: this is
-    per-step host work, O(chunks) Python. `counts`: each sequence's token count when the caller
-    has it; `ids`: the token ids flattened in row order when it has them (check_catchup_counts
-    made them); `exact`: every hiddens[i] has exactly that many rows (the caller checked: no spare
-    row to cut, and no row count read a sequence)."""
+    array operations over all rows (np.repeat of each sequence's values less its first row's
+    index, plus one shared arange), the hiddens as whole-sequence segments sliced only where a
+    chunk boundary cuts one: this is per-step host work, O(chunks) Python. `counts`: each
+    sequence's token count when the caller has it; `ids`: the token ids flattened in row order
+    when it has them (check_catchup_counts made them); `exact`: every hiddens[i] has exactly
+    that many rows (the caller checked: no spare row to cut, and no row count read a
+    sequence); `every`: whether every count is nonzero, when the caller knows."""
     if len(tokens) <= SMALL_BATCH:
         small = _small_chunk(tokens, hiddens, first_pos, slots, bases, width, exact)
         if small is not None:
             return small
     if counts is None:
         counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    total = int(counts.sum())
+    # ufunc and array methods, not np.cumsum / np.repeat (their Python wrappers cost about
+    # a microsecond each, as much as the work at these sizes)
+    ends = np.add.accumulate(counts)
+    total = int(ends[-1]) if len(ends) else 0
     if total == 0:
         return []
-    ends = np.cumsum(counts)
     starts = ends - counts
-    k = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+    row = _arange(total)  # row j of the run; sequence i's k-th row is starts[i] + k
     # from a flat list when the check made one (half a chain's time)
     toks = np.fromiter(chain.from_iterable(tokens) if ids is None else ids, dtype=np.int64,
                        count=total)
-    pos = np.repeat(np.asarray(first_pos, dtype=np.int64), counts) + k
-    live = np.repeat(np.asarray(bases, dtype=np.int64), counts) + k
-    owners = np.repeat(np.asarray(slots), counts)
+    pos = np.subtract(first_pos, starts).repeat(counts)
+    pos += row
+    live = np.subtract(bases, starts).repeat(counts)
+    live += row
+    owners = np.asarray(slots).repeat(counts)
     segs = list(hiddens)
     if not exact:
         rows = np.fromiter(map(_ROWS, segs), dtype=np.int64, count=len(segs))
         for i in np.flatnonzero(rows != counts).tolist():  # a spare row
             segs[i] = segs[i][:int(counts[i])]
+    if every is None:
+        every = np.count_nonzero(counts) == len(counts)
     if total <= width:  # one run (the common case): every sequence with rows, whole
-        part = segs if counts.all() else [h for h, c in zip(segs, counts.tolist()) if c]
+        part = segs if every else [h for h, c in zip(segs, counts.tolist()) if c]
         return [ChainRows(toks, part, pos, owners, live, kv_only=True)]
     chunks = []
     for lo in range(0, total, width):

@@ -4,6 +4,7 @@ run fails, so a refused or failed call leaves every state's rows, key and blocks
 The bookkeeping after a run is array operations over the states' slots (proposer_slots.py)."""
 from __future__ import annotations
 
+from operator import add
 from typing import Callable, Sequence
 
 import numpy as np
@@ -11,8 +12,7 @@ import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
 from draft_circuit.runners.kv_cache import ensure_rows_all
-from draft_circuit.runners.proposer_slots import (CAPACITY, HAS_KEY, KEY, ROWS, SMALL_BATCH,
-                                                  SlotTable)
+from draft_circuit.runners.proposer_slots import KEY, ROWS, SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
@@ -27,12 +27,12 @@ def _release(states: Sequence[MtpProposerState]) -> None:
 def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,
               bitmask: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], Sequence[int] | np.ndarray]:
     """Room for k more rows in every table, then one run; returns (outputs, rows before).
-    The rows before are read here with the capacities (a few rows: one gather of their columns,
-    Python ints after) and the run's rows carry them (`rows.live` comes in None)."""
+    The rows before are read here with the capacities (a few rows: Python ints from their two
+    columns) and the run's rows carry them (`rows.live` comes in None)."""
     if len(rows.slots) <= SMALL_BATCH:
-        cols = table.gather(rows.slots)
-        live: Sequence[int] | np.ndarray = [c[ROWS] for c in cols]
-        short = [i for i, c in enumerate(cols) if c[ROWS] + k > c[CAPACITY]]
+        live: Sequence[int] | np.ndarray = table.rows[rows.slots].tolist()
+        short = [i for i, (r, c) in enumerate(zip(live, table.capacity[rows.slots].tolist()))
+                 if r + k > c]
         if short:  # one pool draw for them all (ensure_rows_all: the same ids and errors)
             ensure_rows_all([rows.states[i].blocks for i in short], [live[i] + k for i in short])
     else:
@@ -59,43 +59,46 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     if len(slots) <= SMALL_BATCH:
         return _write_few(execute, table, width, tokens, hiddens, first_pos, states, slots)
     bases = table.rows[slots]  # a copy (fancy indexing): the rows before
-    counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    grow_all(table, slots, states, bases + counts)
+    lens = list(map(len, tokens))
+    counts = np.array(lens, dtype=np.int64)
+    after = bases + counts  # each sequence's rows once written
+    grow_all(table, slots, states, after)
+    first = np.asarray(first_pos, dtype=np.int64)
+    every = 0 not in lens  # every sequence writes rows (the common case)
     try:
-        for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width,
-                                    counts=counts, ids=ids, exact=True):
+        for chunk in catchup_chunks(tokens, hiddens, first, slots, bases, width,
+                                    counts=counts, ids=ids, exact=True, every=every):
             execute(1, chunk, None)
     except Exception:
         _release(states)
         raise
-    first = np.fromiter(first_pos, dtype=np.int64, count=len(slots))
-    cols = table.cols[slots]  # after the growth (its capacities): one gather, one scatter
-    if counts.all():  # every sequence wrote rows (the common case): the rule, fewer calls
-        cols[:, ROWS] += counts
-        cols[:, KEY] = first + (counts - 2)
-        cols[:, HAS_KEY] = 1
+    # the three columns that change (rows, key, has-key), each through its 1-D view (numpy's
+    # fast path for one index array); capacity and the rest are left as the growth made them
+    table.rows[slots] = after
+    keys = first + counts
+    keys -= 2
+    if every:  # every sequence wrote rows (the common case): each has its key now
+        table.pair_key[slots] = keys
+        table.has_key[slots] = 1
     else:
         some = counts > 0
-        cols[:, ROWS] += counts
-        cols[:, KEY] = np.where(some, first + counts - 2, cols[:, KEY])
-        cols[:, HAS_KEY] |= some
-    table.cols[slots] = cols
-    return int(counts.sum())
+        table.pair_key[slots] = np.where(some, keys, table.pair_key[slots])
+        table.has_key[slots] = table.has_key[slots] | some
+    return sum(lens)
 
 
 def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
                hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
                states: Sequence[MtpProposerState], slots: np.ndarray) -> int:
-    """`write_rows` of at most SMALL_BATCH sequences: the same rule on their gathered columns
-    as Python ints (one gather before, one scatter after; a table that lacks room grows all
-    or nothing first, kv_cache.ensure_rows_all)."""
-    cols = table.gather(slots)
+    """`write_rows` of at most SMALL_BATCH sequences: the same rule on their rows and
+    capacities as Python ints (two column reads before, the changed columns written after; a
+    table that lacks room grows all or nothing first, kv_cache.ensure_rows_all)."""
+    bases: list[int] = table.rows[slots].tolist()
     counts = list(map(len, tokens))
-    bases = [c[ROWS] for c in cols]
-    short = [i for i, (c, m) in enumerate(zip(cols, counts)) if c[ROWS] + m > c[CAPACITY]]
+    short = [i for i, (b, c, m) in enumerate(zip(bases, table.capacity[slots].tolist(), counts))
+             if b + m > c]
     if short:
         ensure_rows_all([states[i].blocks for i in short], [bases[i] + counts[i] for i in short])
-        cols = table.gather(slots)  # their capacities changed
     try:
         for chunk in catchup_chunks(tokens, hiddens, first_pos, slots, bases, width,
                                     exact=True):
@@ -103,11 +106,17 @@ def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     except Exception:
         _release(states)
         raise
-    for c, m, p in zip(cols, counts, first_pos):
-        if m:
-            c[ROWS], c[KEY], c[HAS_KEY] = c[ROWS] + m, p + m - 2, 1
-    table.scatter(slots, cols)
+    if all(counts):  # every sequence wrote rows (the common case): three column writes
+        table.put(slots, ROWS, list(map(add, bases, counts)))
+        table.put(slots, KEY, [p + m - 2 for p, m in zip(first_pos, counts)])
+        table.has_key[slots] = 1
+    else:  # only the sequences that wrote rows change
+        rows, key, has = table.rows, table.pair_key, table.has_key
+        for slot, b, m, p in zip(slots.tolist(), bases, counts, first_pos):
+            if m:
+                rows[slot], key[slot], has[slot] = b + m, p + m - 2, 1
     return sum(counts)
+
 
 def record_batch(table: SlotTable, slots: np.ndarray, drafts: np.ndarray,
                  rows: Sequence[int] | np.ndarray,

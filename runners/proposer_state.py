@@ -148,9 +148,12 @@ class PendingBatch:
     #: states whose pending was cleared (freed, handed over) before this batch settled
     dropped: int = 0
 
-    def settle(self) -> None:
+    def settle(self) -> list[list[int]] | None:
+        """Record every state still waiting on this batch (nothing when done already). Returns
+        each row's kept drafts (fresh lists, `SlotTable.record`'s) when this call recorded the
+        whole batch, None otherwise (done before, or a state dropped since)."""
         if self.done:
-            return
+            return None
         self.done = True
         t, drafts = self.table, self.read(self.drafts)
         positions: Sequence[int] | np.ndarray
@@ -162,9 +165,10 @@ class PendingBatch:
             positions = np.asarray(self.positions)[mine]
         t.pending[slots] = None
         t.num_pending -= len(slots)
-        t.record(slots, drafts, rows, positions)
+        kept = t.record(slots, drafts, rows, positions)
         if self.check is not None:
             self.check()
+        return kept if slots is self.slots else None
 
 
 def settle(state: MtpProposerState) -> None:
@@ -232,15 +236,18 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
             if trim:
                 c[ROWS] = max(c[ROWS] - trim, 0)
                 c[KEY] = max(c[KEY] - trim, 0)
-            c[AWAITING] = 0
             trims.append(trim)
-        table.scatter(slots, rows)  # one scatter
+        # the columns a trim changes (the others as gathered)
+        table.put(slots, ROWS, [c[ROWS] for c in rows])
+        table.put(slots, KEY, [c[KEY] for c in rows])
+        table.awaiting[slots] = 0
         return np.array(trims, dtype=np.int64)
-    cols = table.cols[slots]  # every int column of the states: one gather, one scatter below
-    drafted = cols[:, DRAFTED]
+    # every column read and written through its 1-D view (numpy's fast path for one index
+    # array; a 2-D fancy gather or scatter costs several times as much)
+    drafted = table.drafted[slots]
     ok = len(num_accepted) == n and set(map(type, num_accepted)) <= {int}
     accepted = np.fromiter(num_accepted, dtype=np.int64, count=n) if ok else None
-    if accepted is None or min(num_accepted) < 0 or (accepted > drafted).any():
+    if accepted is None or min(num_accepted) < 0 or np.count_nonzero(accepted > drafted):
         if len(num_accepted) != n:
             raise ProposerError(f"after_verify_batch: {len(num_accepted)} accepted counts for "
                                 f"{n} states: one a state")
@@ -250,21 +257,22 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
                                     "the drafts of the last propose")
     assert accepted is not None
     if kv_exact:
-        trim = np.maximum(drafted - 1, 0)  # max(d, 1) - 1
+        trim = drafted - 1
+        np.maximum(trim, 0, out=trim)  # max(d, 1) - 1
     else:
         d = np.maximum(drafted, 1)
         trim = np.maximum(d - accepted, 0)
         if refeed:
             trim += np.maximum(accepted - 1, 0)
         np.minimum(trim, d, out=trim)
-    trim *= cols[:, AWAITING]  # a state not awaiting its verify trims nothing
+    trim *= table.awaiting[slots]  # a state not awaiting its verify trims nothing
     # x - min(trim, x) is max(x - trim, 0) for x >= 0 (rows always; keys but for a host's
     # installed negative key, which a trim takes to 0 as before); a key not trimmed is kept
-    rows, keys = cols[:, ROWS], cols[:, KEY]
+    rows, keys = table.rows[slots], table.pair_key[slots]
     np.subtract(rows, np.minimum(trim, rows), out=rows)
     np.subtract(keys, np.minimum(trim, keys), out=keys, where=trim > 0)
-    cols[:, AWAITING] = 0
-    table.cols[slots] = cols
+    table.rows[slots], table.pair_key[slots] = rows, keys
+    table.awaiting[slots] = 0
     return trim  # type: ignore[no-any-return]
 
 
