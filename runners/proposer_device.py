@@ -65,9 +65,14 @@ class DeviceDrafts:
         self._watched: list[object] = []  # the runners whose records the latest fill copied
         self._records = 0  # how many of them have a record (all: a fault check reads numpy)
         self._all_recorded = False
+        # the latest fill's runners as given, and what was found of them: each fill of a
+        # step gets the same two, whose fault records (one tensor a guard) never change
+        self._given: tuple[object, ...] = ()
+        self._found: tuple[list[object], list[torch.Tensor], list[object]] = ([], [], [])
         self.batch: PendingBatch | None = None
         self._rows = (0, 0)  # (n, k) of the latest batch
         self._shapes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._host_rows: dict[tuple[int, int], np.ndarray] = {}  # the host copy's [n, k], per shape
         self._flat = FlatViews()  # 1-D views of the chain outputs a fill concatenates
         self._spans: dict[int, torch.Tensor] = {}  # flat[:size], per size
         self._host_spans: dict[int, torch.Tensor] = {}  # its host copy's, per size
@@ -103,12 +108,10 @@ class DeviceDrafts:
         with the fault records of `runners` (at most two: the chain's, the catch-up's)."""
         _, _, _, first, rest = self._views(n, k)
         self._rows = (n, k)
-        self._watched = [r for i, r in enumerate(runners[:2])
-                         if not any(r is q for q in runners[:i])]
+        self._watched, records, _ = self._runners(runners)
         parts = [self._flat(out["drafts"]), self._flat(out["confidences"], True)]
         size = 2 * n * k
         if self.cuda:
-            records = [rec for rec in (fault_record(r) for r in self._watched) if rec is not None]
             parts += records
             size += len(records) * FAULT_WORDS
             self._records, self._all_recorded = len(records), len(records) == len(self._watched)
@@ -126,6 +129,20 @@ class DeviceDrafts:
             assert self._copied is not None and self._stream is not None
             self._stream.record(self._copied)
 
+    def _runners(self, runners: Sequence[object]
+                 ) -> tuple[list[object], list[torch.Tensor], list[object]]:
+        """(the distinct runners among the first two, their fault records, those without
+        one), found again only when the runners given differ from the latest fill's (held
+        here, so the identities compared stay theirs)."""
+        given = tuple(runners[:2])
+        if len(given) != len(self._given) or any(a is not b for a, b in zip(given, self._given)):
+            watched = [r for i, r in enumerate(given) if not any(r is q for q in given[:i])]
+            found = [(r, fault_record(r)) for r in watched]
+            self._given = given
+            self._found = (watched, [rec for _, rec in found if rec is not None],
+                           [r for r, rec in found if rec is None])
+        return self._found
+
     def check_faults(self) -> None:
         """After the latest batch's read: raise a bad row its runners' records showed (CUDA: the
         copies made behind the chain; CPU: a runner raised in its run already, nothing to read)."""
@@ -138,9 +155,8 @@ class DeviceDrafts:
                 return  # every runner's record copied, none shows a fault: nothing to ask
             check_copied_faults(self._watched, self._host[at:at + len(words)].view(-1, FAULT_WORDS))
         else:
-            for r in self._watched:
-                if fault_record(r) is None:
-                    check_runner_faults(r)
+            for r in self._found[2]:  # the watched runners without a record
+                check_runner_faults(r)
 
     def read(self, drafts: torch.Tensor) -> np.ndarray:
         """The latest batch's drafts as a host array [n, k] (`drafts` is its view of `flat`):
@@ -153,7 +169,10 @@ class DeviceDrafts:
                 self._copied.synchronize()
         if self._host_np is None:  # a meta-device proposer: no values to read
             return drafts.numpy()
-        return self._host_np[:n * k].reshape(n, k)
+        rows = self._host_rows.get((n, k))
+        if rows is None:  # a view made once a shape
+            rows = self._host_rows[(n, k)] = self._host_np[:n * k].reshape(n, k)
+        return rows
 
 
 def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
@@ -186,5 +205,8 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     p.slots.pending[slots] = batch  # every state settles with the batch (each held none before:
     p.slots.num_pending += n        # _batch_refusal settled them)
     dev.batch = batch
-    p.last_served = Served(chain.plan(n).kind, n)
+    kind = chain.plan(n).kind
+    served = p._served.get((kind, n))  # immutable: one a (kind, width), not one a call
+    p.last_served = served if served is not None else \
+        p._served.setdefault((kind, n), Served(kind, n))
     return drafts, confs

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -50,6 +50,11 @@ KNOWN = 2
 #: up to this many slots a scatter of Python rows writes a slot at a time: numpy converts a
 #: nested list for a fancy assignment as a whole (~2 us however short), a row costs ~0.4 us
 FEW = 4
+
+
+def _before_stop(row: list[int]) -> list[int]:
+    """The drafts of a row that stopped: those before its first -1."""
+    return row[:next(i for i, t in enumerate(row) if t < 0)]
 
 
 def _none_negative(a: np.ndarray) -> bool:
@@ -197,23 +202,26 @@ class SlotTable:
         rows become rows_before + c and, when c > 0, its newest key position + c - 2 (the rule
         of proposer_state.record_drafts); every row awaits its verify. Returns each row's kept
         drafts. The caller grew every table to rows_before + k. Up to SMALL_BATCH rows the
-        rule runs on the gathered columns as Python ints (one gather, one scatter)."""
+        rule runs on Python ints and writes the columns it sets (nothing is gathered: no new
+        value depends on an old one but a key left as it was)."""
         n, k = drafts.shape
         rows = drafts.tolist()
         if n <= SMALL_BATCH:
-            cols = self.gather(slots)
-            kept_rows = []
             before = rows_before.tolist() if isinstance(rows_before, np.ndarray) else rows_before
-            for c, row, r, p in zip(cols, rows, before, positions):
-                kept = row
-                if row and min(row) < 0:  # a stop: the drafts before the first -1
-                    kept = row[:next(i for i, t in enumerate(row) if t < 0)]
-                d = len(kept)
-                c[ROWS], c[DRAFTED], c[KEPT], c[AWAITING] = r + d, d, d, 1
-                if d:
-                    c[KEY], c[HAS_KEY] = p + d - 2, 1
-                kept_rows.append(kept)
-            self.scatter(slots, cols)
+            kept_rows = [row if not row or min(row) >= 0 else _before_stop(row) for row in rows]
+            kept = list(map(len, kept_rows))
+            self.put(slots, ROWS, list(map(add, before, kept)))
+            self.put(slots, DRAFTED, kept)
+            self.put(slots, KEPT, kept)
+            self.awaiting[slots] = 1
+            if 0 not in kept:  # every row kept a draft (the common case): each has its key
+                self.put(slots, KEY, [p + d - 2 for p, d in zip(positions, kept)])
+                self.has_key[slots] = 1
+            else:  # a row that kept none keeps its key
+                key, has = self.pair_key, self.has_key
+                for slot, p, d in zip(slots.tolist(), positions, kept):
+                    if d:
+                        key[slot], has[slot] = p + d - 2, 1
         elif k and _none_negative(drafts):  # no row stopped (the common case): each kept k,
             # the rule below with every count k; every write a 1-D column's (numpy's fast path
             # for one index array), capacity untouched
