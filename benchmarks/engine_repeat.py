@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 
 from examples.engine import model as target_model
 from examples.engine.__main__ import main as engine_main
+from examples.engine.engine import Engine
 from draft_circuit.runners.proposer import MtpProposer
 
 PROPOSER_CALLS = ("propose_batch", "propose_batch_on_device", "catchup_batch", "last_drafts",
@@ -40,12 +43,65 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, keyed "name:tid" (Linux
+    /proc/self/task; elsewhere empty). Native threads (CUDA's, Triton's) are listed too."""
+    root, out = Path("/proc/self/task"), {}
+    if not root.is_dir():
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in root.iterdir():
+        try:
+            stat, comm = (task / "stat").read_text(), (task / "comm").read_text().strip()
+        except OSError:  # the thread ended while listed
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 0
+        out[f"{comm}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busy_threads(before: dict[str, float], after: dict[str, float], wall_s: float) -> list[dict[str, Any]]:
+    """Threads by CPU seconds spent between two `thread_cpu` readings, busiest first, with the
+    Python thread of the same native id named where there is one."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    rows = []
+    for key, cpu in after.items():
+        comm, tid = key.rsplit(":", 1)
+        spent = cpu - before.get(key, 0.0)
+        rows.append({"thread": comm, "tid": int(tid), "python": names.get(int(tid)),
+                     "cpu_s": round(spent, 4), "share_of_wall": round(spent / wall_s, 3) if wall_s else None})
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def target_runners(engine: Any) -> dict[str, Any]:
+    """How the engine's target passes run: each runner's backend class, the widths it captured
+    and the captures that failed (a pass on an uncaptured backend launches every kernel from
+    the host), and the plan of each served width up to 32."""
+    passes = getattr(getattr(engine.target, "model", None), "runner", None)
+    out: dict[str, Any] = {"runner": type(passes).__name__}
+    for name in ("graphs", "wide"):
+        r = getattr(passes, name, None)
+        if r is None:
+            continue
+        backend = getattr(r, "backend", None)
+        stats = getattr(backend, "stats", None)
+        out[name] = {"backend": type(backend).__name__, "widths": list(getattr(r, "widths", ()))[:40],
+                     "captured": sorted(getattr(backend, "graphs", {})),
+                     "failures": dict(getattr(stats, "failures", {}) or {}),
+                     "plans": {n: repr(r.plan(n)) for n in range(1, 33) if r.serves(n)}
+                     if name == "graphs" else {}}
+    return out
+
+
 class Timers:
-    """Seconds and calls per phase name, filled by the wrappers `install` puts in place."""
+    """Seconds, main-thread CPU seconds and calls per phase name, filled by the wrappers
+    `install` puts in place; `threads`: the busy threads of each `Engine.generate`."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.threads: list[dict[str, Any]] = []
 
     def wrap(self, owner: type, name: str, key: Callable[[tuple], str]) -> Callable[[], None]:
         """Time owner.name (synced around it) under key(args); returns the undo."""
@@ -53,25 +109,67 @@ class Timers:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             _sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 _sync()
                 k = key(args)
                 self.seconds[k] += time.perf_counter() - start
+                self.cpu[k] += time.thread_time() - cpu
                 self.calls[k] += 1
         setattr(owner, name, timed)
         return lambda: setattr(owner, name, original)
 
+    def wrap_replay(self) -> Callable[[], None]:
+        """On CUDA, time every graph replay (`GraphRunner.execute`) with CUDA events as well as
+        synced wall: "replay[<nodes> nodes, width n]" is its wall, "...gpu" the events' time,
+        so a replay whose GPU time is short but wall long, or the reverse, shows which."""
+        from draft_circuit.runners.cudagraph import GraphRunner
+
+        original = GraphRunner.execute
+
+        def timed(runner: Any, n: int) -> None:
+            k = f"replay[{len(runner.compiled.circuit.nodes)} nodes, width {n}]"
+            _sync()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
+            begin.record()
+            original(runner, n)
+            end.record()
+            end.synchronize()
+            self.seconds[k] += time.perf_counter() - start
+            self.calls[k] += 1
+            self.seconds[k + " gpu"] += begin.elapsed_time(end) / 1e3
+            self.calls[k + " gpu"] += 1
+        GraphRunner.execute = timed  # type: ignore[method-assign]
+        return lambda: setattr(GraphRunner, "execute", original)
+
     def install(self) -> list[Callable[[], None]]:
         undo = [self.wrap(target_model.TargetModel, "forward",
-                          lambda a: f"target.forward[{a[1].tokens.shape[0]} rows]")]
+                          lambda a: f"target.forward[{a[1].tokens.shape[0]} rows]"),
+                self.wrap(target_model.TargetModel, "stage_inputs",
+                          lambda a: f"target.stage_inputs[{a[1].tokens.shape[0]} rows]")]
+        if torch.cuda.is_available():
+            undo.append(self.wrap_replay())
         undo += [self.wrap(MtpProposer, n, lambda a, n=n: f"proposer.{n}") for n in PROPOSER_CALLS]
-        return undo
+        generate = Engine.generate
+
+        def watched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            before, start = thread_cpu(), time.perf_counter()
+            try:
+                return generate(engine, *args, **kwargs)
+            finally:
+                self.threads.append({"wall_s": round(time.perf_counter() - start, 4),
+                                     "threads": busy_threads(before, thread_cpu(),
+                                                             time.perf_counter() - start),
+                                     "target": target_runners(engine)})
+        Engine.generate = watched  # type: ignore[method-assign]
+        return undo + [lambda: setattr(Engine, "generate", generate)]
 
     def table(self) -> list[dict[str, Any]]:
         rows = [{"phase": k, "calls": self.calls[k], "ms": self.seconds[k] * 1e3,
+                 "cpu_ms": self.cpu[k] * 1e3,
                  "us_per_call": self.seconds[k] / self.calls[k] * 1e6} for k in self.seconds]
         return sorted(rows, key=lambda r: -r["ms"])
 
@@ -91,7 +189,9 @@ def run(repeats: int, engine_args: list[str]) -> list[dict[str, Any]]:
                     u()
             got = json.loads(summary.read_text())
             out.append({"repeat": r, "rc": rc, "tokens_per_s": got["tokens_per_s"],
-                        "wall_s": got["wall_s"], "mode": got["mode"], "phases": timers.table()})
+                        "wall_s": got["wall_s"], "mode": got["mode"], "phases": timers.table(),
+                        "generate": timers.threads,
+                        "python_threads": [t.name for t in threading.enumerate()]})
             gc.collect()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
@@ -110,7 +210,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"repeat {r['repeat']}: {r['mode']}, {r['tokens_per_s']} tokens/s, wall {r['wall_s']} s")
         for ph in r["phases"][:args.top]:
             print(f"   {ph['phase']:40s} {ph['calls']:5d} calls {ph['ms']:9.2f} ms "
-                  f"{ph['us_per_call']:9.1f} us a call")
+                  f"(main thread CPU {ph['cpu_ms']:8.2f}) {ph['us_per_call']:9.1f} us a call")
+        for g in r["generate"]:
+            print(f"   target runners: {json.dumps(g['target'])[:600]}")
+            busy = [t for t in g["threads"] if t["cpu_s"] > 0.01 * g["wall_s"]]
+            print(f"   generate {g['wall_s']} s; busy threads: " + ", ".join(
+                f"{t['thread']}({t['python'] or 'native'}) {t['cpu_s']} s" for t in busy))
+        print(f"   python threads after: {r['python_threads']}")
     if args.out:
         Path(args.out).write_text(json.dumps(got, indent=1))
     return got
