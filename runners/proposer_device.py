@@ -35,10 +35,10 @@ import torch
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import CurrentStream
-from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
+from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
-from draft_circuit.runners.proposer_readback import FlatViews
+from draft_circuit.runners.proposer_readback import FlatViews, WatchedRunners
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
@@ -62,13 +62,9 @@ class DeviceDrafts:
         self._host_np = self._host.numpy() if self._host.device.type == "cpu" else None
         self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self._stream = CurrentStream(self.device) if self.cuda else None
-        self._watched: list[object] = []  # the runners whose records the latest fill copied
+        self._watched = WatchedRunners()  # the runners whose records the latest fill copied
         self._records = 0  # how many of them have a record (all: a fault check reads numpy)
         self._all_recorded = False
-        # the latest fill's runners as given, and what was found of them: each fill of a
-        # step gets the same two, whose fault records (one tensor a guard) never change
-        self._given: tuple[object, ...] = ()
-        self._found: tuple[list[object], list[torch.Tensor], list[object]] = ([], [], [])
         self.batch: PendingBatch | None = None
         self._rows = (0, 0)  # (n, k) of the latest batch
         self._shapes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -108,13 +104,15 @@ class DeviceDrafts:
         with the fault records of `runners` (at most two: the chain's, the catch-up's)."""
         _, _, _, first, rest = self._views(n, k)
         self._rows = (n, k)
-        self._watched, records, _ = self._runners(runners)
+        watched = self._watched(runners)
         parts = [self._flat(out["drafts"]), self._flat(out["confidences"], True)]
         size = 2 * n * k
         if self.cuda:
+            records = watched.records
             parts += records
             size += len(records) * FAULT_WORDS
-            self._records, self._all_recorded = len(records), len(records) == len(self._watched)
+            self._records = len(records)
+            self._all_recorded = len(records) == len(watched.runners)
         span = self._spans.get(size)
         if span is None:
             span = self._spans[size] = self.flat[:size]
@@ -129,20 +127,6 @@ class DeviceDrafts:
             assert self._copied is not None and self._stream is not None
             self._stream.record(self._copied)
 
-    def _runners(self, runners: Sequence[object]
-                 ) -> tuple[list[object], list[torch.Tensor], list[object]]:
-        """(the distinct runners among the first two, their fault records, those without
-        one), found again only when the runners given differ from the latest fill's (held
-        here, so the identities compared stay theirs)."""
-        given = tuple(runners[:2])
-        if len(given) != len(self._given) or any(a is not b for a, b in zip(given, self._given)):
-            watched = [r for i, r in enumerate(given) if not any(r is q for q in given[:i])]
-            found = [(r, fault_record(r)) for r in watched]
-            self._given = given
-            self._found = (watched, [rec for _, rec in found if rec is not None],
-                           [r for r, rec in found if rec is None])
-        return self._found
-
     def check_faults(self) -> None:
         """After the latest batch's read: raise a bad row its runners' records showed (CUDA: the
         copies made behind the chain; CPU: a runner raised in its run already, nothing to read)."""
@@ -153,9 +137,10 @@ class DeviceDrafts:
             words = self._host_np[at:at + self._records * FAULT_WORDS]
             if self._all_recorded and not np.count_nonzero(words[::FAULT_WORDS]):
                 return  # every runner's record copied, none shows a fault: nothing to ask
-            check_copied_faults(self._watched, self._host[at:at + len(words)].view(-1, FAULT_WORDS))
+            check_copied_faults(self._watched.runners,
+                                self._host[at:at + len(words)].view(-1, FAULT_WORDS))
         else:
-            for r in self._found[2]:  # the watched runners without a record
+            for r in self._watched.unrecorded:
                 check_runner_faults(r)
 
     def read(self, drafts: torch.Tensor) -> np.ndarray:
@@ -187,7 +172,7 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     mine = cast("list[MtpProposerState]", list(states))  # _batch_refusal found (and settled) each
     mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                          num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
-                         hidden_size=p.head.hidden_in_size)
+                         hidden_size=p.head.hidden_in_size, distinct=p.slots.distinct(slots))
     drafts, confs = dev.drafts(n, num_drafts), dev.confidences(n, num_drafts)
     if num_drafts == 0:  # every row drafts nothing
         p.slots.record(slots, np.zeros((n, 0), np.int64), p.slots.rows[slots],

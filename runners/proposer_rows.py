@@ -12,7 +12,7 @@ import torch
 
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
 from draft_circuit.runners.kv_cache import ensure_rows_all
-from draft_circuit.runners.proposer_slots import KEY, ROWS, SMALL_BATCH, SlotTable
+from draft_circuit.runners.proposer_slots import FEW, KEY, ROWS, SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState
 
 #: run the k-step chain over rows (with an optional bitmask); returns the runner's outputs
@@ -106,11 +106,11 @@ def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     except Exception:
         _release(states)
         raise
-    if all(counts):  # every sequence wrote rows (the common case): three column writes
+    if len(slots) > FEW and all(counts):  # every sequence wrote rows: three column writes
         table.put(slots, ROWS, list(map(add, bases, counts)))
         table.put(slots, KEY, [p + m - 2 for p, m in zip(first_pos, counts)])
         table.has_key[slots] = 1
-    else:  # only the sequences that wrote rows change
+    else:  # a slot at a time, each that wrote rows
         rows, key, has = table.rows, table.pair_key, table.has_key
         for slot, b, m, p in zip(slots.tolist(), bases, counts, first_pos):
             if m:

@@ -169,8 +169,11 @@ class SlotTable:
         return held
 
     def gather(self, slots: np.ndarray) -> list[list[int]]:
-        """`self.cols[slots].tolist()`: one `take` (half a 2-D fancy gather's time, and less
-        than a slot at a time from two slots on)."""
+        """`self.cols[slots].tolist()`, a slot at a time for a few, else one `take` (half a
+        2-D fancy gather's time)."""
+        if len(slots) <= FEW:
+            table = self.cols
+            return [table[slot].tolist() for slot in slots.tolist()]
         return self.cols.take(slots, axis=0).tolist()  # type: ignore[no-any-return]
 
     def scatter(self, slots: np.ndarray, cols: list[list[int]]) -> None:
@@ -210,18 +213,18 @@ class SlotTable:
             before = rows_before.tolist() if isinstance(rows_before, np.ndarray) else rows_before
             kept_rows = [row if not row or min(row) >= 0 else _before_stop(row) for row in rows]
             kept = list(map(len, kept_rows))
-            self.put(slots, ROWS, list(map(add, before, kept)))
-            self.put(slots, DRAFTED, kept)
-            self.put(slots, KEPT, kept)
-            self.awaiting[slots] = 1
-            if 0 not in kept:  # every row kept a draft (the common case): each has its key
+            if n > FEW and 0 not in kept:  # every row kept a draft: a write a column
+                self.put(slots, ROWS, list(map(add, before, kept)))
+                self.put(slots, DRAFTED, kept)
+                self.put(slots, KEPT, kept)
                 self.put(slots, KEY, [p + d - 2 for p, d in zip(positions, kept)])
-                self.has_key[slots] = 1
-            else:  # a row that kept none keeps its key
-                key, has = self.pair_key, self.has_key
-                for slot, p, d in zip(slots.tolist(), positions, kept):
+                self.has_key[slots] = self.awaiting[slots] = 1
+            else:  # a slot at a time (a row that kept none keeps its key)
+                rows_c, _, key_c, has_c, drafted_c, kept_c, awaiting_c = self.columns
+                for slot, r, p, d in zip(slots.tolist(), before, positions, kept):
+                    rows_c[slot], drafted_c[slot], kept_c[slot], awaiting_c[slot] = r + d, d, d, 1
                     if d:
-                        key[slot], has[slot] = p + d - 2, 1
+                        key_c[slot], has_c[slot] = p + d - 2, 1
         elif k and _none_negative(drafts):  # no row stopped (the common case): each kept k,
             # the rule below with every count k; every write a 1-D column's (numpy's fast path
             # for one index array), capacity untouched

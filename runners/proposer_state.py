@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.kv_cache import BlockPool
-from draft_circuit.runners.proposer_slots import (AWAITING, DRAFTED, KEY, ROWS, SMALL_BATCH,
-                                                  SlotBlocks, SlotTable)
+from draft_circuit.runners.proposer_slots import (AWAITING, DRAFTED, FEW, KEY, ROWS,
+                                                  SMALL_BATCH, SlotBlocks, SlotTable)
 
 
 class ProposerError(ValueError):
@@ -231,16 +231,23 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
                                     "the drafts of the last propose")
         trims = []
         for a, c in zip(num_accepted, rows):
-            trim = rows_to_trim(c[DRAFTED], a, kv_exact=kv_exact, refeed=refeed) \
-                if c[AWAITING] else 0
+            if not c[AWAITING]:
+                trim = 0
+            elif kv_exact:  # rows_to_trim's exact-KV rule, without a call a row
+                trim = max(c[DRAFTED], 1) - 1
+            else:
+                trim = rows_to_trim(c[DRAFTED], a, kv_exact=False, refeed=refeed)
             if trim:
                 c[ROWS] = max(c[ROWS] - trim, 0)
                 c[KEY] = max(c[KEY] - trim, 0)
             trims.append(trim)
-        # the columns a trim changes (the others as gathered)
-        table.put(slots, ROWS, [c[ROWS] for c in rows])
-        table.put(slots, KEY, [c[KEY] for c in rows])
-        table.awaiting[slots] = 0
+            c[AWAITING] = 0
+        if n <= FEW:
+            table.scatter(slots, rows)  # a row a slot
+        else:  # the columns a trim changes, a write each
+            table.put(slots, ROWS, [c[ROWS] for c in rows])
+            table.put(slots, KEY, [c[KEY] for c in rows])
+            table.awaiting[slots] = 0
         return np.array(trims, dtype=np.int64)
     # every column read and written through its 1-D view (numpy's fast path for one index
     # array; a 2-D fancy gather or scatter costs several times as much)
