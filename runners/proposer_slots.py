@@ -47,8 +47,10 @@ SMALL_BATCH = 16
 #: batches of distinct states `SlotTable.slots_of` keeps (a step's full batch and its
 #: catch-up's subset)
 KNOWN = 2
-#: up to this many slots a scatter of Python rows writes a slot at a time: numpy converts a
-#: nested list for a fancy assignment as a whole (~2 us however short), a row costs ~0.4 us
+#: up to this many slots the small-batch bookkeeping reads and writes a slot at a time (numpy
+#: scalar reads and writes, a tenth of a microsecond each); past it a column at a time through
+#: the column's 1-D view (`put`: numpy's fast path for one index array, under a microsecond),
+#: never a nested list's 2-D fancy scatter (~2 us at one row, ~7 us at eight)
 FEW = 4
 
 
