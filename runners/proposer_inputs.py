@@ -267,12 +267,16 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
 
 
 def _arange(total: int) -> np.ndarray:
-    """0..total-1 (int64, read-only): a slice of one array kept for every catch-up."""
+    """0..total-1 (int64, read-only): a slice of one array kept for every catch-up (grown
+    when a wider one comes; each call slices the array it read, whatever another thread's
+    proposer stores meanwhile)."""
     global _ARANGE
-    if len(_ARANGE) < total:
-        _ARANGE = np.arange(max(total, 2 * len(_ARANGE)), dtype=np.int64)
-        _ARANGE.flags.writeable = False
-    return _ARANGE[:total]
+    kept = _ARANGE
+    if len(kept) < total:
+        kept = np.arange(max(total, 2 * len(kept)), dtype=np.int64)
+        kept.flags.writeable = False
+        _ARANGE = kept
+    return kept[:total]
 
 
 _ARANGE = np.zeros(0, dtype=np.int64)
