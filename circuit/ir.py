@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Final, Literal, Union
 
 import networkx as nx
@@ -32,6 +32,14 @@ Neutral = Union[int, float, Literal["scratch_block"], None]
 MAX_JSON_DEPTH = 64  # circuit JSON is shallow (attrs are numbers and short lists)
 
 
+@lru_cache(maxsize=4096)
+def _spec(dtype: str, shape: tuple[Dim, ...]) -> TensorSpec:
+    """One frozen TensorSpec per (dtype, shape): a plan asks every value's spec at every width
+    (tens of thousands of times for 64 widths), and building a pydantic model each time was a
+    tenth of the planner's time."""
+    return TensorSpec(dtype=dtype, shape=shape)
+
+
 class Value(BaseModel):
     """A named tensor of the circuit. A state value is one version of a storage owned outside."""
 
@@ -47,7 +55,7 @@ class Value(BaseModel):
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(dtype=self.dtype, shape=self.shape)
+        return _spec(self.dtype, self.shape)
 
 
 class Origin(BaseModel):

@@ -153,17 +153,20 @@ def _check_no_live_overlap(bufs: Sequence[Buffer], offsets: dict[str, int]) -> N
 
 
 def _place_in_order(order: Sequence[Buffer], alignment: int) -> dict[str, int]:
-    placed: list[tuple[Buffer, int, int]] = []  # (buffer, start, end) of each sized buffer placed
+    # (first, last, start, end) of each sized buffer placed: plain ints, since this scan is the
+    # planner's inner loop (every buffer against every placed one, two strategies, each width)
+    placed: list[tuple[int, int, int, int]] = []
     offsets: dict[str, int] = {}
     for buf in order:
         size = _align_up(buf.size_bytes, alignment)
         if size == 0:
             offsets[buf.name] = 0  # it occupies no bytes, so any aligned offset is sound
             continue
-        busy = sorted((start, end) for other, start, end in placed
-                      if other.first <= buf.last and buf.first <= other.last)
-        offsets[buf.name] = _best_fit(busy, size)
-        placed.append((buf, offsets[buf.name], offsets[buf.name] + size))
+        lo, hi = buf.first, buf.last
+        busy = sorted([(start, end) for first, last, start, end in placed
+                       if first <= hi and lo <= last])
+        at = offsets[buf.name] = _best_fit(busy, size)
+        placed.append((lo, hi, at, at + size))
     return dict(sorted(offsets.items()))
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.ir import Circuit, CircuitError
 from draft_circuit.circuit.passes import DEFAULT_PIPELINE, run_passes
-from draft_circuit.circuit.program import Program, build_program
+from draft_circuit.circuit.program import Program, ProgramBuilder
 from draft_circuit.circuit.report import (KernelChoice, PlanReport, WidthReport, family_width, node_infos,
                                           width_report)
 from draft_circuit.circuit.tuning import DEFAULT_CACHE, Measure, TuningCache, choose, environment, gpu_measure
@@ -171,11 +171,18 @@ def compile_draft(circuit: Circuit, params: Mapping[str, torch.Tensor], widths: 
     allowed = set(options.kernels) if options.kernels is not None else None
     todo = sorted(set(widths))
     overrides, choices = _tuned(fused, todo, device, select_for, options, allowed, measure)
-    programs = {w: build_program(fused, w, select_for, kv_rows=options.kv_rows,
-                                 alignment=options.alignment, kernels=allowed,
-                                 width_independent=options.width_independent,
-                                 overrides=overrides.get(w))
-                for w in todo}
+    # one builder per distinct kernel choice (one in all unless measured per width): what every
+    # width shares is worked out once (circuit.program.ProgramBuilder)
+    builders: dict[tuple[tuple[str, str], ...], ProgramBuilder] = {}
+    programs = {}
+    for w in todo:
+        chosen = overrides.get(w)
+        key = tuple(sorted(chosen.items())) if chosen else ()
+        if key not in builders:
+            builders[key] = ProgramBuilder(fused, select_for, kernels=allowed,
+                                           width_independent=options.width_independent,
+                                           overrides=chosen)
+        programs[w] = builders[key].build(w, kv_rows=options.kv_rows, alignment=options.alignment)
     return CompiledDraft(source=circuit, circuit=fused, programs=programs, params=dict(params),
                          device=str(device), options=options, notes=dict(notes or {}),
                          choices=choices)

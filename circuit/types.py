@@ -54,7 +54,11 @@ class TensorSpec(BaseModel):
 
     def concrete(self, env: dict[str, int]) -> tuple[int, ...]:
         """The shape with every symbol replaced by its value in `env`."""
-        return tuple(d if isinstance(d, int) else env[d] for d in self.shape)
+        shape = self.shape
+        for d in shape:
+            if not isinstance(d, int):
+                return tuple(d if isinstance(d, int) else env[d] for d in shape)
+        return shape  # type: ignore[return-value]  # every entry an int: already concrete
 
     def nbytes(self, env: dict[str, int]) -> int:
         numel = 1

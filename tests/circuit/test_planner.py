@@ -101,6 +101,21 @@ def test_report_json_is_byte_identical(setup):
     assert data["schema_version"] == 1 and [w["width"] for w in data["widths"]] == WIDTHS
 
 
+def test_each_width_plans_as_if_alone(setup):
+    """A plan of many widths builds them from one ProgramBuilder (what every width shares,
+    made once; slots kept a width, and across widths for fixed-shape params and states): each
+    width's program is the one a plan of that width alone gives, field for field, and a
+    width's program does not change with the widths planned before it."""
+    chain, params, compiled = setup
+    for w in (1, 5, 16):
+        alone = compile_draft(chain, params, [w]).programs[w]
+        assert alone == compiled.programs[w]
+        assert alone.model_dump_json() == compiled.programs[w].model_dump_json()
+    backwards = compile_draft(chain, params, [16, 3])  # compile_draft builds in sorted order
+    for w in (3, 16):
+        assert backwards.programs[w] == compiled.programs[w]
+
+
 def test_widths_outside_bounds_are_refused(setup):
     chain, params, compiled = setup
     for bad in ([0], [-1], [17]):
