@@ -93,6 +93,58 @@ def target_runners(engine: Any) -> dict[str, Any]:
     return out
 
 
+def probe_target(engine: Any, widths: tuple[int, ...] = (16, 32), replays: int = 20) -> dict[str, Any]:
+    """CUDA, after an engine's generate: each of `widths`' target graphs replayed `replays`
+    times over inert rows (every static input at its neutral value: the same work in every
+    engine), its GPU time by CUDA events; then the same width's program launched uncaptured,
+    launch by launch between events, its slowest launches. A later engine whose graph is slower
+    here than the first engine's, with the same launches, points at the graph; slower launches
+    point at the kernels. Empty off CUDA or without captured target passes."""
+    import statistics
+    from draft_circuit.runners.padding import fill_neutral
+
+    passes = getattr(getattr(engine.target, "model", None), "runner", None)
+    graphs = getattr(passes, "graphs", None)
+    backend = getattr(graphs, "backend", None)
+    if not torch.cuda.is_available() or backend is None or not hasattr(backend, "graphs"):
+        return {}
+    program = backend.program
+    fill_neutral(graphs.compiled.circuit, program.static_inputs, 0, graphs.scratch_block)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fn: Callable[[], None]) -> float:
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) * 1e3  # us
+
+    out: dict[str, Any] = {}
+    for w in widths:
+        if w not in backend.graphs:
+            continue
+        graph = backend.graphs[w]
+        replay = statistics.median(timed(graph.replay) for _ in range(replays))
+        per: dict[str, float] = defaultdict(float)
+        for _ in range(3):
+            for x in program._bound[w]:
+                per[x.node] += timed(lambda x=x: x.fn(x.inputs, x.outputs, x.workspace, x.attrs)) / 3
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:6]
+        out[str(w)] = {"replay_gpu_us": round(replay, 1), "launches": len(program._bound[w]),
+                       "uncaptured_gpu_us": round(sum(per.values()), 1),
+                       "slowest": [(k, round(v, 1)) for k, v in top]}
+    torch.cuda.synchronize()
+    return out
+
+
+def _probe(engine: Any) -> dict[str, Any]:
+    try:
+        return probe_target(engine)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: say what failed, keep the run's data
+        return {"error": {"replay_gpu_us": None, "uncaptured_gpu_us": None, "launches": 0,
+                          "slowest": [f"{type(e).__name__}: {e}"]}}
+
+
 class Timers:
     """Seconds, main-thread CPU seconds and calls per phase name, filled by the wrappers
     `install` puts in place; `threads`: the busy threads of each `Engine.generate`."""
@@ -163,7 +215,8 @@ class Timers:
                 self.threads.append({"wall_s": round(time.perf_counter() - start, 4),
                                      "threads": busy_threads(before, thread_cpu(),
                                                              time.perf_counter() - start),
-                                     "target": target_runners(engine)})
+                                     "target": target_runners(engine),
+                                     "probe": _probe(engine)})
         Engine.generate = watched  # type: ignore[method-assign]
         return undo + [lambda: setattr(Engine, "generate", generate)]
 
@@ -213,6 +266,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"(main thread CPU {ph['cpu_ms']:8.2f}) {ph['us_per_call']:9.1f} us a call")
         for g in r["generate"]:
             print(f"   target runners: {json.dumps(g['target'])[:600]}")
+            for w, pr in g["probe"].items():
+                print(f"   probe width {w}: replay {pr['replay_gpu_us']} us GPU, uncaptured "
+                      f"{pr['uncaptured_gpu_us']} us over {pr['launches']} launches; slowest "
+                      f"{pr['slowest']}")
             busy = [t for t in g["threads"] if t["cpu_s"] > 0.01 * g["wall_s"]]
             print(f"   generate {g['wall_s']} s; busy threads: " + ", ".join(
                 f"{t['thread']}({t['python'] or 'native'}) {t['cpu_s']} s" for t in busy))
