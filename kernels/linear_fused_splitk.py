@@ -17,6 +17,11 @@ profile; this kernel's own time is the GPU's to show). Here a program is
   linear_splitk._partial_kernel (tiles past K masked: they add zeros);
 - linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual.
 
+How the 16-row kernel runs on Hopper (`LAUNCH`: its columns, warps and stages, and both rows'
+norms in one pass) is measured, not the bits: BLOCK_K, the split size, the norm chunks and every
+sum's order stay the config's, and a tile's columns do not change a row's bits on sm90 (see
+kernels.tiles); the interpreter keeps the config's tile.
+
 So the bits are those of materialising the prologue as linear_prologue computes it (its values
 rounded to x's dtype), then linear_splitk with the same SplitKConfig: the same x tiles, the same
 tl.dot per tile, the same split sums in the same order; and a row's bits never depend on n (a
@@ -28,11 +33,12 @@ The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at 
 the interpreter; at n > 16 on an H200 the M-tile loop (`_prologue_partial_mloop_kernel`: a
 program covers up to 4 row tiles of 16, each with its own 1 / rms and x tiles exactly as the
 16-row kernel builds them, and loads each weight tile once a K step for all of them, one
-pinned-shape tl.dot per row tile) or BLOCK_M 64. Only tiles change, never BLOCK_N, BLOCK_K, the
-split size, the norm chunks or the K order: not the bits.
+pinned-shape tl.dot per row tile) or BLOCK_M 64. Only tiles change, never BLOCK_K, the split
+size, the norm chunks or the K order: not the bits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +62,32 @@ SPLIT_FROM_K = 4096  # K below this: the one-launch kernel (small heads, K 2048)
 MAX_PROLOGUE_TILES = 256
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How the 16-row partials kernel runs, none of it the bits (BLOCK_K, the split size, the
+    norm chunks and every sum's order stay the config's): norm_groups 0 sums the two rows'
+    norms one after the other, 4 chunks in flight (prologue_tiles._inv_rms); 1 or 2 both
+    together, 4 * norm_groups chunks of each in flight (_inv_rms_pair; where both x's are
+    normed). On a compiled sm90 launch, block_n / num_warps / num_stages replace the split
+    config's tile columns, warps and stages (None: the config's)."""
+
+    norm_groups: int = 0
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+# Measured on an H100 (benchmarks/prologue_launch_sweep.py, 2026-12-06; partials + reduce at the
+# 8B eh_proj, us at n = 1 / 8 / 64; every candidate bitwise the default's at each n): Launch()
+# 36.7 / 38.7 / 119.5; this one 30.1 / 30.9 / 80.2 (without the paired norm pass 33.9 / 33.6 /
+# 81.6); the plain split-K on the same weight without a prologue 27.3 / 28.0 / 34.2. Half the
+# programs of the config's 64 columns, each paying the norm pass once. Slower: 4 warps at 128
+# columns (38.3 at n = 1), 2 or 4 stages (34.3, 34.8), 256 columns (35.5), 64 columns at 3
+# stages or 8 warps (35.1-48.2), the paired norm pass at the config's tile (42.2), and the first
+# weight tile loaded before the PDL wait (41.3-51.9 at n = 1, in every tile tried: dropped).
+LAUNCH = Launch(norm_groups=2, block_n=128, num_warps=8, num_stages=3)
+
+
 def splitk_pays(weight_rows: int, k: int) -> bool:
     """Whether a prologue linear on a [weight_rows, k] weight takes the split-K kernels: K >= 4096,
     fewer than 256 output tiles of 32 columns and at least two K splits. From the weight's shape
@@ -71,7 +103,7 @@ def _prologue_partial_kernel(
     n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w,
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, NORM_GROUPS: tl.constexpr = 0,
 ):
     # program = (row tile fastest, N tile) x split, as linear_splitk._partial_kernel
     pid = tl.program_id(0)
@@ -90,7 +122,7 @@ def _prologue_partial_kernel(
     # the norms over the full rows (every split needs them), in linear_prologue's chunks
     off1, ok1, off2, inv1, inv2 = _prologue_rows(
         x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
-        eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K)
+        eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K, NORM_GROUPS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # a static trip count: the last split's tiles past K load nothing (masked) and add zeros
     if NORM1 or TWO_X:
@@ -266,19 +298,26 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     pdl = launch_kwargs(x1)
     t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiles,
                       programs=triton.cdiv(rows, cfg.block_n) * shape[0])
+    run = LAUNCH
+    block_n, warps, stages = cfg.block_n, t.warps(cfg.num_warps), cfg.num_stages
+    if t.mode == tiling.PINNED and tiling.wide_allowed(x1):  # tiles only, never the bits
+        block_n = run.block_n or block_n
+        warps = run.num_warps or warps
+        stages = run.num_stages or stages
     args = (x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
             x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, weight, workspace,
             n, rows, k, k1, x1.shape[0], float(eps1), float(eps2),
             x1.stride(0), x2.stride(0) if x2 is not None else 0, weight.stride(0))
     consts = dict(GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
-                  NORM2=norm2 is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  NORM2=norm2 is not None, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                   SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
-                  num_warps=t.warps(cfg.num_warps), num_stages=cfg.num_stages, **pdl)
-    grid = (triton.cdiv(n, t.rows_per_program) * triton.cdiv(rows, cfg.block_n), shape[0])
+                  num_warps=warps, num_stages=stages, **pdl)
+    grid = (triton.cdiv(n, t.rows_per_program) * triton.cdiv(rows, block_n), shape[0])
     if t.mode == tiling.MLOOP:
         handle = _prologue_partial_mloop_kernel[grid](*args, BLOCK_M=BLOCK_M, M_TILES=t.m_tiles,
                                                       **consts)
     else:
-        handle = _prologue_partial_kernel[grid](*args, BLOCK_M=t.block_m, **consts)
+        handle = _prologue_partial_kernel[grid](*args, BLOCK_M=t.block_m,
+                                                NORM_GROUPS=run.norm_groups, **consts)
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
     return handle

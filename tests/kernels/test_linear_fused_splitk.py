@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_circuit.kernels import linear_fused_splitk as lfs
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.linear_fused import linear_prologue
 from draft_circuit.kernels.linear_fused_splitk import linear_prologue_splitk, splitk_pays
@@ -165,6 +166,30 @@ def test_each_k_tile_is_summed_once(mode):
     assert torch.equal(out, want), out[0].tolist()
 
 
+@pytest.mark.parametrize("launch", [lfs.Launch(), lfs.Launch(1), lfs.Launch(2)], ids=str)
+@pytest.mark.parametrize("mode", ["two_x", "norm1_only", "x2_unnormed", "plain"])
+def test_launch_options_keep_the_bits(monkeypatch, launch, mode):
+    """Every Launch (the two norms one after the other, or in one pass with 4 or 8 chunks of
+    each in flight) gives the module LAUNCH's bits: norms over rows of unequal width (1100 and
+    700: several steps, the last ones past the shorter row), one x, an x2 without its norm, no
+    prologue at all; K ends inside a tile."""
+    dtype, n = torch.float16, 3
+    g = torch.Generator().manual_seed(len(mode))
+    table, k, prologue = _operands(g, n, dtype, k1=1100, k2=700, two_x=mode in ("two_x", "x2_unnormed"),
+                                   gather=mode != "plain")
+    if mode == "x2_unnormed":
+        prologue.pop("norm2")
+    if mode == "plain":
+        prologue = {}
+    w = _r(g, 24, k, dtype=dtype, scale=k ** -0.5)
+    cfg = SplitKConfig(block_n=16, split_k=512, block_k=128, num_stages=2)
+    want, got = torch.empty(n, 24, dtype=dtype), torch.empty(n, 24, dtype=dtype)
+    linear_prologue_splitk(table, w, want, config=cfg, **prologue)
+    monkeypatch.setattr(lfs, "LAUNCH", launch)
+    linear_prologue_splitk(table, w, got, config=cfg, **prologue)
+    assert torch.equal(got, want)
+
+
 def test_launchers_name_the_bad_operand():
     x, w, out = torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(2, 4)
     cases = [
@@ -279,3 +304,22 @@ def test_cuda_bf16_8b_eh_proj(n):
         linear_prologue_splitk(table, w, alone, ids=ids[i:i + 1], norm1=n1, eps1=EPS,
                                x2=x2[i:i + 1], norm2=n2, eps2=EPS)
         assert torch.equal(alone[0], out[i])
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_cuda_bf16_8b_eh_proj_launch_keeps_the_bits(monkeypatch, n):
+    """On the GPU the module's LAUNCH (its tile, warps and stages included) gives the default
+    Launch's bits at the 8B eh_proj's shape, at every width."""
+    dev, dt, h = "cuda", torch.bfloat16, 4096
+    g = torch.Generator().manual_seed(n + 100)
+    table = _r(g, 1000, h, dtype=dt).to(dev)
+    ids = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32).to(dev)
+    prologue = dict(ids=ids, norm1=_norm_w(g, h, dt).to(dev), eps1=EPS,
+                    x2=_r(g, n, h, dtype=dt, scale=2.0).to(dev), norm2=_norm_w(g, h, dt).to(dev), eps2=EPS)
+    w = _r(g, h, 2 * h, dtype=dt, scale=(2 * h) ** -0.5).to(dev)
+    got, want = (torch.empty(n, h, dtype=dt, device=dev) for _ in range(2))
+    linear_prologue_splitk(table, w, got, **prologue)
+    monkeypatch.setattr(lfs, "LAUNCH", lfs.Launch())
+    linear_prologue_splitk(table, w, want, **prologue)
+    assert torch.equal(got, want)
