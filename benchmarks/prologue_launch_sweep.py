@@ -5,8 +5,9 @@ stages. None of it may change a row's bits: every candidate's output is compared
 the default Launch()'s (`base`) on the same inputs at every n, and its row 0 with the same
 candidate run on that row alone. The fastest bitwise-equal one by its sum at n <= 8 is `best`.
 
-Timing: a CUDA graph of LAUNCHES launches cycling weight copies past the L2 (ROTATE_BYTES),
-replayed REPLAYS times, events, median us per launch (the split-K figures include its reduce).
+Timing: benchmarks/wide_sweep.py's graph_us, a CUDA graph of its LAUNCHES launches cycling
+weight copies past the L2 (ROTATE_BYTES), replayed REPLAYS times, events, median us per launch
+(the split-K figures include its reduce).
 `plain` is the same weight without a prologue (kernels.linear_splitk's partials + reduce): the
 kernel's floor in practice. Candidates are compiled first in --jobs worker processes (Triton's
 disk cache); those not started by --deadline-s are skipped. `chain` / `profile` run
@@ -23,7 +24,6 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -37,7 +37,6 @@ from draft_circuit.kernels import linear_fused_splitk as lfs  # noqa: E402
 from draft_circuit.kernels.linear_splitk import linear_splitk, splitk_workspace_shape  # noqa: E402
 
 WIDTHS = (1, 8, 64)
-LAUNCHES, REPLAYS = 20, 10
 ROTATE_BYTES = 160 << 20  # > 3x the H200's 50 MB L2
 H, V = 4096, 128256
 DEV = "cuda"
@@ -55,28 +54,11 @@ EH = {
 
 
 def graph_us(fn: Callable[[int], None]) -> float:
-    """Median us per launch of fn(i) (i: the launch's index, picks a weight copy)."""
-    if DEV == "cpu":  # --dry-run: the script's logic only
-        t = time.perf_counter()
-        fn(1)
-        return (time.perf_counter() - t) * 1e6
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(LAUNCHES):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / LAUNCHES)
-    return statistics.median(ts)
+    """Median us per launch of fn(i) (i: the launch's index, picks a weight copy): wide_sweep's
+    CUDA-graph timing (its LAUNCHES and REPLAYS); on CPU (--dry-run) the calls' wall time."""
+    from benchmarks.wide_sweep import graph_us as timed
+
+    return timed(fn, DEV != "cpu")
 
 
 class Operands:
