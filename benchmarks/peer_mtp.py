@@ -59,6 +59,9 @@ def enable_mtp(model) -> int:
 
 
 def hf_rows(path: str, prompts: list[list[int]], max_new: int, device: str, dtype: torch.dtype) -> dict:
+    from draft_circuit.installed import prefer_installed
+
+    prefer_installed("kernels")  # run from the root, our kernels/ would shadow transformers' own
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -2,13 +2,19 @@
 (`runners.testing.cuda` or plain `@pytest.mark.cuda`) is skipped when no GPU is present.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here,
-before any test module imports the packages (runners.device imports torch only).
+before any test module imports the packages (runners.device imports torch only). Hugging
+Face's `kernels` (a transformers dependency) is imported here too, before pytest's
+`pythonpath = ["."]` lets this checkout's `kernels/` folder shadow it
+(draft_circuit/installed.py).
 """
 import os
 
 import pytest
 
+from draft_circuit.installed import prefer_installed
 from draft_circuit.runners.device import cuda_available
+
+prefer_installed("kernels")
 
 if not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
