@@ -89,12 +89,25 @@ def topk_lowest_id(values: torch.Tensor, k: int, keep: torch.Tensor | None = Non
     return key.topk(k, dim=-1).indices
 
 
+def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """sigmoid or softmax of the router's logits. On CPU each row is its own call: a vectorised
+    transcendental's main loop and its scalar tail give other bits for the same value (seen on an
+    AVX2 machine: a row's routing weights alone differed from the same row's in a batch of 4),
+    so a row's scores would depend on where it sits in the batch. A CUDA kernel computes every
+    element alike, so there it is one call."""
+    def score(t: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(t) if scoring_func == "sigmoid" else torch.softmax(t, dim=-1)
+    if logits.device.type != "cpu":
+        return score(logits)
+    return torch.stack([score(row) for row in logits]) if logits.shape[0] else score(logits)
+
+
 def route_select(logits: torch.Tensor, bias: torch.Tensor | None,
                  a: MoeRouteAttrs) -> tuple[torch.Tensor, torch.Tensor]:
     """logits f32[n, E] -> (topk_ids i32[n, k], topk_weights f32[n, k]), ids by descending
     selection score. Masked groups are -inf (DeepSeek-V3's inference code), not HF's 0.0."""
     n, num_experts = logits.shape
-    scores = torch.sigmoid(logits) if a.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = _scores(logits, a.scoring_func)
     choice = scores + bias if bias is not None else scores
     keep = None
     if a.n_group > 1:

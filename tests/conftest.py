@@ -5,7 +5,8 @@ TRITON_INTERPRET must be set before triton is first imported, so it is set here,
 before any test module imports the packages (runners.device imports torch only). Hugging
 Face's `kernels` (a transformers dependency) is imported here too, before pytest's
 `pythonpath = ["."]` lets this checkout's `kernels/` folder shadow it
-(draft_circuit/installed.py).
+(draft_circuit/installed.py). Interpreted, `tl.dot` gives each row of a tile its own bits
+whatever the CPU's BLAS does with a whole tile (tests/interpreter_dot.py).
 """
 import os
 
@@ -13,11 +14,16 @@ import pytest
 
 from draft_circuit.installed import prefer_installed
 from draft_circuit.runners.device import cuda_available
-
-prefer_installed("kernels")
+from tests.interpreter_dot import row_independent_interpreter_dot
 
 if not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+prefer_installed("kernels")  # after TRITON_INTERPRET: it may import triton
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    row_independent_interpreter_dot()  # (tests/interpreter_dot.py says why)
 
 
 def pytest_addoption(parser):

@@ -27,6 +27,10 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, rendezvous: str,
     from draft_circuit.runners.distributed import init_group
 
     torch.set_num_threads(1)  # the test machine's cores are shared
+    if os.environ.get("TRITON_INTERPRET") == "1":  # as conftest does in the parent
+        from tests.interpreter_dot import row_independent_interpreter_dot
+
+        row_independent_interpreter_dot()
     group = init_group("cpu", rank=rank, world_size=world_size, init_method=f"file://{rendezvous}",
                        timeout_s=timeout_s)
     try:
