@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from draft_circuit.circuit.layers.checkpoint import (CONFIG_NAME, _first_present, _inventory, _label,
-                                                     _reject_extras, _write_shards, read_config, read_planned)
+                                                     _reject_extras, read_config, read_planned)
+from draft_circuit.circuit.layers.checkpoint_writer import write_shards
 from draft_circuit.circuit.layers.checkpoint_errors import MissingTensorError
 from draft_circuit.circuit.layers.deepseek import layer_checkpoint_shapes, mtp_checkpoint_shapes
 from draft_circuit.circuit.layers.mla import MlaConfig
@@ -122,5 +123,5 @@ def write_deepseek_checkpoint(path: str | os.PathLike[str], config: MlaConfig, *
         hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "weight_block_size": [SCALE_BLOCK, SCALE_BLOCK]}
     (root / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-    _write_shards(root, tensors, shards)
+    write_shards(root, tensors, shards)
     return root

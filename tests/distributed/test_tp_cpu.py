@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draft_circuit.circuit.layers import tp_checkpoint
-from draft_circuit.circuit.layers.checkpoint import load_mtp_weights, write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draft_circuit.circuit.layers import tp_checkpoint
-from draft_circuit.circuit.layers.checkpoint import load_mtp_weights, load_target_weights, write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint import load_mtp_weights, load_target_weights
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.tp import TpConfigError, shard_target_weights, shard_weights, tp_plan
 from draft_circuit.circuit.layers.tp_checkpoint import TpShardError, load_mtp_shard, load_target_shard
 from tests.distributed import shard_load_workers

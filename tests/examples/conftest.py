@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from tests.examples.helpers import SMALL
 
 

@@ -35,7 +35,7 @@ def _same_as_greedy(ck, requests, dtype=torch.float32, **extra) -> None:
 @pytest.mark.parametrize("subset", [False, True])
 def test_eagle3_drafter_on_gpu(tmp_path, dtype, subset):
     from tests.examples.test_engine_eagle3 import DRAFTER, NAMED, TARGET, _subset
-    from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+    from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
     from draft_circuit.circuit.layers.eagle3_checkpoint import write_random_eagle3_checkpoint
     target = write_random_checkpoint(tmp_path / "target", TARGET, seed=11)
     requests = random_requests(TARGET.vocab_size, 5, seed=21, max_prompt=20, max_new=(6, 16))
@@ -56,7 +56,7 @@ def test_deepseek_v3_layout_on_gpu(tmp_path):
 @cuda
 def test_yarn_llama_on_gpu(tmp_path):
     from tests.layers.test_yarn_gqa import YARN_SMALL
-    from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+    from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
     ck = load_checkpoint(write_random_checkpoint(tmp_path / "yarn", YARN_SMALL, seed=9))
     # positions to ~60: past original_max_position_embeddings (16)
     _same_as_greedy(ck, random_requests(YARN_SMALL.vocab_size, 4, seed=5, min_prompt=10, max_prompt=24,

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.draft_vocab import DraftVocab
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config, Eagle3Head, draft_targets
 from draft_circuit.circuit.layers.eagle3_checkpoint import write_random_eagle3_checkpoint

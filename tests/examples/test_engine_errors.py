@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples.engine.__main__ import main
-from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from tests.examples.helpers import SMALL
 
 

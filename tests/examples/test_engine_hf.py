@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples.engine import Engine, EngineConfig, load_checkpoint
-from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from tests.examples.greedy_reference import assert_same_greedy, generate_greedy
 from tests.examples.helpers import SMALL, random_requests
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.moe import MoeConfig
 from draft_circuit.circuit.layers.rope import RopeScaling
 from helpers import generate, random_requests

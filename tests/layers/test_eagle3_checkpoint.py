@@ -117,7 +117,7 @@ def test_strict_refuses_tensors_no_param_uses(tmp_path):
 
 
 def test_an_mtp_checkpoint_is_no_eagle3_drafter(tmp_path):
-    from draft_circuit.circuit.layers.checkpoint import write_random_checkpoint
+    from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
     root = write_random_checkpoint(tmp_path / "mtp")
     with pytest.raises(UnsupportedArchitectureError, match="is not an EAGLE-3 drafter"):
         read_eagle3_config(root)

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draft_circuit.circuit.cli import main
-from draft_circuit.circuit.layers.checkpoint import load_mtp_weights, write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint import load_mtp_weights
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.config import DEFAULT_CONFIG
 from draft_circuit.circuit.layers.heads import describe_head, head_for, load_head
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, moe_plan_note, quantize_blocks

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from draft_circuit.circuit.layers.checkpoint import (
     CorruptFileError, MissingTensorError, NonFiniteTensorError, TensorDtypeError, UnexpectedTensorError, UnsupportedArchitectureError,
-    UnsupportedConfigError, UnsupportedTensorError, load_mtp_weights, load_target_weights, read_config,
-    write_random_checkpoint)
+    UnsupportedConfigError, UnsupportedTensorError, load_mtp_weights, load_target_weights, read_config)
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, ConfigError
 from draft_circuit.circuit.layers.moe import MoeConfig
 

@@ -13,7 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from draft_circuit.circuit.layers.checkpoint import read_config, write_random_checkpoint
+from draft_circuit.circuit.layers.checkpoint import read_config
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.config import ConfigError, MtpConfig
 from draft_circuit.circuit.layers.mtp import MtpHead, emit_draft_chain
 from draft_circuit.circuit.layers.rope import INV_FREQ, RopeScaling

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from draft_circuit.circuit.layers import checkpoint as ckpt
 from draft_circuit.circuit.layers.checkpoint import (
     CorruptFileError, MissingConfigError, MissingMtpLayerError, MissingTensorError, TensorShapeError,
-    UnexpectedTensorError, load_mtp_weights, load_target_weights, read_config, write_random_checkpoint,
+    UnexpectedTensorError, load_mtp_weights, load_target_weights, read_config,
 )
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.config import DEFAULT_CONFIG, MTP_PARAM_SHAPES, TARGET_PARAM_SHAPES, ConfigError, MtpConfig
 
 CFG = DEFAULT_CONFIG

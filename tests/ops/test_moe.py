@@ -15,6 +15,7 @@ from draft_circuit.circuit.ir import TensorSpec
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.ops import moe as ops_moe
 from draft_circuit.circuit.layers import checkpoint as ckpt
+from draft_circuit.circuit.layers.checkpoint_writer import write_random_checkpoint
 from draft_circuit.circuit.layers.config import ConfigError
 from draft_circuit.circuit.layers.moe import MoeConfig, MoeMtpHead, MoeWeightError, quantize_blocks, random_moe_weights
 from draft_circuit.circuit.layers.mtp import KvLayout, emit_draft_chain
@@ -281,7 +282,7 @@ def test_config_errors_name_the_field(overrides, match):
 
 # ---- checkpoints ----
 def test_moe_checkpoint_round_trip(tmp_path):
-    ckpt.write_random_checkpoint(tmp_path, CFG, seed=4)
+    write_random_checkpoint(tmp_path, CFG, seed=4)
     config = ckpt.read_config(tmp_path)
     assert config == CFG and isinstance(config, MoeConfig)
     _, weights = ckpt.load_mtp_weights(tmp_path, strict=True)
@@ -300,7 +301,7 @@ def test_moe_checkpoint_round_trip(tmp_path):
 
 def test_fp8_checkpoint_keeps_or_dequantises(tmp_path):
     cfg = dataclasses.replace(CFG, moe_intermediate_size=128, n_shared_experts=0)
-    ckpt.write_random_checkpoint(tmp_path, cfg, seed=4, dtype=torch.bfloat16, fp8_experts=True)
+    write_random_checkpoint(tmp_path, cfg, seed=4, dtype=torch.bfloat16, fp8_experts=True)
     _, kept = ckpt.load_mtp_weights(tmp_path, dtype=torch.bfloat16, keep_fp8=True, strict=True)
     _, dense = ckpt.load_mtp_weights(tmp_path, dtype=torch.float32)
     name = "mlp.experts.3.up_proj.weight"
@@ -321,7 +322,7 @@ def test_fp8_checkpoint_keeps_or_dequantises(tmp_path):
 
 
 def test_missing_expert_and_missing_scale_are_named(tmp_path):
-    ckpt.write_random_checkpoint(tmp_path / "a", CFG, seed=0)
+    write_random_checkpoint(tmp_path / "a", CFG, seed=0)
     file = tmp_path / "a" / "model.safetensors"
     key = f"model.layers.{CFG.num_hidden_layers}.mlp.experts.3.up_proj.weight"
     tensors = load_file(str(file))
@@ -333,4 +334,4 @@ def test_missing_expert_and_missing_scale_are_named(tmp_path):
     with pytest.raises(ckpt.CorruptFileError, match="up_proj.weight_scale_inv"):
         ckpt.load_mtp_weights(tmp_path / "a")
     with pytest.raises(ValueError, match="needs a MoeConfig"):
-        ckpt.write_random_checkpoint(tmp_path / "b", fp8_experts=True)
+        write_random_checkpoint(tmp_path / "b", fp8_experts=True)
