@@ -9,6 +9,7 @@ from draft_circuit.ops import prologue_linear  # noqa: F401  (registration: norm
 from draft_circuit.ops import prologue_argmax  # noqa: F401  (registration: the final norm in the lm-head)
 from draft_circuit.ops import input_guard  # noqa: F401  (registration: the runners' input guard)
 from draft_circuit.ops import collectives  # noqa: F401  (registration: tensor-parallel collectives)
+from draft_circuit.ops import vocab_parallel  # noqa: F401  (registration: the lm-head's cross-rank argmax)
 from draft_circuit.ops.bindings import Applies, Condition, KernelBinding
 from draft_circuit.ops.registry import REGISTRY, TAGS, Cost, CostContext, OpDef, get_op
 
