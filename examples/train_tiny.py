@@ -23,8 +23,9 @@ fp32 on the bf16-rounded weights, i.e. on the checkpoint as written. On CPU with
 run is deterministic for a seed and thread count (the tests rely on it). Nothing imports this
 script at run time.
 
-One script, over 400 lines: the model, the two training phases and the export read as one
-recipe a user runs from top to bottom; nothing else imports its parts.
+The corpus (the standard library's files, the held-out split) is examples/stdlib_corpus.py, which
+the engine's `--draft-vocab N` reads too; the rest is one recipe a user runs from top to bottom
+(the model, the two training phases, the export), which nothing else imports.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draft_circuit.circuit.layers.config import MtpConfig
+from examples.stdlib_corpus import read_bytes, stdlib_files, write_prompts
 
 # the embedded default's shape (examples/data/pystdlib_12l)
 CONFIG = MtpConfig(
@@ -52,26 +54,6 @@ CONFIG = MtpConfig(
     num_hidden_layers=12, tie_word_embeddings=False, max_position_embeddings=2048,
 )
 DEFAULT_OUT = Path(__file__).parent / "data" / "pystdlib_12l"
-
-# held out from training (those this Python has); prompts for the acceptance measure come from them
-HELD_OUT = ("bisect.py", "colorsys.py", "fnmatch.py", "heapq.py", "sched.py", "shlex.py",
-            "struct.py", "textwrap.py")
-# not part of the corpus: the test suites (data files, generated cases) and third-party packages
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-
-
-def stdlib_files() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files): every .py of this Python's standard library, packages
-    included, but not its test suites; HELD_OUT are top-level modules."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(f for f in root.rglob("*.py") if not SKIP_DIRS & set(f.relative_to(root).parts))
-    held = [f for f in files if f.parent == root and f.name in HELD_OUT]
-    return [f for f in files if f not in held], held
-
-
-def read_bytes(files: list[Path]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b"\n\n".join(f.read_bytes() for f in files)), dtype=torch.uint8)
-
 
 # ---- the model: the same maths as the circuit's ops (fp32 RMSNorm, rotate-half RoPE, GQA) ----
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -282,21 +264,6 @@ def export(model: TinyLlama, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
     config = c.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch."),
                           "draft_circuit": {"tokenizer": "bytes"}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def write_prompts(files: list[Path], path: Path, count: int = 16) -> None:
-    """Held-out prompts: `count` snippets (40-200 bytes) of the held-out files, each starting at
-    a line and ending wherever its length says (often mid-line: a continuation to complete)."""
-    gen = torch.Generator().manual_seed(1)
-    prompts = []
-    for i in range(count):
-        lines = files[i % len(files)].read_text().splitlines(keepends=True)
-        start = int(torch.randint(0, max(len(lines) - 12, 1), (1,), generator=gen))
-        want = 40 + int(torch.randint(0, 160, (1,), generator=gen))
-        text = "".join(lines[start:start + 40])[:want]
-        prompts.append(text.encode("ascii", "replace").decode("ascii"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prompts, indent=1) + "\n")
 
 
 def round_to(model: nn.Module, dtype: torch.dtype) -> None:

@@ -193,7 +193,7 @@ def draft_vocab_for(spec: str, checkpoint: Checkpoint, corpus: str | os.PathLike
         if corpus is not None:
             ids = read_token_ids(corpus)
         elif checkpoint.byte_level:
-            from examples.train_tiny import read_bytes, stdlib_files  # the default's training text
+            from examples.stdlib_corpus import read_bytes, stdlib_files  # the default's training text
             ids = read_bytes(stdlib_files()[0]).tolist()
         else:
             raise EngineError(f"--draft-vocab {spec}: building {size} ids needs a corpus of token ids "

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from examples import train_tiny
+from examples import stdlib_corpus, train_tiny
 from examples.engine import load_checkpoint
 from examples.engine.checkpoints import EMBEDDED
 from examples.engine.model import TargetModel, TargetRows
@@ -102,8 +102,8 @@ def test_wall_time_cap_ends_each_phase(tmp_path):
 
 
 def test_corpus_is_the_stdlib_source_with_whole_files_held_out():
-    train, held = train_tiny.stdlib_files()
-    assert sorted(f.name for f in held) == sorted(train_tiny.HELD_OUT)
+    train, held = stdlib_corpus.stdlib_files()
+    assert sorted(f.name for f in held) == sorted(stdlib_corpus.HELD_OUT)
     assert not set(held) & set(train)
     assert not any("test" in f.parts for f in train)
     assert any(f.parent.name == "json" for f in train)  # packages are in the corpus
