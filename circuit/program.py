@@ -1,6 +1,6 @@
 """An n-row `Program`: the fixed launch sequence of one width over one static arena, as plain data.
 
-`build_program(circuit, width, device, options)` specialises `n`, picks each node's kernel, plans
+`ProgramBuilder(circuit, device, ...).build(width)` specialises `n`, picks each node's kernel, plans
 intermediates into the arena (with in-place reuse where an op allows it) and costs every launch.
 Params, states, inputs and outputs are pinned outside the arena, in slots the runner binds once.
 """
@@ -125,7 +125,7 @@ class _Step:
 
 
 class ProgramBuilder:
-    """`build_program` in two halves: the constructor does what every width shares (the
+    """A width's program in two halves: the constructor does what every width shares (the
     schedule, each node's parsed attrs and kernel, its values' specs and slot kinds, the temps'
     first and last steps), `build(width)` what a width decides (shapes, workspaces, the arena's
     placement, costs). A 64-width plan parses, binds and looks up each node once, not 64 times.
@@ -206,16 +206,6 @@ class ProgramBuilder:
         return Program(width=width, launches=tuple(launches), outputs=outputs, buffers=arena,
                        arena_bytes=placement.arena_bytes, lower_bound_bytes=placement.lower_bound_bytes,
                        naive_bytes=placement.naive_bytes, strategy=placement.strategy)
-
-
-def build_program(c: Circuit, width: int, device: str, *, kv_rows: int = 100,
-                  alignment: int = 256, kernels: set[str] | None = None,
-                  width_independent: bool = True,
-                  overrides: dict[str, str] | None = None) -> Program:
-    """One width's program (`ProgramBuilder`'s two halves at once; a plan of several widths
-    makes the builder once)."""
-    return ProgramBuilder(c, device, kernels=kernels, width_independent=width_independent,
-                          overrides=overrides).build(width, kv_rows=kv_rows, alignment=alignment)
 
 
 def _workspaces(steps: list[_Step], env: dict[str, int]
