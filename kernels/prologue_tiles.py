@@ -19,17 +19,10 @@ def _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.
     used, so four are in flight at once (one at a time, each chunk waited a full memory latency,
     and an 8192-wide row is 64 chunks). The sums still run chunk by chunk in order and a chunk
     past K adds +0.0, so the bits are the one-chunk loop's."""
-    offs_k = tl.arange(0, BLOCK_K)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, 4 * BLOCK_K):
-        x0 = _chunk(x_ptr, row_off, row_ok, k0 + offs_k, K)
-        x1 = _chunk(x_ptr, row_off, row_ok, k0 + BLOCK_K + offs_k, K)
-        x2 = _chunk(x_ptr, row_off, row_ok, k0 + 2 * BLOCK_K + offs_k, K)
-        x3 = _chunk(x_ptr, row_off, row_ok, k0 + 3 * BLOCK_K + offs_k, K)
-        ss += _sum_sq(x0)
-        ss += _sum_sq(x1)
-        ss += _sum_sq(x2)
-        ss += _sum_sq(x3)
+        x0, x1, x2, x3 = _ld4(x_ptr, row_off, row_ok, k0, K, BLOCK_K)
+        ss = _ss4(ss, x0, x1, x2, x3)
     return tl.rsqrt(ss / K + eps)
 
 
