@@ -11,7 +11,7 @@ vocab_parallel_argmax.py); on CPU and in the eager oracle, torch ops around the 
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -140,14 +140,22 @@ def _vp_argmax_on(group: Any) -> Launch:
     return launch
 
 
-def _vp_argmax_eager(group: Any) -> Reference:
-    def ref(t: list[torch.Tensor], a: Any) -> tuple[torch.Tensor, ...]:
-        n = t[0].shape[0]
-        outs = [t[0].new_empty(n, dtype=torch.int32), t[0].new_empty(n, dtype=torch.float32)]
-        ws = [t[0].new_empty(n, 3, dtype=torch.int32), t[0].new_empty(a.world_size, n, 3, dtype=torch.int32)]
-        _vp_argmax_on(group)(t, outs, ws, a)
-        return tuple(outs)
-    return ref
+def _eager(on_group: Callable[[Any], Launch]) -> Callable[[Any], Reference]:
+    """The out-of-place form of a destination-passing launch for EagerRunner: fresh outputs and
+    workspace (the planner's shapes, `_vp_argmax_ws`) a call."""
+    def eager(group: Any) -> Reference:
+        def ref(t: list[torch.Tensor], a: Any) -> tuple[torch.Tensor, ...]:
+            n = t[0].shape[0]
+            outs = [t[0].new_empty(n, dtype=torch.int32), t[0].new_empty(n, dtype=torch.float32)]
+            ws = [t[0].new_empty(n, 3, dtype=torch.int32),
+                  t[0].new_empty(a.world_size, n, 3, dtype=torch.int32)]
+            on_group(group)(t, outs, ws, a)
+            return tuple(outs)
+        return ref
+    return eager
+
+
+_vp_argmax_eager = _eager(_vp_argmax_on)
 
 
 _k_partial = kernel("vocab_parallel_argmax", "vocab_partial")
@@ -170,14 +178,7 @@ def _vp_triton_on(group: Any) -> Launch:
     return launch
 
 
-def _vp_triton_eager(group: Any) -> Reference:
-    def ref(t: list[torch.Tensor], a: Any) -> tuple[torch.Tensor, ...]:
-        n = t[0].shape[0]
-        outs = [t[0].new_empty(n, dtype=torch.int32), t[0].new_empty(n, dtype=torch.float32)]
-        ws = [t[0].new_empty(n, 3, dtype=torch.int32), t[0].new_empty(a.world_size, n, 3, dtype=torch.int32)]
-        _vp_triton_on(group)(t, outs, ws, a)
-        return tuple(outs)
-    return ref
+_vp_triton_eager = _eager(_vp_triton_on)
 
 
 register(OpDef(
