@@ -227,12 +227,53 @@ class Timers:
         return sorted(rows, key=lambda r: -r["ms"])
 
 
-def run(repeats: int, engine_args: list[str]) -> list[dict[str, Any]]:
-    """One entry a repeat: the engine's summary fields and its timed phases."""
+RUNTIME_CALLS = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaFreeHost", "cudaHostRegister",
+                 "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                 "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch", "cudaLaunchKernel",
+                 "cuLaunchKernel", "cudaStreamWaitEvent", "cudaEventQuery", "cudaEventRecord")
+
+
+class Profiled:
+    """`--profile`: no timers, no syncs (the engine as it runs); each `Engine.generate` under
+    torch.profiler, and the CUDA runtime calls (count, host µs) and the busiest ops kept, so a
+    slow repeat names what its host waits in (an implicit sync in cudaFree, a pinned alloc, a
+    memcpy from pageable memory) without the timers' syncs hiding it."""
+
+    def __init__(self) -> None:
+        self.threads: list[dict[str, Any]] = []
+
+    def install(self) -> list[Callable[[], None]]:
+        from torch.profiler import ProfilerActivity, profile
+        generate = Engine.generate
+
+        def watched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            start = time.perf_counter()
+            with profile(activities=acts) as prof:
+                got = generate(engine, *args, **kwargs)
+            wall = time.perf_counter() - start
+            events = prof.key_averages()
+            runtime = {e.key: {"calls": e.count, "host_us": round(e.cpu_time_total, 1)}
+                       for e in events if any(e.key.startswith(c) for c in RUNTIME_CALLS)}
+            top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+            self.threads.append({"wall_s": round(wall, 4), "runtime": runtime,
+                                 "top_self_cpu": [(e.key, e.count, round(e.self_cpu_time_total, 1))
+                                                  for e in top]})
+            return got
+        Engine.generate = watched  # type: ignore[method-assign]
+        return [lambda: setattr(Engine, "generate", generate)]
+
+    def table(self) -> list[dict[str, Any]]:
+        return []
+
+
+def run(repeats: int, engine_args: list[str], profiled: bool = False) -> list[dict[str, Any]]:
+    """One entry a repeat: the engine's summary fields and its timed phases (or, profiled, its
+    CUDA runtime calls)."""
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
-            timers = Timers()
+            timers: Timers | Profiled = Profiled() if profiled else Timers()
             undo = timers.install()
             summary = Path(tmp) / f"engine{r}.json"
             try:
@@ -256,15 +297,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="no timers or syncs: each generate under torch.profiler (see Profiled)")
     p.add_argument("engine_args", nargs="*", help="after --: the engine's own arguments")
     args = p.parse_args(argv)
-    got = run(args.repeats, args.engine_args)
+    got = run(args.repeats, args.engine_args, args.profile)
     for r in got:
         print(f"repeat {r['repeat']}: {r['mode']}, {r['tokens_per_s']} tokens/s, wall {r['wall_s']} s")
         for ph in r["phases"][:args.top]:
             print(f"   {ph['phase']:40s} {ph['calls']:5d} calls {ph['ms']:9.2f} ms "
                   f"(main thread CPU {ph['cpu_ms']:8.2f}) {ph['us_per_call']:9.1f} us a call")
         for g in r["generate"]:
+            if "runtime" in g:
+                print(f"   generate {g['wall_s']} s; runtime calls: " + ", ".join(
+                    f"{k} {v['calls']}x {v['host_us']:.0f}us" for k, v in sorted(g["runtime"].items())))
+                print(f"   top self CPU: {g['top_self_cpu']}")
+                continue
             print(f"   target runners: {json.dumps(g['target'])[:600]}")
             for w, pr in g["probe"].items():
                 print(f"   probe width {w}: replay {pr['replay_gpu_us']} us GPU, uncaptured "

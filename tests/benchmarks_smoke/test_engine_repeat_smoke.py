@@ -45,3 +45,16 @@ def test_busy_threads_names_a_spinning_thread():
         stop.set()
         spinner.join()
     assert rows[0]["python"] == "spinner" and rows[0]["cpu_s"] >= 0.05
+
+
+def test_profile_mode_records_the_profiled_ops_and_undoes_the_wrapper():
+    """--profile: no timers, each generate under torch.profiler; its busiest ops are listed (on
+    CPU there are no CUDA runtime calls, so `runtime` is empty), and generate is restored."""
+    generate = Engine.generate
+    got = er.main(["--repeats", "1", "--profile", "--", "--max-new-tokens", "2", "--quiet"])
+    [r] = got
+    assert r["rc"] == 0 and r["phases"] == []
+    [g] = r["generate"]
+    assert g["wall_s"] > 0 and g["runtime"] == {}
+    assert g["top_self_cpu"] and all(calls > 0 for _, calls, _ in g["top_self_cpu"])
+    assert Engine.generate is generate
