@@ -41,47 +41,8 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.device import CurrentStream
-from draft_circuit.runners.padding import neutral_value
+from draft_circuit.runners.int_region import INTS, ROWS, IntMirror, int_region
 from draft_circuit.runners.proposer_readback import ReadBack
-
-#: the chain inputs a region stages, in the circuit's order (and the region's layout)
-INTS = ("tokens", "positions", "block_tables", "live_rows", "active")
-_ROWS = ("tokens", "positions", "live_rows", "active")  # one int a row
-
-
-class _Mirror:
-    """numpy views of one host mirror of a region: one [W] array per one-int input and the
-    block tables [W, M]."""
-
-    def __init__(self, flat: np.ndarray, offsets: Mapping[str, int], w: int, m: int) -> None:
-        self.rows = {k: flat[offsets[k]:offsets[k] + w] for k in _ROWS}
-        self.values = tuple(self.rows[k] for k in ("tokens", "positions", "live_rows"))
-        self.active = self.rows["active"]
-        self.tables = flat[offsets["block_tables"]:offsets["block_tables"] + w * m].reshape(w, m)
-        #: the n of the latest fill: rows [filled:] hold their neutral values and active[:filled]
-        #: is 1 (None: unknown, every row is rewritten); a fill at the same n writes values only
-        self.filled: int | None = None
-
-    def fill(self, n: int, values: tuple[object, object, object], tables: np.ndarray,
-             slots: np.ndarray, nz: Mapping[str, int | float]) -> None:
-        """Rows [:n] of tokens, positions and live rows, active[:n] 1, each row's block table
-        (`tables[slots[i]]`), every row past n neutral: only what differs from the latest fill
-        (a numpy call costs about a microsecond whatever it writes)."""
-        for dst, v in zip(self.values, values):
-            dst[:n] = v
-        tables.take(slots, axis=0, out=self.tables[:n])
-        filled = self.filled
-        if filled == n:
-            return
-        if filled is None or filled > n:  # rows past n may hold a wider fill's values
-            end = None if filled is None else filled
-            for k, dst in self.rows.items():
-                dst[n:end] = nz[k]
-            self.tables[n:end] = nz["block_tables"]
-        if filled is None or filled < n:
-            self.active[:n] = 1
-        self.filled = n
-
 
 class _Region:
     """Where one runner's inputs are staged: its int32 region (device), the host mirror(s) of it,
@@ -98,11 +59,11 @@ class _Region:
         self.copies = flat.device.type != "cpu"
         self.hosts = [torch.zeros(flat.numel(), dtype=torch.int32, pin_memory=cuda)
                       for _ in range(2 if cuda else 1)] if self.copies else [flat]
-        self.mirrors = [_Mirror(h.numpy(), offsets, w, m) for h in self.hosts]
+        self.mirrors = [IntMirror(h.numpy(), offsets, w, m) for h in self.hosts]
         self.copied = [torch.cuda.Event() for _ in self.hosts] if cuda else []  # type: ignore[no-untyped-call]
         self.stream = CurrentStream(flat.device) if cuda else None
         self.turn = 0
-        devs = {k: flat[offsets[k]:offsets[k] + w] for k in _ROWS}
+        devs = {k: flat[offsets[k]:offsets[k] + w] for k in ROWS}
         self.tokens = devs["tokens"]
         # rows [0:hidden_dirty) of hidden may hold values; log_tau's (value, n) as filled
         self.hidden_dirty = w
@@ -142,35 +103,13 @@ def _runner_region(runner: object, *, max_w: int, m: int, device: torch.device,
     """The region of a runner's own static inputs (as many rows as its widest program, at most
     `max_w`: the k-step chain's and the wider KV-only chain's differ), or None when it has none
     of this layout (the staging's own region serves it then)."""
-    if not hasattr(runner, "staged_inputs"):
+    found = int_region(runner, max_w=max_w, m=m, device=device, scratch=scratch,
+                       extra=("hidden",), optional=("log_tau",))
+    if found is None:
         return None
-    backend = getattr(runner, "backend", None)
-    static = getattr(backend, "static_inputs", None)
-    circuit = getattr(getattr(runner, "compiled", None), "circuit", None)
-    if not isinstance(static, dict) or circuit is None:
-        return None
-    names = set(static)
-    if not {*INTS, "hidden"} <= names or names - {*INTS, "hidden", "log_tau"}:
-        return None  # a masked chain (its bitmask) or another chain: not this layout
-    ints = [static[k] for k in INTS]
-    if any(t.dtype != torch.int32 or t.device != device or not t.is_contiguous() for t in ints):
-        return None
-    w = static["tokens"].shape[0] if static["tokens"].dim() == 1 else -1
-    if not 0 < w <= max_w or tuple(static["block_tables"].shape) != (w, m):
-        return None
-    if any(t.untyped_storage().data_ptr() != ints[0].untyped_storage().data_ptr() for t in ints):
-        return None
-    lo = min(t.storage_offset() for t in ints)
-    hi = max(t.storage_offset() + t.numel() for t in ints)
-    if hi - lo != sum(t.numel() for t in ints):
-        return None  # not one contiguous span of exactly these inputs
-    flat = ints[0].as_strided((hi - lo,), (1,), lo)
-    offsets = {k: t.storage_offset() - lo for k, t in zip(INTS, ints)}
-    neutral = {k: neutral_value(circuit, k, scratch) for k in (*INTS, "hidden")}
-    if "log_tau" in static:
-        neutral["log_tau"] = neutral_value(circuit, "log_tau", scratch)
-    return _Region(flat, offsets, static["hidden"], static.get("log_tau"), neutral, w=w, m=m,
-                   cuda=device.type == "cuda", runner=runner)
+    static = runner.backend.static_inputs  # type: ignore[attr-defined]
+    return _Region(found.flat, found.offsets, static["hidden"], static.get("log_tau"),
+                   found.neutral, w=found.width, m=m, cuda=device.type == "cuda", runner=runner)
 
 
 class ChainStaging:
