@@ -11,6 +11,7 @@ concatenated, which is then the hidden the drafter is handed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -23,6 +24,7 @@ from draft_circuit.circuit.layers.tp import TpPlan, row_sum, shard_target_weight
 from draft_circuit.runners.eager import EagerDraftRunner
 from draft_circuit.runners.protocol import DraftRunner
 from examples.engine.capture import GRAPH_ROWS, TargetPasses
+from examples.engine.target_staging import TargetStaging
 
 GATE_UP = "mlp.gate_up_proj.weight"  # per layer: gate rows, then up rows (what silu_mul reads)
 
@@ -154,6 +156,9 @@ class TargetModel:
     """
 
     hidden_output = "hidden"  # the circuit output `forward` hands back as the drafter's hidden
+    # the captured buckets' staging, made at the first pass that stages (subclasses build their
+    # own circuits and runners without this __init__: the class default serves them too)
+    _graph_staging: TargetStaging | None = None
 
     def __init__(self, config: MtpConfig, weights: dict[str, torch.Tensor], kv: KvLayout, *,
                  max_rows: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -182,9 +187,11 @@ class TargetModel:
         else:
             raise ValueError(f"target forward must be 'eager' or 'circuit', got {forward!r}")
 
-    def stage_inputs(self, rows: TargetRows) -> dict[str, torch.Tensor]:
+    def stage_inputs(self, rows: TargetRows) -> Mapping[str, torch.Tensor]:
         """One pass's runner inputs on the model's device. On CPU the rows' own tensors and a
-        fresh `active` (as always). Elsewhere every host int input is written into ONE pinned
+        fresh `active` (as always). A captured pass (CUDA, a graph bucket) is written into its
+        graph's own buffers (examples/engine/target_staging.py: one copy, no padding fills).
+        Otherwise every host int input is written into ONE pinned
         host mirror (laid out [tokens | positions | live_rows | block_tables] for this n) and
         moved with one `non_blocking` copy, and `active` is a view of a persistent device
         buffer of ones: no pageable copy, so the host is not held behind the work already
@@ -197,6 +204,14 @@ class TargetModel:
             return {"tokens": rows.tokens, "positions": rows.positions,
                     "block_tables": rows.block_tables, "live_rows": rows.live_rows,
                     "active": torch.ones(n, dtype=torch.int32)}
+        if self._graph_staging is None and isinstance(self.runner, TargetPasses):
+            self._graph_staging = TargetStaging(self.runner, max_blocks=self.kv.max_blocks_per_seq,
+                                                device=self.device)
+        if self._graph_staging is not None:  # a captured pass: into its graph's own buffers
+            staged = self._graph_staging.stage(rows.tokens, rows.positions, rows.block_tables,
+                                               rows.live_rows)
+            if staged is not None:
+                return staged
         m = self.kv.max_blocks_per_seq
         if not hasattr(self, "_mirror"):  # made once: rows up to max_rows
             size = self.max_rows * (3 + m)
