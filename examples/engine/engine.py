@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence as Seq
 
+import numpy as np
 import torch
 
 from examples.engine.checkpoints import Checkpoint, EngineError
@@ -343,12 +344,14 @@ class Engine:
             if s.num_cached + k1 > s.blocks.capacity_rows:
                 raise RuntimeError(f"sequence {s.id}: {s.num_cached + k1} rows exceed the "
                                    f"{s.blocks.capacity_rows} reserved for it")
-        base = torch.tensor([s.num_cached for s in seqs], dtype=torch.int32)
-        positions = (base.view(n, 1) + torch.arange(k1, dtype=torch.int32)).view(-1)
-        tables = torch.tensor([s.blocks.table_row(SCRATCH_BLOCK) for s in seqs],
-                              dtype=torch.int32).repeat_interleave(k1, dim=0)
+        # numpy rows, tensors over them without a copy (the target stages them with numpy too)
+        base = np.fromiter((s.num_cached for s in seqs), np.int32, n)
+        positions = torch.from_numpy((base[:, None] + np.arange(k1, dtype=np.int32)).reshape(-1))
+        tables = np.array([s.blocks.table_row(SCRATCH_BLOCK) for s in seqs], dtype=np.int32)
         greedy, hidden = self.target.model.forward(
-            TargetRows(tokens=tokens, positions=positions, block_tables=tables, live_rows=positions))
+            TargetRows(tokens=tokens, positions=positions,
+                       block_tables=torch.from_numpy(np.repeat(tables, k1, axis=0)),
+                       live_rows=positions))
         outs = []
         for i, s in enumerate(seqs):
             toks = greedy[i * k1:(i + 1) * k1]

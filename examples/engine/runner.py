@@ -12,8 +12,10 @@ never reaches a sequence, the drafter or the output.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from examples.engine.model import TargetModel, TargetRows
@@ -41,24 +43,31 @@ class TargetRunner:
     def run(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> list[RowsOut]:
         """One logical pass over every sequence's new tokens (split into passes of at most
         max_rows rows, in row order, so a later chunk sees the KV an earlier one wrote)."""
-        flat: list[tuple[int, int, int, list[int]]] = []  # (token, position, live, table)
-        for seq, toks in zip(seqs, new_tokens):
-            table = seq.blocks.table_row(SCRATCH_BLOCK)
+        # numpy row arrays (a sequence's table once, repeated over its rows), tensors over them
+        # without a copy: a verify's rows cost a few array calls, not a Python list a row
+        counts = [len(t) for t in new_tokens]
+        total = sum(counts)
+        tables = np.empty((len(seqs), self.model.kv.max_blocks_per_seq), dtype=np.int32)
+        positions = np.empty(total, dtype=np.int32)
+        at = 0
+        for i, (seq, c) in enumerate(zip(seqs, counts)):
             base = seq.num_cached
-            if base + len(toks) > seq.blocks.capacity_rows:
-                raise RuntimeError(f"sequence {seq.id}: {base + len(toks)} rows exceed the "
+            if base + c > seq.blocks.capacity_rows:
+                raise RuntimeError(f"sequence {seq.id}: {base + c} rows exceed the "
                                    f"{seq.blocks.capacity_rows} reserved for it")
-            flat += [(t, base + i, base + i, table) for i, t in enumerate(toks)]
+            tables[i] = seq.blocks.table_row(SCRATCH_BLOCK)
+            positions[at:at + c] = np.arange(base, base + c, dtype=np.int32)
+            at += c
+        flat_tokens = np.fromiter(itertools.chain.from_iterable(new_tokens), np.int32, total)
+        row_tables = np.repeat(tables, counts, axis=0)
         tokens: list[int] = []
         hiddens = []
         step = self.model.max_rows
-        for start in range(0, len(flat), step):
-            chunk = flat[start:start + step]
-            rows = TargetRows(
-                tokens=torch.tensor([r[0] for r in chunk], dtype=torch.int32),
-                positions=torch.tensor([r[1] for r in chunk], dtype=torch.int32),
-                block_tables=torch.tensor([r[3] for r in chunk], dtype=torch.int32),
-                live_rows=torch.tensor([r[2] for r in chunk], dtype=torch.int32))
+        for start in range(0, total, step):
+            end = min(start + step, total)
+            pos = torch.from_numpy(positions[start:end])
+            rows = TargetRows(tokens=torch.from_numpy(flat_tokens[start:end]), positions=pos,
+                              block_tables=torch.from_numpy(row_tables[start:end]), live_rows=pos)
             t, h = self.model.forward(rows)
             tokens += t
             hiddens.append(h)
