@@ -12,6 +12,9 @@ acceptances:
           the proposer then prefers for catch-up rows)
   after   `propose_batch_on_device` (drafts stay on the device; their read is the pinned copy
           behind the chain) and the catch-up on the KV-only chain
+  step    after's work as an engine makes it in two host calls a step: the drafts' read, then
+          `step_batch` (the trims, the catch-up and the next propose in one call); a step is
+          read -> trims -> catch-up -> next propose, the batch's first propose made untimed
   pipelined  after's steps back to back with no sync but each step's one read (as an engine
           runs them: a catch-up overlaps the next step's host work); per-step means of the block
 
@@ -56,7 +59,9 @@ from draft_circuit.runners.proposer import MtpProposer  # noqa: E402
 DEFAULT_CONFIGS = "small,8b,moe"
 QUICK_CONFIGS = {"small": ("tiny", dc.DRY_CONFIG), "8b": ("tiny", dc.DRY_CONFIG),
                  "moe": ("tiny_moe", dc.DRY_MOE_CONFIG)}
-MODES = ("before", "after", "pipelined")  # pipelined: after's steps without a sync between
+MODES = ("before", "after", "step", "pipelined")  # pipelined: after's steps without a sync
+#: the modes compared with before (`<mode>_over_before` in the ratios)
+AGAINST_BEFORE = ("after", "step", "pipelined")
 TARGETS = {"host_us_max": 50.0, "catchup_over_chain_gpu_max_8b": 0.10,
            "wall_over_chain_gpu_max": 1.1}
 
@@ -237,6 +242,11 @@ class Loop:
                             generator=g).to(s.dtype).to(s.device)
         self.catch_h = [catch[i] for i in range(n)]
         self.lives: list[float] = []
+        if mode == "step":  # the batch's first propose (no verify before it), untimed
+            tokens = [self.rng.randrange(self.config.vocab_size) for _ in states]
+            self.pos = [q + 2 for q in p.last_pair_keys(states)]
+            assert p.propose_batch_on_device(tokens, self.hid, self.pos, s.num_drafts,
+                                             states) is not None, p.last_served
         return states
 
     def run(self, n: int, mode: str) -> dict[str, Any]:
@@ -265,6 +275,8 @@ class Loop:
     def _step(self, states: list[Any], mode: str) -> int:
         """One decode step's draft side; returns the catch-up rows."""
         p, k = self.p, self.s.num_drafts
+        if mode == "step":
+            return self._one_call_step(states)
         tokens = [self.rng.randrange(self.config.vocab_size) for _ in states]
         # the batch calls an engine makes (examples/engine: last_pair_keys, after_verify_batch),
         # not a proposer call a sequence, which would bill the driver's loop as host overhead
@@ -281,6 +293,20 @@ class Loop:
         p.catchup_batch([d[:a] for d, a in zip(drafts, accepted)],
                         [h[:a] for h, a in zip(self.catch_h, accepted)],
                         [q + 1 for q in pos], states)
+        return sum(accepted)
+
+    def _one_call_step(self, states: list[Any]) -> int:
+        """The step mode's step: the read of the drafts, then one `step_batch` (the same seeded
+        draws in the same order as `_step`'s, so the same drafts and rows)."""
+        p, k = self.p, self.s.num_drafts
+        drafts = p.last_drafts(states)  # the step's one read (an engine's verify read)
+        accepted = [self.rng.randint(0, len(d)) for d in drafts]
+        tokens = [self.rng.randrange(self.config.vocab_size) for _ in states]
+        first = [q + 1 for q in self.pos]
+        self.pos = [q + a + 1 for q, a in zip(self.pos, accepted)]  # one past the accepted
+        assert p.step_batch(accepted, [d[:a] for d, a in zip(drafts, accepted)],
+                            [h[:a] for h, a in zip(self.catch_h, accepted)], tokens, self.hid,
+                            self.pos, k, states, catchup_first=first) is not None, p.last_served
         return sum(accepted)
 
     def _sample(self, wall: float, rows: int, got: dict[str, dict[str, float]],
@@ -373,7 +399,7 @@ def ratios(name: str, entry: dict[str, Any], chain_floor: dict[str, float]) -> d
                if name == "8b" else {}),
         }
     b = entry["before"]
-    for mode in ("after", "pipelined"):
+    for mode in AGAINST_BEFORE:
         out[f"{mode}_over_before"] = {key: _ratio(entry[mode][key], b[key]) for key in
                                       ("wall_us", "gpu_us", "host_us", "catchup_gpu_us",
                                        "catchup_launches")}
@@ -386,15 +412,16 @@ def markdown(data: dict[str, Any]) -> str:
              f"{data['bandwidth_gbps']:.0f} GB/s; µs, medians of synced steps, before -> after; "
              "pipelined: after's steps back to back, per step)", "",
              "| config | n | wall | GPU | host | chain GPU (floor) | catch-up GPU | catch-up "
-             "launches (KV-only plan) | KV-only floor | pipelined wall (host) | "
-             "wall / chain GPU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "launches (KV-only plan) | KV-only floor | step_batch wall (host) | "
+             "pipelined wall (host) | wall / chain GPU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, cfg in data["configs"].items():
         for n, e in cfg["widths"].items():
             if "error" in e:
-                lines.append(f"| {name} | {n} | failed: {e['error'][:80]} |" + " |" * 9)
+                lines.append(f"| {name} | {n} | failed: {e['error'][:80]} |" + " |" * 10)
                 continue
             b, a, q, r = e["before"], e["after"], e["pipelined"], e["ratios"]
+            one = e["step"]
 
             def pair(key: str, fmt: str = "{:.1f}") -> str:
                 return f"{fmt.format(b[key])} -> {fmt.format(a[key])}"
@@ -407,6 +434,7 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{pair('chain_gpu_us')} ({e['chain_floor']['floor_us']:.1f}) | "
                 f"{pair('catchup_gpu_us')} | {pair('catchup_launches', '{:.0f}')} "
                 f"({a['kv_only_launches']:.0f}) | {a['kv_only_floor_us']:.1f} | "
+                f"{one['wall_us']:.1f} ({one['host_us']:.1f}) | "
                 f"{q['wall_us']:.1f} ({q['host_us']:.1f}) | "
                 f"{rr('before')} -> {rr('after')}, {rr('pipelined')} |")
     return "\n".join(lines) + "\n"

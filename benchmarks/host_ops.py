@@ -55,7 +55,7 @@ from benchmarks import draft_chain as dc  # noqa: E402
 
 #: the proposer methods a decode step calls (decode_step._step) or a host may call instead
 CALLS = ("propose_batch", "propose_batch_on_device", "last_drafts", "after_verify",
-         "after_verify_batch", "catchup_batch", "last_pair_key", "last_pair_keys")
+         "after_verify_batch", "catchup_batch", "last_pair_key", "last_pair_keys", "step_batch")
 DRIVER = "driver"  # the loop's own work between the proposer's calls
 #: CUDA runtime and driver calls that enqueue device work or wait for it (the profile's rows)
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -334,7 +334,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.set_defaults(configs="small,8b", widths="1,8,32,64", steps=10, warmup=3)
     p.add_argument("--modes", default="after",
                    help="decode_step modes to count: after (device-resident drafts, KV-only "
-                        "catch-up) and/or before (host-returning propose_batch)")
+                        "catch-up), step (the same in one step_batch a step) and/or before "
+                        "(host-returning propose_batch)")
     p.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiler pass")
     return p.parse_args(argv)
 

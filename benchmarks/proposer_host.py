@@ -5,10 +5,13 @@ acceptance, after_verify, catch-up of the accepted tokens), with every compiled 
 list skipped (`backend.execute` a no-op; the chain's drafts buffer preset to a valid id), so what
 is timed is what the host does around the programs: checks, staging, the runner's input
 handling, the read-back and the states' bookkeeping. `--path host` drafts with propose_batch,
-`--path device` with propose_batch_on_device and one last_drafts read. Prints the median per
-step and per propose, microseconds, and each proposer call's own median (propose, last_drafts,
-after_verify_batch, last_pair_keys, catchup_batch: `calls`); `--out` writes them as JSON. The
-step's time is its proposer calls', the host's own accept loop left out.
+`--path device` with propose_batch_on_device and one last_drafts read, `--path step` makes the
+step's two host calls: last_drafts, then step_batch (after_verify, catch-up and the next
+device-resident propose in one call; each fresh batch's first propose is untimed). Prints the
+median per step and per propose, microseconds, and each proposer call's own median (propose,
+last_drafts, after_verify_batch, last_pair_keys, catchup_batch, step_batch: `calls`, those the
+path makes); `--out` writes them as JSON. The step's time is its proposer calls', the host's
+own accept loop left out.
 
 This is a CPU measurement of Python and torch-dispatch overhead, not the H200 number (there a
 launch and a copy cost more host time than a CPU op does; decode_step.py measures that). The
@@ -20,7 +23,9 @@ commit, say): one worker process in this checkout and one in DIR, each running i
 both see the same load; it prints each side's median over `--rounds` rounds and its best
 round (on a shared machine the best round is the quiet one; `--against .` shows the noise),
 and each call's median over the rounds. Both sides run their own checkout's `measure`: to compare
-like with like, the other checkout needs this file's `measure` (copy it there).
+like with like, the other checkout needs this file's `measure` (copy it there). `--against-path`
+runs the other side on another path (`--path step --against . --against-path device`: the one
+call against the separate calls in this checkout).
 """
 from __future__ import annotations
 
@@ -62,13 +67,16 @@ def _proposer() -> MtpProposer:
 
 
 #: the proposer calls of a step, timed one by one (`calls` in measure's result)
-CALLS = ("propose", "last_drafts", "after_verify", "pair_keys", "catchup")
+CALLS = ("propose", "last_drafts", "after_verify", "pair_keys", "catchup", "step_batch")
+#: the calls each path makes
+PATH_CALLS = {"host": CALLS[:5], "device": CALLS[:5], "step": ("last_drafts", "step_batch")}
 
 
 def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | dict[str, float]]:
     """Median host us per decode step and per propose (the drafts in hand: `last_drafts`
-    included on the device path) at width n, and in `calls` each proposer call's median
-    (CALLS; `last_drafts` 0 on the host path, whose propose hands the drafts back)."""
+    included on the device paths; on the step path the step_batch that proposes) at width n,
+    and in `calls` each proposer call's median (PATH_CALLS[path]; `last_drafts` 0 on the host
+    path, whose propose hands the drafts back)."""
     p, rng = _proposer(), random.Random(seed)
     g = torch.Generator().manual_seed(seed)
 
@@ -87,7 +95,8 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
     fixed = {a: [7] * a for a in range(K + 1)}
     step_us: list[float] = []
     propose_us: list[float] = []
-    call_us: dict[str, list[float]] = {c: [] for c in CALLS}
+    call_us: dict[str, list[float]] = {c: [] for c in PATH_CALLS[path]}
+    pos: list[int] = []  # the step path's next positions (the host's own, as an engine's)
 
     def step() -> None:
         pos = [p.last_pair_key(s) + 2 for s in states]
@@ -115,14 +124,39 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
         propose_us.append((t1 - t0) * 1e6)
         for c, us in zip(CALLS, (ta - t0, t1 - ta, tc - tb, td - tc, t2 - td)):
             call_us[c].append(us * 1e6)
+
+    def one_call_step() -> None:
+        """last_drafts, the accept, step_batch: the trims, each catch-up of its accepted
+        tokens at the rows after its trimmed key (step_batch's default) and the next propose,
+        each row's at one past its accepted drafts (the key the catch-up leaves, + 2)."""
+        t0 = time.perf_counter()
+        drafts = p.last_drafts(states)
+        t1 = time.perf_counter()
+        acc = [rng.randint(0, len(d)) for d in drafts]
+        pos[:] = [q + a + 1 for q, a in zip(pos, acc)]
+        tb = time.perf_counter()
+        p.step_batch(acc, [fixed[a] for a in acc], [views[a][i] for i, a in enumerate(acc)],
+                     [5] * n, hid, pos, K, states)
+        t2 = time.perf_counter()
+        step_us.append((t2 - t0 - (tb - t1)) * 1e6)  # the host's own accept work left out
+        propose_us.append((t2 - tb) * 1e6)
+        call_us["last_drafts"].append((t1 - t0) * 1e6)
+        call_us["step_batch"].append((t2 - tb) * 1e6)
+
+    def first_propose() -> None:  # a fresh batch's first, untimed (no verify before it)
+        pos[:] = [p.last_pair_key(s) + 2 for s in states]
+        p.propose_batch_on_device([5] * n, hid, pos, K, states)
+    run = one_call_step if path == "step" else step
     left = steps
     while left > 0:  # tables hold 40 blocks: fresh states every 60 steps (outside the timing)
+        if path == "step":
+            first_propose()
         for _ in range(3):
-            step()
+            run()
         for got in (step_us, propose_us, *call_us.values()):
             del got[-3:]  # warm
         for _ in range(min(60, left)):
-            step()
+            run()
         left -= 60
         for s in states:
             p.free_state(s)
@@ -141,13 +175,15 @@ for line in sys.stdin:
 """
 
 
-def side_by_side(widths: list[int], path: str, steps: int, rounds: int,
-                 against: Path) -> dict[str, dict[str, dict[str, float]]]:
+def side_by_side(widths: list[int], path: str, steps: int, rounds: int, against: Path,
+                 against_path: str | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{"this": ..., "against": ...}: per width the median step_us over the rounds and the best
     round's (`best_us`), and each call's median over the rounds (`<call>_us`, CALLS; a
     checkout whose measure times no calls has none). Each side is a worker process started in
     its checkout (alike, so neither side is the process that has run the other's rounds);
-    every round runs a width on both in turn, which goes first alternating."""
+    every round runs a width on both in turn, which goes first alternating. The other side
+    runs `against_path` (default: `path`)."""
+    paths = {"this": path, "against": against_path or path}
     here = Path(__file__).resolve().parents[1]
     workers = {side: subprocess.Popen([sys.executable, "-c", _WORKER], cwd=root, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -159,7 +195,7 @@ def side_by_side(widths: list[int], path: str, steps: int, rounds: int,
                 for side in (("this", "against") if r % 2 == 0 else ("against", "this")):
                     w = workers[side]
                     assert w.stdin is not None and w.stdout is not None
-                    w.stdin.write(f"{n} {path} {steps}\n")
+                    w.stdin.write(f"{n} {paths[side]} {steps}\n")
                     w.stdin.flush()
                     got[side][n].append(json.loads(w.stdout.readline()))
     finally:
@@ -187,19 +223,23 @@ def _calls_line(calls: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--path", choices=("host", "device"), default="host")
+    ap.add_argument("--path", choices=("host", "device", "step"), default="host")
     ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--against", type=Path, help="another checkout to measure side by side")
+    ap.add_argument("--against-path", choices=("host", "device", "step"),
+                    help="the --against side's path (default: --path)")
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.against is not None:
-        both = side_by_side(args.n, args.path, args.steps, args.rounds, args.against)
+        other = args.against_path or args.path
+        both = side_by_side(args.n, args.path, args.steps, args.rounds, args.against, other)
         for n in map(str, args.n):
             a, b = both["against"][n], both["this"][n]
-            print(f"{args.path} n={n}: {args.against} {a['step_us']:.0f} us a step (best round "
-                  f"{a['best_us']:.0f}), this {b['step_us']:.0f} us (best {b['best_us']:.0f}); "
+            print(f"n={n}: {args.against} ({other}) {a['step_us']:.0f} us a step (best round "
+                  f"{a['best_us']:.0f}), this ({args.path}) {b['step_us']:.0f} us (best "
+                  f"{b['best_us']:.0f}); "
                   f"median of {args.rounds} interleaved rounds")
             for side, r in ((str(args.against), a), ("this", b)):
                 calls = {c: r[f"{c}_us"] for c in CALLS if f"{c}_us" in r}
@@ -207,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"    {side} calls (us): {_calls_line(calls)}")
         if args.out is not None:
             args.out.write_text(json.dumps({"path": args.path, "against": str(args.against),
-                                            "widths": both}, indent=1))
+                                            "against_path": other, "widths": both}, indent=1))
         return 0
     result = {str(n): measure(n, args.path, args.steps) for n in args.n}
     for n, r in result.items():

@@ -33,10 +33,11 @@ from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
 from draft_circuit.runners.proposer_args import check_proposer_args
 from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal, catchup_all,
                                                   last_drafts_of, last_pair_keys_of,
-                                                  settled_slots, warn_once)
+                                                  propose_all, settled_slots, warn_once)
 from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_device
-from draft_circuit.runners.proposer_rows import record_batch, run_chain, write_rows
+from draft_circuit.runners.proposer_rows import run_chain, write_rows
 from draft_circuit.runners.proposer_slots import SlotTable
+from draft_circuit.runners.proposer_step import step_all
 from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError,
@@ -49,7 +50,7 @@ __all__ = ["DraftBinding", "MtpProposer", "SCRATCH_BLOCK", "Served"]
 # single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
 @single_caller("propose", "propose_batch", "propose_batch_on_device", "verify_tokens",
                "last_drafts", "prefill_drafter", "catchup_drafter", "catchup_batch", "after_verify",
-               "after_verify_batch", "last_pair_keys",
+               "after_verify_batch", "last_pair_keys", "step_batch",
                "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
                "free_drafter_kv", "read_deferred_draft_token", "set_circuit_draft")
 class MtpProposer:
@@ -262,36 +263,8 @@ class MtpProposer:
         """Every sequence in one n-row run, or None before anything runs (then propose each
         alone). `last_served` says which, and why when refused; `out_conf` receives each kept
         draft's confidence (its top-1 log-probability)."""
-        n = len(last_tokens)
-        reason, slots = self._batch_refusal(n, num_drafts, states, bitmask is not None)
-        if reason is not None:
-            self.last_served = Served("refused", n, reason)
-            return None
-        mine = cast("list[MtpProposerState]", states)  # _batch_refusal found (and settled) each
-        mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
-                             num_drafts_max=self.num_drafts, config=self.head.config,
-                             device=self.device, hidden_size=self.head.hidden_in_size,
-                             distinct=self.slots.distinct(slots))
-        kind: ServedKind = "empty"
-        if num_drafts:
-            out, rows = self._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine,
-                                        mask, slots)
-            # one read: drafts, confidences and the input-guard records of this chain and the
-            # catch-up chain (RunnerInputError for a bad row; our own inputs never make one)
-            chain = self.chains.get(num_drafts, mask is not None)
-            drafts, confs = self.staging.read(out["drafts"], out["confidences"],
-                                              (chain, self.chains.kv_only()[0]))
-            kind = chain.plan(n).kind
-        else:  # zero drafts: nothing runs, every row drafts nothing
-            rows = self.slots.rows[slots]
-            drafts, confs = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
-        served = self._served.get((kind, n))  # immutable: one a (kind, width), not one a call
-        self.last_served = served if served is not None else \
-            self._served.setdefault((kind, n), Served(kind, n))
-        result, counts = record_batch(self.slots, slots, drafts, rows, positions)
-        if out_conf is not None:
-            out_conf[:] = [c[:d] for c, d in zip(confs.tolist(), counts)]
-        return result
+        return propose_all(self, last_tokens, target_hiddens, positions, num_drafts, states,
+                           bitmask, out_conf)
 
     def propose_batch_on_device(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
                                 positions: Sequence[int], num_drafts: int,
@@ -306,6 +279,23 @@ class MtpProposer:
         (runners/proposer_device.py)."""
         return propose_on_device(self, last_tokens, target_hiddens, positions, num_drafts,
                                  states, bitmask)
+
+    def step_batch(self, num_accepted: Sequence[int], catchup_tokens: Sequence[Sequence[int]],
+                   catchup_hiddens: Sequence[torch.Tensor], last_tokens: Sequence[int],
+                   target_hiddens: torch.Tensor, positions: Sequence[int], num_drafts: int,
+                   states: Sequence[object], *, catchup_first: Sequence[int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The draft side of a decode step in one call: `after_verify_batch(num_accepted,
+        states)`, then the catch-up of `catchup_tokens[i]` with `catchup_hiddens[i]` (one a
+        token, [] for none) appended to each state's rows at `catchup_first[i]` (None: at
+        each state's `last_pair_key` + 2 after the trim, 1 with no key), then
+        `propose_batch_on_device(last_tokens, target_hiddens, positions, num_drafts, states)`,
+        leaving bitwise what those calls leave and returning what the propose returns; None:
+        the trims and catch-up are done, the propose was refused (`last_served` says why:
+        propose each alone). Every input is checked before anything changes (runners/
+        proposer_step.py)."""
+        return step_all(self, num_accepted, catchup_tokens, catchup_hiddens, last_tokens,
+                        target_hiddens, positions, num_drafts, states, catchup_first)
 
     def verify_tokens(self) -> torch.Tensor:
         """The latest device-resident batch's verify input on the device: i32[n * (k + 1)], row

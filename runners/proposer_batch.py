@@ -2,10 +2,11 @@
 of a decode step as array operations on the `SlotTable` columns (runners/proposer_slots.py).
 
 `MtpProposer` keeps the contract (its methods' docstrings); this module does the work: the
-batch refusal and its one ownership check, `after_verify_batch`'s trims, `catchup_batch`'s
-checks, `last_drafts` and `last_pair_keys` read from the columns. Each checks that every state is the proposer's with
-one pass of C-level maps over the states, not a call a state (a batch an earlier call found
-the proposer's and distinct: one tuple of its ids, `SlotTable.slots_of`).
+batch refusal and its one ownership check, the host-returning `propose_batch`,
+`after_verify_batch`'s trims, `catchup_batch`'s checks, `last_drafts` and `last_pair_keys`
+read from the columns. Each checks that every state is the proposer's with one pass of C-level
+maps over the states, not a call a state (a batch an earlier call found the proposer's and
+distinct: one tuple of its ids, `SlotTable.slots_of`).
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from typing import TYPE_CHECKING, Sequence, cast
 import numpy as np
 import torch
 
-from draft_circuit.runners.proposer_inputs import check_catchup_counts, check_num_drafts
-from draft_circuit.runners.proposer_rows import write_rows
+from draft_circuit.runners.contract import Served, ServedKind
+from draft_circuit.runners.proposer_inputs import (check_catchup_counts, check_num_drafts,
+                                                   check_propose)
+from draft_circuit.runners.proposer_rows import record_batch, write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
                                                   settle, trim_after_verify_batch)
 
@@ -83,18 +86,65 @@ def batch_refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object],
         return "an empty batch (width 0)", _NONE
     if slots is None:
         return "a state of another proposer", _NONE  # the caller drafts each alone
+    return width_refusal(p, n, k, masked), slots
+
+
+def width_refusal(p: "MtpProposer", n: int, k: int, masked: bool) -> str | None:
+    """Why a batch of n >= 1 rows cannot draft k drafts in one run of the chain (None: it
+    can): a k outside 0..num_drafts raises, an unserved width or a path the head refuses is
+    the reason (the latter logged once a process). Reads no state."""
     check_num_drafts(k, p.num_drafts)
     if k == 0:
-        return None, slots  # nothing runs: every row drafts nothing
+        return None  # nothing runs: every row drafts nothing
     runner = p.chains.get(k, masked)
     if not runner.serves(n):
-        return f"width {n} is not served (the {k}-step chain serves up to {runner.max_width})", \
-            slots
+        return f"width {n} is not served (the {k}-step chain serves up to {runner.max_width})"
     reason = p.refusal(n)
     if reason is not None:
         warn_once(f"refuse:{reason}", f"propose_batch refused ({reason}); drafting each "
                                       "sequence alone")
-    return reason, slots
+    return reason
+
+
+def served(p: "MtpProposer", kind: ServedKind, n: int) -> Served:
+    """The `Served` record of a batch of n served as `kind`: immutable, so one a (kind, width)
+    is kept and handed out again, not one made a call."""
+    got = p._served.get((kind, n))
+    return got if got is not None else p._served.setdefault((kind, n), Served(kind, n))
+
+
+def propose_all(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+                positions: Sequence[int], num_drafts: int, states: Sequence[object],
+                bitmask: torch.Tensor | None,
+                out_conf: list[list[float]] | None) -> list[list[int]] | None:
+    """`MtpProposer.propose_batch` (its docstring states the contract)."""
+    n = len(last_tokens)
+    reason, slots = p._batch_refusal(n, num_drafts, states, bitmask is not None)
+    if reason is not None:
+        p.last_served = Served("refused", n, reason)
+        return None
+    mine = cast("list[MtpProposerState]", states)  # _batch_refusal found (and settled) each
+    mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
+                         num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
+                         hidden_size=p.head.hidden_in_size, distinct=p.slots.distinct(slots))
+    kind: ServedKind = "empty"
+    if num_drafts:
+        out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask,
+                                 slots)
+        # one read: drafts, confidences and the input-guard records of this chain and the
+        # catch-up chain (RunnerInputError for a bad row; our own inputs never make one)
+        chain = p.chains.get(num_drafts, mask is not None)
+        drafts, confs = p.staging.read(out["drafts"], out["confidences"],
+                                       (chain, p.chains.kv_only()[0]))
+        kind = chain.plan(n).kind
+    else:  # zero drafts: nothing runs, every row drafts nothing
+        rows = p.slots.rows[slots]
+        drafts, confs = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
+    p.last_served = served(p, kind, n)
+    result, counts = record_batch(p.slots, slots, drafts, rows, positions)
+    if out_conf is not None:
+        out_conf[:] = [c[:d] for c, d in zip(confs.tolist(), counts)]
+    return result
 
 
 def after_verify_all(p: "MtpProposer", num_accepted: Sequence[int],

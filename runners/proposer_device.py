@@ -36,6 +36,7 @@ from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults
+from draft_circuit.runners.proposer_batch import served
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
 from draft_circuit.runners.proposer_readback import FlatViews, WatchedRunners
@@ -164,7 +165,7 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
                       positions: Sequence[int], num_drafts: int, states: Sequence[object],
                       bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`MtpProposer.propose_batch_on_device` (its docstring states the contract)."""
-    n, dev = len(last_tokens), p.device_drafts
+    n = len(last_tokens)
     reason, slots = p._batch_refusal(n, num_drafts, states, bitmask is not None)
     if reason is not None:
         p.last_served = Served("refused", n, reason)
@@ -173,6 +174,18 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                          num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
                          hidden_size=p.head.hidden_in_size, distinct=p.slots.distinct(slots))
+    return draft_on_device(p, last_tokens, target_hiddens, positions, num_drafts, mine, slots,
+                           mask)
+
+
+def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+                    positions: Sequence[int], num_drafts: int, mine: list[MtpProposerState],
+                    slots: np.ndarray, mask: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run of a device-resident batch the caller has refused or admitted and checked
+    (`mine`: `p`'s states, settled and distinct, at `slots`; the inputs `check_propose`'s,
+    `mask` the bitmask it returned): the chain, the buffers' fill and the pending batch."""
+    n, dev = len(last_tokens), p.device_drafts
     drafts, confs = dev.drafts(n, num_drafts), dev.confidences(n, num_drafts)
     if num_drafts == 0:  # every row drafts nothing
         p.slots.record(slots, np.zeros((n, 0), np.int64), p.slots.rows[slots],
@@ -185,13 +198,9 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
     chain = p.chains.get(num_drafts, mask is not None)
     dev.fill(out, p.staging.tokens(n), n, num_drafts, (chain, p.chains.kv_only()[0]))
     batch = PendingBatch(drafts, np.asarray(rows, dtype=np.int64), list(positions), mine, slots,
-                         p.slots, read=dev.read,
-                         check=dev.check_faults)
+                         p.slots, read=dev.read, check=dev.check_faults)
     p.slots.pending[slots] = batch  # every state settles with the batch (each held none before:
-    p.slots.num_pending += n        # _batch_refusal settled them)
+    p.slots.num_pending += n        # the caller settled them)
     dev.batch = batch
-    kind = chain.plan(n).kind
-    served = p._served.get((kind, n))  # immutable: one a (kind, width), not one a call
-    p.last_served = served if served is not None else \
-        p._served.setdefault((kind, n), Served(kind, n))
+    p.last_served = served(p, chain.plan(n).kind, n)
     return drafts, confs

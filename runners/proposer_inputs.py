@@ -133,42 +133,48 @@ def _num_hiddens(hiddens: object, hidden_size: int, what: str) -> int:
 
 
 def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                         first_pos: Sequence[int], states: Sequence[object], *, hidden_size: int,
-                         vocab: int, distinct: bool = False) -> list[int] | None:
+                         first_pos: Sequence[int] | None, states: Sequence[object], *,
+                         hidden_size: int, vocab: int, distinct: bool = False,
+                         what: str = "catchup_batch") -> list[int] | None:
     """catchup_batch's counts, all before anything runs: one token list, hidden list, first
     position and state per sequence, as many hiddens as tokens in each, distinct states
     (`distinct`: known so, `SlotTable.distinct`), valid positions and token ids. Each error
-    names the sequence and the counts. Returns the token ids in row order when the check made
-    that list (past SMALL_BATCH sequences: the catch-up's rows are built from it)."""
-    counts = (len(tokens), len(hiddens), len(first_pos), len(states))
+    names the call (`what`), the sequence and the counts. `first_pos` None: the positions are
+    the proposer's own (step_batch's, from each state's key), nothing to check. Returns the
+    token ids in row order when the check made that list (past SMALL_BATCH sequences: the
+    catch-up's rows are built from it)."""
+    counts = (len(tokens), len(hiddens), len(states if first_pos is None else first_pos),
+              len(states))
     if len(set(counts)) != 1:
-        raise ProposerError(f"catchup_batch: {counts[0]} token lists, {counts[1]} hidden lists, "
+        raise ProposerError(f"{what}: {counts[0]} token lists, {counts[1]} hidden lists, "
                             f"{counts[2]} first positions and {counts[3]} states: one of each per "
                             "sequence")
     if not distinct and len(set(map(id, states))) != len(states):
-        raise ProposerError("catchup_batch: a state appears twice (its rows would be written twice "
+        raise ProposerError(f"{what}: a state appears twice (its rows would be written twice "
                             "at the same row)")
     ok, flat = _catchup_ok(tokens, hiddens, first_pos, hidden_size, vocab)
     if ok:
         return flat  # per-step host work: the loop below runs only to name what is wrong
-    for i, (ts, hs, p) in enumerate(zip(tokens, hiddens, first_pos)):
-        m = _num_hiddens(hs, hidden_size, f"catchup_batch sequence {i}")
+    for i, (ts, hs) in enumerate(zip(tokens, hiddens)):
+        m = _num_hiddens(hs, hidden_size, f"{what} sequence {i}")
         if m != len(ts):
-            raise ProposerError(f"catchup_batch sequence {i}: {len(ts)} tokens but {m} hiddens "
+            raise ProposerError(f"{what} sequence {i}: {len(ts)} tokens but {m} hiddens "
                                 "(token k pairs with hidden k)")
-        check_position(p, f"catchup_batch sequence {i}: first position")
+        if first_pos is not None:
+            check_position(first_pos[i], f"{what} sequence {i}: first position")
         check_tokens(list(ts), vocab, f" of sequence {i}")
     return None  # (the fast pass is stricter than the loop: what it refused, the loop admits)
 
 
 def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                first_pos: Sequence[int], hidden_size: int,
+                first_pos: Sequence[int] | None, hidden_size: int,
                 vocab: int) -> tuple[bool, list[int] | None]:
     """(True, ...) when every check of `check_catchup_counts`' loop passes, in as few Python
     steps a sequence as it takes (False: the loop runs and names the first failure; anything
     unusual, such as a tensor subclass or a bool, takes the loop too), and past SMALL_BATCH
     sequences the token ids in row order (the list the range check read)."""
-    if not plain_ints(first_pos) or (first_pos and min(first_pos) < 1):
+    if first_pos is not None and (not plain_ints(first_pos)
+                                  or (first_pos and min(first_pos) < 1)):
         return False, None
     if 0 < len(hiddens) <= SMALL_BATCH:  # a few sequences: a bounded loop costs less
         for ts, hs in zip(tokens, hiddens):

@@ -47,7 +47,7 @@ def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,
 
 
 def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
-               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
+               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int] | np.ndarray,
                states: Sequence[MtpProposerState], slots: np.ndarray,
                ids: list[int] | None = None) -> int:
     """Append sequence i's rows (states[i], at slots[i]), tokens[i][k] with hiddens[i][k] at
@@ -88,7 +88,7 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
 
 
 def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
-               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
+               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int] | np.ndarray,
                states: Sequence[MtpProposerState], slots: np.ndarray) -> int:
     """`write_rows` of at most SMALL_BATCH sequences: the same rule on their rows and
     capacities as Python ints (two column reads before, the changed columns written after; a

@@ -49,13 +49,15 @@ def test_quick_cpu_run_writes_every_field(tmp_path, capsys, one_thread):
                 assert set(r["meets"]) >= {"host_us", "wall_over_chain_gpu"}
             # same seeds and acceptances: the two columns caught up the same rows
             assert e["before"]["samples"]["catchup_rows"] == e["after"]["samples"]["catchup_rows"]
+            # and the one-call step (step_batch) the same drafts, so the same rows again
+            assert e["step"]["samples"]["catchup_rows"] == e["after"]["samples"]["catchup_rows"]
             # after: the catch-up replays the KV-only programs the plan names
             after = e["after"]["samples"]
             assert after["catchup_launches"] == after["kv_only_launches"]
             before = e["before"]["samples"]
             assert all(b >= a for b, a in zip(before["catchup_launches"], after["catchup_launches"]))
             assert e["chain_floor"]["floor_us"] > 0 and e["chain_floor"]["plan_launches"] > 0
-            for mode in ("after", "pipelined"):
+            for mode in ds.AGAINST_BEFORE:
                 assert set(e["ratios"][f"{mode}_over_before"]) >= {"wall_us", "host_us",
                                                                   "catchup_gpu_us"}
             # the pipelined block replays exactly the KV-only programs its rows need

@@ -1,4 +1,4 @@
-"""CPU smoke test of benchmarks/proposer_host.py: both paths run a few steps at two widths and
+"""CPU smoke test of benchmarks/proposer_host.py: every path runs a few steps at two widths and
 write positive per-step and per-propose medians (the numbers themselves are never asserted)."""
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from benchmarks import proposer_host
 
 
-@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("path", ["host", "device", "step"])
 def test_it_times_both_paths(tmp_path, path):
     out = tmp_path / "host.json"
     assert proposer_host.main(["--n", "1", "3", "--path", path, "--steps", "4", "--out", str(out)]) == 0
@@ -15,3 +15,4 @@ def test_it_times_both_paths(tmp_path, path):
     assert result["path"] == path and set(result["widths"]) == {"1", "3"}
     for r in result["widths"].values():
         assert 0 < r["propose_us"] <= r["step_us"]
+        assert set(r["calls"]) == set(proposer_host.PATH_CALLS[path])
