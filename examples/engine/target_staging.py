@@ -59,6 +59,13 @@ class TargetStaging:
         graphs = self.graphs
         if self.region is None or n > graphs.max_width or not graphs.serves(n):  # type: ignore[union-attr]
             return None  # a prefill bucket: the uncaptured runner's
+        m = self.mirror.tables.shape[1]
+        if not (positions.shape == live_rows.shape == tokens.shape == (n,)
+                and block_tables.shape == (n, m) and tokens.dtype == positions.dtype
+                == live_rows.dtype == block_tables.dtype == torch.int32
+                and positions.device.type == live_rows.device.type
+                == block_tables.device.type == "cpu"):
+            return None  # anything else goes the general way, whose check names what is wrong
         staged = self.graphs.staged_inputs(n)  # type: ignore[union-attr]
         if staged is None:
             return None

@@ -5,10 +5,12 @@ On CPU the bucket runner is the program runner the CUDA graphs are captured from
 bookkeeping is tested here; test_engine_cuda covers the captured passes on the GPU."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from draft_circuit.circuit.binding import BindingError
 from examples.engine import Engine, EngineConfig, load_checkpoint
-from examples.engine.model import TargetModel
+from examples.engine.model import TargetModel, TargetRows
 from examples.engine.target_staging import TargetStaging
 from draft_circuit.runners.testing import cuda
 from tests.examples.test_target_staging import rows_for
@@ -104,3 +106,17 @@ def test_captured_passes_stage_with_one_copy_and_no_sync_and_match_the_general_p
         for k in want:
             assert torch.equal(got[k], want[k]), (n, tokens_on, k)
     assert staged_model._graph_staging.host.is_pinned()
+
+
+def test_malformed_rows_go_the_checked_way_and_are_refused_by_name(small_checkpoint):
+    """Rows the mirror cannot take as they are (int64 tokens, a table of the wrong width) are not
+    staged: the model's general path checks them, and its error names the input."""
+    model = circuit_model(small_checkpoint)
+    staging = TargetStaging(model.runner, max_blocks=model.kv.max_blocks_per_seq, device=torch.device("cpu"))
+    rows = rows_for(model, 4)
+    assert staging.stage(rows.tokens.long(), rows.positions, rows.block_tables, rows.live_rows) is None
+    short = rows.block_tables[:, :-1].contiguous()
+    assert staging.stage(rows.tokens, rows.positions, short, rows.live_rows) is None
+    with pytest.raises(BindingError, match="block_tables"):
+        model.forward(TargetRows(tokens=rows.tokens, positions=rows.positions, block_tables=short,
+                                 live_rows=rows.live_rows))
