@@ -3,7 +3,9 @@ stands for (after_verify_batch, last_pair_keys, catchup_batch of the states with
 propose_batch_on_device) made one by one: the same drafts, confidences, verify input, rows,
 keys, block tables and drafter KV, bit for bit, on the compiled programs at exact, padded and
 split widths, n = 1 and past SMALL_BATCH; and its refusals: a typed error naming what was
-wrong with nothing changed, or None (not served) with the trims and catch-up done."""
+wrong with nothing changed, or None (not served) with the trims and catch-up done. On the GPU
+(`-m cuda`): a loop of step_batch calls equals the host loop, allocates no device memory and
+makes no host sync but its read of the drafts."""
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,10 @@ from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.proposer_inputs import HiddenWidthError
 from draft_circuit.runners.proposer_slots import SMALL_BATCH
 from draft_circuit.runners.proposer_state import ProposerError
+from draft_circuit.runners.testing import assert_no_allocation, cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
+from tests.runners.test_proposer_device_cuda import _sync_mode
+from tests.runners.test_proposer_staging import DecodeLoop
 
 WIDE = SMALL_BATCH + 4
 
@@ -229,3 +234,65 @@ def test_an_unserved_width_returns_none_with_the_trims_and_catch_up_done():
     for s in sb:
         b.free_state(s)
     assert b.pool.num_used == 0
+
+
+class StepLoop(DecodeLoop):
+    """DecodeLoop's steps as an engine makes them with step_batch: the drafts' read, then one
+    call for the trims, the catch-up and the next propose (the batch's first propose made on
+    the first step). `no_sync`: the step_batch under torch's sync debug mode "error"."""
+
+    no_sync = False
+    pos: list[int] | None = None
+
+    def step(self):
+        p, states, n = self.p, self.states, len(self.states)
+        if self.pos is None:
+            self.pos = [p.last_pair_key(s) + 2 for s in states]
+            assert p.propose_batch_on_device([5] * n, self.hid, self.pos, K, states) is not None
+        drafts = p.last_drafts(states)  # the step's one read
+        self.drafts.append(drafts)
+        accepted = [self.rng.randint(0, len(d)) for d in drafts]
+        first = [q + 1 for q in self.pos]
+        self.pos = [q + a + 1 for q, a in zip(self.pos, accepted)]
+        with _sync_mode(self.no_sync):
+            assert p.step_batch(accepted, [d[:a] for d, a in zip(drafts, accepted)],
+                                [h[:a] for h, a in zip(self.catch, accepted)], [5] * n, self.hid,
+                                self.pos, K, states, catchup_first=first) is not None
+
+
+def _loops_agree(device):
+    opts = dict(num_blocks=400, max_blocks_per_seq=40, device=device)
+    one, host = make("circuit", **opts), make("circuit", **opts)
+    a, b = StepLoop(one, n=4, device=device, seed=3), DecodeLoop(host, n=4, device=device, seed=3)
+    for _ in range(5):
+        a.step(), b.step()
+    assert a.drafts == b.drafts
+    # the step loop has proposed once more (its next step's drafts): the host loop too
+    pos = [host.last_pair_key(s) + 2 for s in b.states]
+    host.propose_batch([5] * 4, b.hid, pos, K, b.states)
+    assert one.last_drafts(a.states) == host.last_drafts(b.states)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(one.states[name], host.states[name])
+
+
+def test_the_step_loop_is_the_host_loop():
+    """On CPU: this file's witness that StepLoop drafts, trims and catches up as DecodeLoop."""
+    _loops_agree("cpu")
+
+
+@cuda
+def test_the_step_loop_is_the_host_loop_on_cuda():
+    _loops_agree("cuda")
+
+
+@cuda
+def test_a_cuda_step_allocates_nothing_and_makes_no_host_sync():
+    p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
+    loop = StepLoop(p, n=4, device="cuda")
+    for _ in range(2):  # warm: slots assigned, tables staged
+        loop.step()
+    assert_no_allocation(loop.step, repeats=4)
+    torch.cuda.synchronize()
+    loop.no_sync = True
+    for _ in range(4):
+        loop.step()
