@@ -13,7 +13,7 @@ from examples.engine import Engine, EngineConfig, load_checkpoint
 from examples.engine.model import TargetModel, TargetRows
 from examples.engine.target_staging import TargetStaging
 from draft_circuit.runners.testing import cuda
-from tests.examples.test_target_staging import rows_for
+from tests.examples.test_target_staging import rows_for, stage_without_sync
 
 
 def circuit_model(path):
@@ -91,14 +91,10 @@ def test_captured_passes_stage_with_one_copy_and_no_sync_and_match_the_general_p
     kv = Engine(ck, EngineConfig(speculate=False, device="cpu", max_rows=64)).target.model.kv
     staged_model = TargetModel(ck.config, ck.target, kv, max_rows=64, forward="circuit", device="cuda")
     plain = TargetModel(ck.config, ck.target, kv, max_rows=64, forward="circuit", device="cuda")
+    staged_model.stage_inputs(rows_for(staged_model, 2))  # makes the staging (a pinned alloc)
     for n, tokens_on in ((5, "cpu"), (9, "cuda"), (3, "cpu"), (3, "cuda"), (16, "cpu")):
         rows = rows_for(staged_model, n, tokens_on)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            staged = staged_model.stage_inputs(rows)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        staged = stage_without_sync(staged_model, rows)
         assert staged is staged_model.runner.graphs.staged_inputs(n)
         got = staged_model.runner.run(n, staged)
         got = {k: v.clone() for k, v in got.items()}

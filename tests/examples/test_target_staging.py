@@ -20,6 +20,16 @@ def rows_for(model, n, device="cpu"):
                       block_tables=tables, live_rows=pos)
 
 
+def stage_without_sync(model, rows):
+    """model.stage_inputs(rows) with torch's sync debug mode raising on any synchronizing call."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return model.stage_inputs(rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def model_on(path, device):
     return Engine(load_checkpoint(path), EngineConfig(speculate=False, device=device,
                                                       max_rows=64)).target.model
@@ -40,12 +50,7 @@ def test_a_verify_pass_stages_without_a_synchronizing_copy(small_checkpoint):
     model.stage_inputs(rows_for(model, 2))  # made once (its pinned allocation is not a pass's)
     for n, tokens_on in ((5, "cpu"), (9, "cuda"), (3, "cpu")):  # device tokens: passed through
         rows = rows_for(model, n, tokens_on)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            staged = model.stage_inputs(rows)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        staged = stage_without_sync(model, rows)
         assert all(t.device.type == "cuda" for t in staged.values())
         for name in ("tokens", "positions", "block_tables", "live_rows"):
             assert torch.equal(staged[name].cpu(), getattr(rows, name).cpu()), name
