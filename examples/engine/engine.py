@@ -7,8 +7,9 @@ proposer (for --forward circuit, compile its chains' bindings and install the ru
 scheduler. Each
 `step` admits what fits, then runs one decode step for the running batch: draft, verify every
 sequence's [last token, drafts...] in one target pass (the prompts of sequences admitted beside
-a running batch in the same pass), accept, trim, catch up. The output is target-only greedy
-decoding's, token for token.
+a running batch in the same pass), accept, then the draft side (examples/engine/draft_side.py):
+trim, catch up and, on the device path when the next batch is known, the next step's drafts in
+the same proposer call. The output is target-only greedy decoding's, token for token.
 """
 from __future__ import annotations
 
@@ -16,14 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence as Seq
 
-import numpy as np
 import torch
 
 from examples.engine.checkpoints import Checkpoint, EngineError
+from examples.engine.draft_side import Ahead, Rows, Verified, catch_up, end_step, withdraw
 from examples.engine.glm_target import target_for  # GLM-4.5's target, else DeepSeek-V3's or Llama's
-from examples.engine.model import TargetRows
-from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
-from examples.engine.runner import _check_finite as check_finite
+from examples.engine.runner import RowsOut, TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
@@ -113,6 +112,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, max_blocks,
                                    max_batch=config.max_batch, num_drafts=self.k)
         self.stats = Stats()
+        self._ahead: Ahead | None = None  # the next step's drafts, proposed at this one's end
 
     def _proposer(self, checkpoint: Checkpoint, kv: KvLayout) -> MtpProposer:
         """The drafter's head as the checkpoint describes it (`heads.head_for`: dense, MoE, MLA,
@@ -206,15 +206,53 @@ class Engine:
         if admitted and not merged:
             self._prefill(admitted)
             running = [s for s in self.scheduler.running if not s.finished]
+        verified = None
         if running:
             self.stats.steps += 1
             self.stats.widths[len(running)] = self.stats.widths.get(len(running), 0) + 1
             if self.proposer is not None:
-                self._decode(running, merged)
+                verified = self._decode(running, merged)
             else:
                 self._decode_plain(running, merged)
         for s in [s for s in self.scheduler.running if s.finished]:
             self._finish(s)
+        if verified is not None:  # after the finishes: the next step's batch is known now
+            t0 = time.perf_counter()
+            self._end_step(verified)
+            self.stats.draft_s += time.perf_counter() - t0
+
+    #: on the device path, draft the next step in the call that trims and catches up this one
+    #: (`MtpProposer.step_batch`) when its batch is known; False: the separate calls (a test
+    #: and benchmarks/engine_step_host.py set it to compare)
+    propose_ahead: bool = True
+
+    def _end_step(self, v: Verified) -> None:
+        """The draft side of the step just verified (`draft_side.end_step`), drafting the next
+        step ahead when its batch is known: exactly this step's unfinished sequences, in order,
+        on the device path. That holds when they are all the scheduler runs (no prompt merged
+        into this pass waits to decode) and it admits nothing: nothing changes the scheduler
+        between two steps of `generate`, so the next `admit` finds what `can_admit` does now."""
+        live = [s for s in v.seqs if not s.finished]
+        running = self.scheduler.running
+        known = (self.propose_ahead and bool(live) and self._on_device(len(live))
+                 and len(running) == len(live) and all(a is b for a, b in zip(running, live))
+                 and not self.scheduler.can_admit())
+        assert self.proposer is not None
+        self._ahead = end_step(self.proposer, v, self.k, self.stats.draft_batches, ahead=known)
+
+    def _take_ahead(self, seqs: list[Sequence], on_device: bool) -> torch.Tensor | None:
+        """The verify input drafted at the last step's end when it was drafted for `seqs` and
+        this step verifies on the device; otherwise None, the drafts withdrawn (a request added
+        or a state touched between steps, outside `generate`) so no state keeps them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if on_device and len(ahead.seqs) == len(seqs) \
+                and all(a is b for a, b in zip(ahead.seqs, seqs)):
+            return ahead.tokens
+        assert self.proposer is not None
+        withdraw(self.proposer, ahead)
+        return None
 
     #: prefill admitted sequences in the running batch's decode pass (row-wise ops give every row
     #: the bits it has alone, so the output is the same; one target pass fewer per admission)
@@ -232,12 +270,13 @@ class Engine:
         t0 = time.perf_counter()
         rows = self._prefilled(seqs, outs)
         if rows:
-            self._catch_up(rows)
+            assert self.proposer is not None
+            catch_up(self.proposer, rows)
         self.stats.draft_s += time.perf_counter() - t0
 
-    def _prefilled(self, seqs: Seq[Sequence], outs: list[RowsOut]) -> list[tuple]:
+    def _prefilled(self, seqs: Seq[Sequence], outs: list[RowsOut]) -> list[Rows]:
         """After a prefill pass: each sequence's rows, hidden and first token, its drafter state,
-        and the drafter rows it needs (`_catch_up`'s items): the prompt pairs (prompt[i+1], h_i),
+        and the drafter rows it needs (`catch_up`'s items): the prompt pairs (prompt[i+1], h_i),
         i < P-1, catch-up rows at positions 1..P-1."""
         for s, out in zip(seqs, outs):
             s.blocks.set_rows(s.num_prompt)
@@ -250,12 +289,6 @@ class Engine:
         return [(s, s.request.prompt[1:], o.hiddens[:s.num_prompt - 1], 1)
                 for s, o in zip(seqs, outs) if s.num_prompt > 1 and not s.finished]
 
-    def _catch_up(self, rows: list[tuple]) -> None:
-        """Every (sequence, tokens, their target hiddens, first position) in one proposer call."""
-        assert self.proposer is not None
-        self.proposer.catchup_batch([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-                                    [r[0].draft_state for r in rows])
-
     #: drafts stay on the device through verify (propose_batch_on_device); None: on CUDA only
     #: (CPU keeps the host-returning path; a test sets True to run the device path on CPU)
     device_drafts: bool | None = None
@@ -265,30 +298,29 @@ class Engine:
             else torch.device(self.config.device).type == "cuda"
         return on and n * (self.k + 1) <= self.target.model.max_rows  # one target pass
 
-    def _decode(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> None:
-        """Draft, verify [last token, drafts...] of every sequence in one target pass, accept,
-        trim (target rows and drafter rows), then catch the drafter up on the rows it lacks.
-        `prefill`: admitted sequences whose prompts ride in the same pass, after the verify rows
-        (host path only); their drafter rows join the same catch-up call.
+    def _decode(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> Verified:
+        """Draft (or take the drafts the last step proposed ahead), verify [last token,
+        drafts...] of every sequence in one target pass, accept, and update the sequences; the
+        drafter's trims and catch-up are `step`'s, after the finishes (`_end_step`).
+        `prefill`: admitted sequences whose prompts ride in the same pass, after the verify
+        rows (host path only); their drafter rows join the step's catch-up call.
 
         On the device path (CUDA) the drafts never come back before verify: the verify input is
-        the proposer's device tensor (`draft_on_device`), launched straight behind the chain.
-        The step's one read is the verify's greedy tokens (`TargetModel.forward`'s `tolist`, a
-        sync on the target's pass); the drafts were copied to pinned memory behind the chain,
-        so `last_drafts` reads them then without a sync of its own. The catch-up is enqueued
-        after the accept with no sync before the next step's propose (the proposer stages its
-        inputs in two pinned buffers in turn). TargetModel.forward stages its host inputs
-        (positions, tables) in one pinned mirror with one non_blocking copy and keeps `active`
-        on the device, so nothing holds the host behind the chain before the verify is
-        enqueued. After the verify, every drafter trim is one `after_verify_batch` and every
-        pair key one `last_pair_keys` (array operations, not a proposer call a sequence)."""
+        the proposer's device tensor (`draft_on_device`, or the last step's `step_batch`),
+        launched straight behind the chain. The step's one read is the verify's greedy tokens
+        (`TargetModel.forward`'s `tolist`, a sync on the target's pass); the drafts were copied
+        to pinned memory behind the chain, so `last_drafts` reads them then without a sync of
+        its own. TargetModel.forward stages its host inputs (positions, tables) in one pinned
+        mirror with one non_blocking copy and keeps `active` on the device, so nothing holds
+        the host behind the chain before the verify is enqueued."""
         assert self.proposer is not None
         t0 = time.perf_counter()
         on_device = self._on_device(len(seqs))
         if prefill and on_device:
             raise RuntimeError("a prefill merged into a device-resident verify (see _merges)")
-        tokens = draft_on_device(self.proposer, seqs, self.k, self.stats.draft_batches) \
-            if on_device else None
+        tokens = self._take_ahead(seqs, on_device)
+        if tokens is None and on_device:
+            tokens = draft_on_device(self.proposer, seqs, self.k, self.stats.draft_batches)
         prefilled: list[RowsOut] = []
         if tokens is None:  # the host-returning path, or a batch the proposer declined
             drafts = (draft_each if on_device else draft)(self.proposer, seqs, self.k,
@@ -299,21 +331,17 @@ class Engine:
             outs, prefilled = outs[:len(seqs)], outs[len(seqs):]
         else:
             t1 = time.perf_counter()
-            outs = self._verify_on_device(seqs, tokens)
+            outs = self.target.verify_on_device(seqs, tokens, self.k)
             drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()
-        # (sequence, tokens, their target hiddens, first position): the merged prompts' rows first
-        catchup = self._prefilled(prefill, prefilled)
+        v = Verified(seqs, drafts, [accept(d, out.tokens) for d, out in zip(drafts, outs)],
+                     prefill=self._prefilled(prefill, prefilled))
         eos = self.checkpoint.eos_token_id
-        accepted = [accept(d, out.tokens) for d, out in zip(drafts, outs)]
-        states = [s.draft_state for s in seqs]
-        # every drafter trim of the step in one call (array operations over the states' slots),
-        # then every pair key the catch-up is found from in one more
-        self.proposer.after_verify_batch(accepted, states)
-        keys = self.proposer.last_pair_keys(states)
-        for s, d, out, a, key in zip(seqs, drafts, outs, accepted, keys):
+        for s, d, out, a in zip(seqs, drafts, outs, v.accepted):
             # the target hiddens this step knows, from position - 1 (the one drafted from) on
-            known, known_from = torch.cat([s.hidden.view(1, -1), out.hiddens[:a]]), s.position - 1
+            v.proposed.append(s.position)
+            v.before.append(s.hidden)
+            v.after.append(out.hiddens)
             # rows of the last token and the accepted drafts are the target's; rejected rows'
             # KV is dead and gets overwritten by the next verify
             s.blocks.set_rows(s.num_cached + a + 1)
@@ -325,51 +353,9 @@ class Engine:
             drafted, accepted_now = usable(len(d), a, room, kept, eos)  # issue 20 item 3
             self.stats.drafted += drafted
             self.stats.accepted += accepted_now
-            if not s.finished:
-                catchup.append(self._missing_rows(s, known, known_from, key))
-        catchup = [c for c in catchup if c[1]]
-        if catchup:  # enqueued, not waited for: the next propose runs behind it
-            self._catch_up(catchup)
-        self.stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.stats.draft_s += t1 - t0
         self.stats.target_s += t2 - t1
-
-    def _verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor) -> list[RowsOut]:
-        """The target pass over every sequence's k + 1 rows [last token, k drafts], its tokens
-        the proposer's device tensor (row i's at i*(k+1)..): the rows runner.run would build
-        for the same tokens (row j of a sequence at position and live rows num_cached + j),
-        with only positions and tables from the host. A row whose logits are all non-finite
-        raises as there (FAULTS 27)."""
-        k1, n = self.k + 1, len(seqs)
-        for s in seqs:
-            if s.num_cached + k1 > s.blocks.capacity_rows:
-                raise RuntimeError(f"sequence {s.id}: {s.num_cached + k1} rows exceed the "
-                                   f"{s.blocks.capacity_rows} reserved for it")
-        # numpy rows, tensors over them without a copy (the target stages them with numpy too)
-        base = np.fromiter((s.num_cached for s in seqs), np.int32, n)
-        positions = torch.from_numpy((base[:, None] + np.arange(k1, dtype=np.int32)).reshape(-1))
-        tables = np.array([s.blocks.table_row(SCRATCH_BLOCK) for s in seqs], dtype=np.int32)
-        greedy, hidden = self.target.model.forward(
-            TargetRows(tokens=tokens, positions=positions,
-                       block_tables=torch.from_numpy(np.repeat(tables, k1, axis=0)),
-                       live_rows=positions))
-        outs = []
-        for i, s in enumerate(seqs):
-            toks = greedy[i * k1:(i + 1) * k1]
-            check_finite(s, toks)
-            outs.append(RowsOut(toks, hidden[i * k1:(i + 1) * k1]))
-        return outs
-
-    def _missing_rows(self, s: Sequence, known: torch.Tensor, known_from: int, key: int | None):
-        """The drafter rows the next propose needs and the drafter lacks, found from its pair
-        key (`last_pair_key` after the step's trim) as a host of the reference does: the next
-        row is at key + 2, the last at the new last token's position - 1, and the row at p
-        pairs the token at p with the hidden at p - 1 (known[i] is the hidden at
-        known_from + i)."""
-        first, last = (key + 2 if key is not None else 1), s.position - 1
-        if first - 1 < known_from:
-            raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "
-                               f"but this step holds target hiddens from {known_from} on")
-        return (s, s.tokens[first:last + 1], known[first - 1 - known_from:last - known_from], first)
+        return v
 
     def _decode_plain(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> None:
         """One target pass of every sequence's last token (and `prefill`'s prompts after them)."""

@@ -4,7 +4,8 @@ sequence's greedy tokens and hiddens.
 A sequence contributing tokens x_0..x_m (at positions num_cached..num_cached+m) gives m+1 rows
 sharing its block table, row i with live_rows num_cached + i: it writes KV row num_cached + i
 and attends to every row before it and itself. Prefill (num_cached 0, the prompt), verify
-([last token, drafts...]) and plain decode (the last token) are all this one call.
+([last token, drafts...]) and plain decode (the last token) are all this one call; a verify
+whose tokens are already on the device (the proposer's drafts) is `verify_on_device`.
 
 A row whose logits hold no finite value (argmax_logprob's token -1: NaN/Inf in the target's
 weights or state) raises `NonFiniteLogitsError` naming the request and step (FAULTS 27): the -1
@@ -78,6 +79,33 @@ class TargetRunner:
             out.append(RowsOut(tokens[offset:offset + len(toks)], hidden[offset:offset + len(toks)]))
             offset += len(toks)
         return out
+
+    def verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor,
+                         num_drafts: int) -> list[RowsOut]:
+        """The target pass over every sequence's k + 1 rows [last token, k drafts], its tokens
+        a device tensor (the proposer's verify input, row i's at i*(k+1)..): the rows `run`
+        would build for the same tokens (row j of a sequence at position and live rows
+        num_cached + j), with only positions and tables from the host. A row whose logits are
+        all non-finite raises as there (FAULTS 27)."""
+        k1, n = num_drafts + 1, len(seqs)
+        for s in seqs:
+            if s.num_cached + k1 > s.blocks.capacity_rows:
+                raise RuntimeError(f"sequence {s.id}: {s.num_cached + k1} rows exceed the "
+                                   f"{s.blocks.capacity_rows} reserved for it")
+        # numpy rows, tensors over them without a copy (the target stages them with numpy too)
+        base = np.fromiter((s.num_cached for s in seqs), np.int32, n)
+        positions = torch.from_numpy((base[:, None] + np.arange(k1, dtype=np.int32)).reshape(-1))
+        tables = np.array([s.blocks.table_row(SCRATCH_BLOCK) for s in seqs], dtype=np.int32)
+        greedy, hidden = self.model.forward(
+            TargetRows(tokens=tokens, positions=positions,
+                       block_tables=torch.from_numpy(np.repeat(tables, k1, axis=0)),
+                       live_rows=positions))
+        outs = []
+        for i, s in enumerate(seqs):
+            toks = greedy[i * k1:(i + 1) * k1]
+            _check_finite(s, toks)
+            outs.append(RowsOut(toks, hidden[i * k1:(i + 1) * k1]))
+        return outs
 
 
 def _check_finite(seq: Sequence, tokens: list[int]) -> None:

@@ -38,14 +38,19 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
+    def can_admit(self) -> bool:
+        """Whether `admit` would move a sequence now: one waits, a slot is free and its blocks
+        are (FIFO: a request that does not fit yet holds back the ones behind it). Reads only
+        this scheduler and its pool, so an engine that changes neither between two steps knows
+        at the end of one whether the next admits anything."""
+        return bool(self.waiting) and len(self.running) < self.max_batch \
+            and self.blocks_for(self.waiting[0].request) <= self.pool.num_free
+
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences to running while a slot and their blocks are free (FIFO: a
-        request that does not fit yet holds back the ones behind it)."""
+        """Move waiting sequences to running while `can_admit`."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.can_admit():
             seq = self.waiting[0]
-            if self.blocks_for(seq.request) > self.pool.num_free:
-                break
             seq.blocks.ensure_rows(worst_rows(seq.request, self.num_drafts))
             self.running.append(self.waiting.popleft())
             admitted.append(seq)

@@ -1,0 +1,152 @@
+"""The draft side of a decode step after its verify (issue 14 item 4): the drafter's trims, the
+catch-up of the rows it lacks and, when the engine knows the next step's batch is exactly this
+step's unfinished sequences, the next device-resident propose, all in one `MtpProposer.step_batch`
+call whose verify input the next step verifies as it is (`Ahead`). Otherwise the separate calls
+(`after_verify_batch`, `last_pair_keys`, `catchup_batch`) and the next step proposes itself.
+
+An `Ahead` the next step cannot take (its batch is not the one drafted for) is withdrawn: its
+drafts are settled (the one read), every drafter row its propose wrote is dropped and the pair
+key moved back as far, so the states are as the catch-up left them and hold nothing pending.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from examples.engine.sequence import Sequence
+from examples.engine.speculate import DraftStats
+from draft_circuit.runners.proposer import MtpProposer
+from draft_circuit.runners.proposer_state import rows_to_trim
+
+#: a catch-up item: (sequence, tokens, their target hiddens [len, H], RoPE position of the first)
+Rows = tuple[Sequence, list[int], torch.Tensor, int]
+
+
+@dataclass
+class Verified:
+    """What a decode step's verify leaves the draft side, per sequence of the step (finished
+    ones too: the draft side skips them, they are freed first): its kept drafts, how many the
+    target accepted, the position it drafted from (its last token's before the step) and the
+    target hiddens the step knows from the one before that on: `before` (the hidden that made
+    the step's first token, at `proposed - 1`), then `after` (the verify's rows, [k + 1, H])."""
+    seqs: list[Sequence]
+    drafts: list[list[int]]
+    accepted: list[int]
+    proposed: list[int] = field(default_factory=list)
+    before: list[torch.Tensor | None] = field(default_factory=list)  # None only before a prefill
+    after: list[torch.Tensor] = field(default_factory=list)
+    prefill: list[Rows] = field(default_factory=list)  # prompts merged into the pass (host path)
+
+
+@dataclass
+class Ahead:
+    """The next step's drafts, proposed at the end of this one: the sequences in the order they
+    drafted and their verify input, i32[n * (k + 1)] on the device (the proposer's buffer: its
+    next propose overwrites it, so it is verified before the proposer drafts again)."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+
+
+def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftStats, *,
+             ahead: bool) -> Ahead | None:
+    """Trim and catch up every unfinished sequence of `v`; with `ahead` (the caller knows the
+    next step's batch is exactly those, in order, on the device path) also draft their next
+    step in the same call and return it. None: the next step drafts itself (no `ahead`, a
+    merged prompt to catch up, a sequence that drafted nothing, or a batch the proposer
+    declined, whose trims and catch-up are done all the same)."""
+    live = [i for i, s in enumerate(v.seqs) if not s.finished]
+    if ahead and live and not v.prefill and all(v.drafts[i] for i in live):
+        return _step_batch(proposer, v, live, num_drafts, stats)
+    states = [v.seqs[i].draft_state for i in live]
+    rows = list(v.prefill)
+    if live:  # every trim in one call, then every pair key the catch-up is found from in one
+        proposer.after_verify_batch([v.accepted[i] for i in live], states)
+        keys = proposer.last_pair_keys(states)
+        rows += [missing_rows(v, i, key) for i, key in zip(live, keys)]
+    rows = [r for r in rows if r[1]]
+    if rows:  # enqueued, not waited for: the next propose runs behind it
+        catch_up(proposer, rows)
+    return None
+
+
+def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts: int,
+                stats: DraftStats) -> Ahead | None:
+    """`end_step` in one `step_batch`. The catch-up rows are found from each state's pair key
+    after the trim, which step_batch makes inside the call, so the key comes from the contract's
+    rules instead of a read (`key_after_trim`); the rows are given their positions explicitly
+    so tokens and RoPE positions agree whatever the key."""
+    seqs = [v.seqs[i] for i in live]
+    rows = [missing_rows(v, i, key_after_trim(v.proposed[i], len(v.drafts[i]), v.accepted[i],
+                                              kv_exact=proposer.kv_exact, refeed=proposer.refeed))
+            for i in live]
+    got = proposer.step_batch([v.accepted[i] for i in live], [r[1] for r in rows],
+                              [r[2] for r in rows], [s.last_token for s in seqs],
+                              torch.stack([s.hidden for s in seqs if s.hidden is not None]),
+                              [s.position for s in seqs], num_drafts,
+                              [s.draft_state for s in seqs], catchup_first=[r[3] for r in rows])
+    if got is None:  # declined (an unserved width): trimmed and caught up, nothing drafted
+        return None
+    stats.batches[proposer.last_served.kind][len(seqs)] += 1
+    return Ahead(seqs, proposer.verify_tokens())
+
+
+def key_after_trim(position: int, num_drafted: int, num_accepted: int, *, kv_exact: bool,
+                   refeed: bool) -> int:
+    """A state's pair key after the verify's trim when it proposed `num_drafted` >= 1 drafts
+    at `position`: the propose's rows stand at position .. position + d - 1, so its key is
+    position + d - 2 (`record_drafts`); the trim moves it back `rows_to_trim`, saturating at 0
+    as `trim_after_verify` does (tests/examples/test_engine_step_batch.py holds the two equal)."""
+    trim = rows_to_trim(num_drafted, num_accepted, kv_exact=kv_exact, refeed=refeed)
+    return max(position + num_drafted - 2 - int(trim), 0)
+
+
+def missing_rows(v: Verified, i: int, key: int | None) -> Rows:
+    """The drafter rows sequence i's next propose needs and the drafter lacks, found from its
+    pair key after the step's trim as a host of the reference does: the next row is at
+    key + 2, the last at the new last token's position - 1, and the row at p pairs the token
+    at p with the target hidden at p - 1. The hiddens known are [before, *after] from
+    `proposed - 1` on; a slice of `after` where the rows start past `before` (the exact-KV
+    steady state: no copy)."""
+    s, known_from = v.seqs[i], v.proposed[i] - 1
+    first, last = (key + 2 if key is not None else 1), s.position - 1
+    lo, hi = first - 1 - known_from, last - known_from  # into [before, *after]
+    if lo < 0:
+        raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "
+                           f"but this step holds target hiddens from {known_from} on")
+    after = v.after[i]
+    if hi <= lo:
+        hiddens = after[:0]
+    elif lo:
+        hiddens = after[lo - 1:hi - 1]
+    else:
+        before = v.before[i]
+        assert before is not None  # a decoding sequence has the hidden its last token came from
+        hiddens = torch.cat([before.view(1, -1), after[:hi - 1]])
+    return (s, s.tokens[first:last + 1], hiddens, first)
+
+
+def catch_up(proposer: MtpProposer, rows: list[Rows]) -> None:
+    """Every (sequence, tokens, their target hiddens, first position) in one proposer call."""
+    proposer.catchup_batch([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+                           [r[0].draft_state for r in rows])
+
+
+def withdraw(proposer: MtpProposer, ahead: Ahead) -> None:
+    """Undo `ahead`'s propose for its sequences still running (a finished one's state was
+    freed, which drops its part of the batch): settle the drafts (their one read), then hand
+    each state's drafter KV out and back in with the d rows its propose wrote dropped and the
+    pair key moved back as far (the contract's KV hand-over), so each state is as the catch-up
+    left it: no pending drafts, not awaiting a verify, and the next propose writes those rows
+    again. No block is freed or leaked: the blocks go back to the same state."""
+    seqs = [s for s in ahead.seqs if not s.finished and s.draft_state is not None]
+    states = [s.draft_state for s in seqs]
+    for s, state, drafts in zip(seqs, states, proposer.last_drafts(states)):
+        got = proposer.take_drafter_kv(state)
+        if got is None:  # no rows: the propose wrote none
+            continue
+        blocks, rows, key = got
+        rows -= len(drafts)
+        back = key - len(drafts) if rows and key is not None else None
+        if not proposer.install_drafter_kv(state, blocks, rows, back):
+            raise RuntimeError(f"sequence {s.id}: its drafter KV did not go back")

@@ -1,0 +1,224 @@
+"""The engine's device path drafting each next step ahead (issue 14 item 4): at a step's end,
+when the next batch is known to be this one's unfinished sequences, the trims, the catch-up and
+the next propose are one `MtpProposer.step_batch` call whose verify input the next step
+verifies as it is (examples/engine/draft_side.py). On CPU (`Engine.device_drafts = True`):
+
+- token-exact with target-only greedy, and the same drafts (every target pass's input, bit for
+  bit) and statistics as the separate calls (`Engine.propose_ahead = False`), over runs where
+  sequences finish at different steps, requests are admitted mid-run, widths are declined,
+  chains stop early, the trim rule is not exact-KV, and max_new_tokens / num_drafts are small;
+- the catch-up rows it gives step_batch start where the separate calls find them
+  (`last_pair_key` + 2 after the trim);
+- a steady step is one step_batch and one read of the drafts;
+- drafts proposed ahead for a batch that then changes (a request added between steps) are
+  withdrawn: settled, their rows dropped, no block leaked, the drafts after it as if they had
+  never been proposed.
+On the GPU the same path is CUDA's default: tests/examples/test_engine_device_cuda.py."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import examples.engine.engine as engine_module
+from examples.engine import Engine, EngineConfig, Request, load_checkpoint
+from tests.examples.helpers import SMALL, generate, random_requests
+
+# more requests than batch slots and varied lengths: finishes at different steps, admissions
+REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
+# the edges: max_new_tokens 1 (done at the prefill), 2 (one decode step), fewer tokens left than
+# drafts, one-token prompts (no prefill rows for the drafter)
+EDGES = [Request([5], 1), Request([7, 9, 11], 2), Request([3], 3), Request([1, 2], 9),
+         Request([4, 4, 4, 4], 1), Request([8], 12)]
+CALLS = ("propose_batch", "propose_batch_on_device", "last_drafts", "after_verify_batch",
+         "last_pair_keys", "catchup_batch", "step_batch")
+
+
+def run(path, requests, *, ahead: bool, **config):
+    """(outputs, engine, every target pass's input tokens) of one generate on the device path."""
+    engine = Engine(load_checkpoint(path), EngineConfig(**config))
+    engine.device_drafts, engine.propose_ahead = True, ahead
+    passes: list[list[int]] = []
+    forward = engine.target.model.forward
+
+    def recorded(rows):
+        passes.append(rows.tokens.tolist())
+        return forward(rows)
+    engine.target.model.forward = recorded
+    outputs = engine.generate(requests).outputs
+    assert engine._ahead is None  # nothing proposed ahead outlives the run
+    assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+    assert engine.proposer.slots.num_pending == 0
+    return outputs, engine, passes
+
+
+def count_calls(engine, monkeypatch) -> Counter:
+    p, calls = engine.proposer, Counter()
+    for name in CALLS:
+        real = getattr(p, name)
+        monkeypatch.setattr(p, name, lambda *a, _n=name, _r=real, **kw: calls.update([_n]) or _r(*a, **kw))
+    return calls
+
+
+CASES = {  # name: (requests, engine config)
+    "k3": (REQUESTS, dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3)),
+    "k1": (REQUESTS, dict(forward="circuit", num_drafts=1, widths=(1, 2, 4), max_batch=4)),
+    "stops": (REQUESTS, dict(forward="circuit", num_drafts=4, draft_confidence_stop=0.2,
+                             widths=(1, 2, 4), max_batch=3)),
+    "declined": (REQUESTS, dict(forward="circuit", num_drafts=3, widths=(1, 2), max_batch=4)),
+    "eager": (REQUESTS, dict(forward="eager", num_drafts=2, max_batch=2)),
+    "inexact": (REQUESTS, dict(forward="circuit", num_drafts=3, kv_exact=False, max_batch=3,
+                               widths=(1, 2, 4))),
+    "refeed": (REQUESTS, dict(forward="circuit", num_drafts=3, kv_exact=False, refeed=True,
+                              max_batch=3, widths=(1, 2, 4))),
+    "edges": (EDGES, dict(forward="circuit", num_drafts=6, widths=(1, 2, 4), max_batch=3)),
+    "edges_k1": (EDGES, dict(forward="circuit", num_drafts=1, widths=(1, 2, 4), max_batch=8)),
+}
+_GREEDY: dict[int, list[list[int]]] = {}
+
+
+def greedy(path, requests):
+    if id(requests) not in _GREEDY:
+        _GREEDY[id(requests)] = generate(path, requests, speculate=False, max_batch=3)[0]
+    return _GREEDY[id(requests)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_drafting_ahead_equals_greedy_and_the_separate_calls(small_checkpoint, monkeypatch, case):
+    requests, config = CASES[case]
+    outputs, engine, passes = run(small_checkpoint, requests, ahead=True, **config)
+    assert outputs == greedy(small_checkpoint, requests)
+    base_out, base, base_passes = run(small_checkpoint, requests, ahead=False, **config)
+    assert outputs == base_out
+    assert passes == base_passes  # every draft of every step, bit for bit
+    a, b = engine.stats, base.stats
+    assert (a.steps, a.verifies, a.drafted, a.accepted, a.widths) == \
+        (b.steps, b.verifies, b.drafted, b.accepted, b.widths)
+    assert a.draft_batches.table() == b.draft_batches.table()
+    # the path was taken (counted on a third run)
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+    engine.device_drafts = True
+    calls = count_calls(engine, monkeypatch)
+    assert engine.generate(requests).outputs == outputs
+    assert calls["step_batch"] > 0
+
+
+def forced_accept(drafts: list[int], target_tokens: list[int]) -> int:
+    """An acceptance count that varies step to step, up to every draft, whatever the target
+    says: random heads accept almost nothing, and the catch-up of accepted rows is what the
+    trim rules and first positions change. The output is no longer greedy's, but both paths
+    take it alike, so they must still agree bit for bit."""
+    return (sum(drafts) + 7 * len(target_tokens)) % (len(drafts) + 1)
+
+
+@pytest.mark.parametrize("case", ["k3", "stops", "inexact", "refeed", "edges"])
+def test_forced_acceptance_ahead_equals_the_separate_calls(small_checkpoint, monkeypatch, case):
+    monkeypatch.setattr(engine_module, "accept", forced_accept)
+    requests, config = CASES[case]
+    outputs, engine, passes = run(small_checkpoint, requests, ahead=True, **config)
+    assert engine.stats.accepted > engine.stats.verifies // 2
+    assert (outputs, passes) == run(small_checkpoint, requests, ahead=False, **config)[::2]
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("case", ["k3", "stops", "inexact", "refeed", "edges"])
+def test_catch_up_rows_start_where_the_separate_calls_find_them(small_checkpoint, monkeypatch,
+                                                                case, force):
+    """step_batch stood in for by the calls it stands for, checking on the way that the first
+    catch-up position the engine gives (from `key_after_trim`) is `last_pair_key` + 2 after the
+    trim, and that every catch-up token is the sequence's token at its position."""
+    requests, config = CASES[case]
+    if force:
+        monkeypatch.setattr(engine_module, "accept", forced_accept)
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+    engine.device_drafts = True
+    p, checked = engine.proposer, []
+
+    def separately(accepted, tokens, hiddens, last, hid, positions, k, states, *, catchup_first):
+        p.after_verify_batch(accepted, states)
+        assert [key + 2 for key in p.last_pair_keys(states)] == list(catchup_first)
+        seqs = {id(s.draft_state): s for s in engine.scheduler.running}
+        for ts, hs, first, state in zip(tokens, hiddens, catchup_first, states):
+            assert ts == seqs[id(state)].tokens[first:first + len(ts)] and len(hs) == len(ts)
+        keep = [i for i, ts in enumerate(tokens) if ts]
+        if keep:
+            p.catchup_batch([tokens[i] for i in keep], [hiddens[i] for i in keep],
+                            [catchup_first[i] for i in keep], [states[i] for i in keep])
+        checked.append(len(states))
+        return p.propose_batch_on_device(last, hid, positions, k, states)
+    monkeypatch.setattr(p, "step_batch", separately)
+    outputs = engine.generate(requests).outputs
+    assert force or outputs == greedy(small_checkpoint, requests)
+    assert checked
+
+
+@pytest.mark.parametrize("ahead,steady,last", [
+    (True, {"last_drafts": 1, "step_batch": 1}, {"last_drafts": 1}),
+    (False, {"propose_batch_on_device": 1, "last_drafts": 1, "after_verify_batch": 1,
+             "last_pair_keys": 1}, {"propose_batch_on_device": 1, "last_drafts": 1}),
+])
+def test_a_steady_step_is_one_step_batch_and_one_read(small_checkpoint, monkeypatch, ahead,
+                                                      steady, last):
+    """Three requests, three slots: after the first step (its prefill's catch-up and its own
+    propose) every step but the last is the steady one; the last (every sequence done) reads
+    the drafts and has nothing left to trim or draft. The separate calls' steps, for contrast
+    (their catchup_batch runs only on a step that accepted a draft: with exact KV no row is
+    missing otherwise)."""
+    requests = [Request(r.prompt, 12 + 3 * i) for i, r in enumerate(REQUESTS[:3])]
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
+    engine.device_drafts, engine.propose_ahead = True, ahead
+    calls = count_calls(engine, monkeypatch)
+    per_step: list[dict[str, int]] = []
+
+    def on_step(_):
+        per_step.append(dict(calls))
+        calls.clear()
+    assert engine.generate(requests, on_step=on_step).outputs == greedy(small_checkpoint, requests)
+    first, *middle, final = per_step
+    if not ahead:
+        middle = [{k: v for k, v in step.items() if k != "catchup_batch"} for step in middle]
+    assert middle and all(step == steady for step in middle), middle
+    assert first["catchup_batch"] >= 1 and first["propose_batch_on_device"] == 1
+    assert final == last
+
+
+def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeypatch):
+    """A request added between two steps (outside `generate`) joins the next batch, so the
+    drafts proposed ahead for the old one are withdrawn: the states hold nothing pending and
+    await no verify after it, no block leaks, and every later draft is the separate calls'
+    (a withdrawal that left a row behind would change the drafter's attention)."""
+    config = dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=4)
+    late = Request(REQUESTS[5].prompt, 9)
+
+    def drive(ahead: bool):
+        engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+        engine.device_drafts, engine.propose_ahead = True, ahead
+        passes, forward = [], engine.target.model.forward
+        engine.target.model.forward = lambda rows: passes.append(rows.tokens.tolist()) or forward(rows)
+        seqs = [engine.scheduler.add(r) for r in REQUESTS[:2]]
+        for step in range(40):
+            if step == 3:
+                assert (engine._ahead is not None) == ahead
+                seqs.append(engine.scheduler.add(late))
+            if not engine.scheduler.has_work:
+                break
+            engine.step()
+        assert not engine.scheduler.has_work and engine._ahead is None
+        assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+        return [s.generated for s in seqs], passes
+
+    withdrawn, real = [], engine_module.withdraw
+
+    def spy(proposer, ahead):
+        real(proposer, ahead)
+        states = [s.draft_state for s in ahead.seqs]
+        assert proposer.slots.num_pending == 0
+        assert not any(s.awaiting_verify for s in states)
+        withdrawn.append(len(states))
+    monkeypatch.setattr(engine_module, "withdraw", spy)
+    outputs, passes = drive(True)
+    assert withdrawn == [2]
+    requests = [*REQUESTS[:2], late]
+    assert outputs == generate(small_checkpoint, requests, speculate=False, max_batch=3)[0]
+    assert (outputs, passes) == drive(False)
