@@ -13,7 +13,8 @@ verifies as it is (examples/engine/draft_side.py). On CPU (`Engine.device_drafts
 - drafts proposed ahead for a batch that then changes (a request added between steps) are
   withdrawn: settled, their rows dropped, no block leaked, the drafts after it as if they had
   never been proposed.
-On the GPU the same path is CUDA's default: tests/examples/test_engine_device_cuda.py."""
+On the GPU (`-m cuda`) the same path is CUDA's default: the last test here runs it against the
+separate calls there, and tests/examples/test_engine_device_cuda.py holds it to greedy."""
 from __future__ import annotations
 
 from collections import Counter
@@ -22,6 +23,7 @@ import pytest
 
 import examples.engine.engine as engine_module
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
+from draft_circuit.runners.testing import cuda
 from tests.examples.helpers import SMALL, generate, random_requests
 
 # more requests than batch slots and varied lengths: finishes at different steps, admissions
@@ -222,3 +224,24 @@ def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeyp
     requests = [*REQUESTS[:2], late]
     assert outputs == generate(small_checkpoint, requests, speculate=False, max_batch=3)[0]
     assert (outputs, passes) == drive(False)
+
+
+@cuda
+@pytest.mark.parametrize("force", [False, True])
+def test_drafting_ahead_on_the_gpu_equals_the_separate_calls(small_checkpoint, monkeypatch,
+                                                             force):
+    """CUDA's default decode step drafts ahead too: greedy's outputs (unforced), the separate
+    calls' target-pass inputs bit for bit, step_batch taken, nothing leaked."""
+    config = dict(device="cuda", max_rows=64, forward="circuit", num_drafts=3,
+                  widths=(1, 2, 4), max_batch=3)
+    if force:
+        monkeypatch.setattr(engine_module, "accept", forced_accept)
+    outputs, engine, passes = run(small_checkpoint, REQUESTS, ahead=True, **config)
+    assert (outputs, passes) == run(small_checkpoint, REQUESTS, ahead=False, **config)[::2]
+    if not force:
+        assert outputs == generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3,
+                                   device="cuda", max_rows=64)[0]
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+    assert engine.device_drafts is None and engine._on_device(3)  # CUDA's default
+    calls = count_calls(engine, monkeypatch)
+    assert engine.generate(REQUESTS).outputs == outputs and calls["step_batch"] > 0
