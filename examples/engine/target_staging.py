@@ -38,6 +38,10 @@ class TargetStaging:
     def __init__(self, passes: object, *, max_blocks: int, device: torch.device) -> None:
         self.passes = passes
         self.graphs = getattr(passes, "graphs", None)
+        if device.type == "cuda" and device.index is None:
+            # "cuda" names the current device; the buffers' device has its index (cuda:0), and
+            # int_region compares the two: unresolved, no region was ever found on a GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         found = None
         if self.graphs is not None:
             # the buffers are laid out at the circuit's max width (every width's are its leading
