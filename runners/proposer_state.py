@@ -194,6 +194,16 @@ def rows_to_trim(num_drafted: int, num_accepted: int, *, kv_exact: bool, refeed:
     return min(max(d - num_accepted, 0) + (max(num_accepted - 1, 0) if refeed else 0), d)
 
 
+def key_after_verify(position: int, num_drafted: int, num_accepted: int, *, kv_exact: bool,
+                     refeed: bool) -> int:
+    """The pair key a state holds after the verify of a propose at `position` that kept
+    `num_drafted` >= 1 drafts: `record_drafts`' newest key (position + d - 2), moved back by
+    `rows_to_trim` and saturating at 0, as the trim does. A host that hands `step_batch` its
+    catch-up positions (key + 2) finds them here, before the call that trims."""
+    trim = rows_to_trim(num_drafted, num_accepted, kv_exact=kv_exact, refeed=refeed)
+    return max(pair_key(position + num_drafted - 1) - trim, 0)
+
+
 def trim_after_verify(state: MtpProposerState, num_accepted: int, *, kv_exact: bool,
                       refeed: bool) -> int:
     """Trim the rows `rows_to_trim` names; the newest pair key moves back by the same count

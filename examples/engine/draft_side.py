@@ -17,7 +17,7 @@ import torch
 from examples.engine.sequence import Sequence
 from examples.engine.speculate import DraftStats
 from draft_circuit.runners.proposer import MtpProposer
-from draft_circuit.runners.proposer_state import rows_to_trim
+from draft_circuit.runners.proposer_state import key_after_verify
 
 #: a catch-up item: (sequence, tokens, their target hiddens [len, H], RoPE position of the first)
 Rows = tuple[Sequence, list[int], torch.Tensor, int]
@@ -73,12 +73,13 @@ def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftSt
 def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts: int,
                 stats: DraftStats) -> Ahead | None:
     """`end_step` in one `step_batch`. The catch-up rows are found from each state's pair key
-    after the trim, which step_batch makes inside the call, so the key comes from the contract's
-    rules instead of a read (`key_after_trim`); the rows are given their positions explicitly
-    so tokens and RoPE positions agree whatever the key."""
+    after the trim, which step_batch makes inside the call, so the key comes from the
+    proposer's own rule (`key_after_verify`, beside the trim it mirrors) instead of a read; the
+    rows are given their positions explicitly so tokens and RoPE positions agree whatever the
+    key."""
     seqs = [v.seqs[i] for i in live]
-    rows = [missing_rows(v, i, key_after_trim(v.proposed[i], len(v.drafts[i]), v.accepted[i],
-                                              kv_exact=proposer.kv_exact, refeed=proposer.refeed))
+    rows = [missing_rows(v, i, key_after_verify(v.proposed[i], len(v.drafts[i]), v.accepted[i],
+                                                kv_exact=proposer.kv_exact, refeed=proposer.refeed))
             for i in live]
     got = proposer.step_batch([v.accepted[i] for i in live], [r[1] for r in rows],
                               [r[2] for r in rows], [s.last_token for s in seqs],
@@ -89,16 +90,6 @@ def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts:
         return None
     stats.batches[proposer.last_served.kind][len(seqs)] += 1
     return Ahead(seqs, proposer.verify_tokens())
-
-
-def key_after_trim(position: int, num_drafted: int, num_accepted: int, *, kv_exact: bool,
-                   refeed: bool) -> int:
-    """A state's pair key after the verify's trim when it proposed `num_drafted` >= 1 drafts
-    at `position`: the propose's rows stand at position .. position + d - 1, so its key is
-    position + d - 2 (`record_drafts`); the trim moves it back `rows_to_trim`, saturating at 0
-    as `trim_after_verify` does (tests/examples/test_engine_step_batch.py holds the two equal)."""
-    trim = rows_to_trim(num_drafted, num_accepted, kv_exact=kv_exact, refeed=refeed)
-    return max(position + num_drafted - 2 - int(trim), 0)
 
 
 def missing_rows(v: Verified, i: int, key: int | None) -> Rows:

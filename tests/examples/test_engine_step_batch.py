@@ -127,7 +127,7 @@ def test_forced_acceptance_ahead_equals_the_separate_calls(small_checkpoint, mon
 def test_catch_up_rows_start_where_the_separate_calls_find_them(small_checkpoint, monkeypatch,
                                                                 case, force):
     """step_batch stood in for by the calls it stands for, checking on the way that the first
-    catch-up position the engine gives (from `key_after_trim`) is `last_pair_key` + 2 after the
+    catch-up position the engine gives (from `key_after_verify`) is `last_pair_key` + 2 after the
     trim, and that every catch-up token is the sequence's token at its position."""
     requests, config = CASES[case]
     if force:

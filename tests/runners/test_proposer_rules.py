@@ -11,7 +11,7 @@ from draft_circuit.ops.attention import TokenError
 from draft_circuit.runners.contract import DraftProposer
 from draft_circuit.runners.kv_cache import TableTooLong
 from draft_circuit.runners.proposer import MtpProposer
-from draft_circuit.runners.proposer_state import ProposerError, rows_to_trim
+from draft_circuit.runners.proposer_state import ProposerError, key_after_verify, rows_to_trim
 from proposer_model import expected_k
 from test_proposer import CFG, FORWARDS, hidden, make, prefilled, seq_kv
 
@@ -62,6 +62,8 @@ def test_after_verify_trims_by_the_rule(forward, k):
             p.after_verify(accepted, s)
             assert p.drafter_rows(s) == 10 + k - trim, (exact, refeed, accepted)
             assert p.last_pair_key(s) == 9 + k - trim
+            # the key a host can find before the call that trims (step_batch's catch-up rows)
+            assert key_after_verify(11, k, accepted, kv_exact=exact, refeed=refeed) == 9 + k - trim
             p.after_verify(0, s)           # kept departure: a second call trims nothing
             assert p.drafter_rows(s) == 10 + k - trim
             with pytest.raises(ProposerError, match=f"must be in 0..{k}"):
