@@ -44,23 +44,10 @@ class TargetRunner:
     def run(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> list[RowsOut]:
         """One logical pass over every sequence's new tokens (split into passes of at most
         max_rows rows, in row order, so a later chunk sees the KV an earlier one wrote)."""
-        # numpy row arrays (a sequence's table once, repeated over its rows), tensors over them
-        # without a copy: a verify's rows cost a few array calls, not a Python list a row
         counts = [len(t) for t in new_tokens]
         total = sum(counts)
-        tables = np.empty((len(seqs), self.model.kv.max_blocks_per_seq), dtype=np.int32)
-        positions = np.empty(total, dtype=np.int32)
-        at = 0
-        for i, (seq, c) in enumerate(zip(seqs, counts)):
-            base = seq.num_cached
-            if base + c > seq.blocks.capacity_rows:
-                raise RuntimeError(f"sequence {seq.id}: {base + c} rows exceed the "
-                                   f"{seq.blocks.capacity_rows} reserved for it")
-            tables[i] = seq.blocks.table_row(SCRATCH_BLOCK)
-            positions[at:at + c] = np.arange(base, base + c, dtype=np.int32)
-            at += c
+        positions, row_tables = self._rows(seqs, counts)
         flat_tokens = np.fromiter(itertools.chain.from_iterable(new_tokens), np.int32, total)
-        row_tables = np.repeat(tables, counts, axis=0)
         tokens: list[int] = []
         hiddens = []
         step = self.model.max_rows
@@ -80,6 +67,24 @@ class TargetRunner:
             offset += len(toks)
         return out
 
+    def _rows(self, seqs: list[Sequence], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's RoPE position (its live rows too) and block table for sequence i's
+        counts[i] rows from its num_cached on, as numpy arrays (a sequence's table made once,
+        repeated over its rows; the target stages them through numpy views, no Python list a
+        row). Refuses a sequence whose rows would exceed the rows reserved for it."""
+        tables = np.empty((len(seqs), self.model.kv.max_blocks_per_seq), dtype=np.int32)
+        positions = np.empty(sum(counts), dtype=np.int32)
+        at = 0
+        for i, (seq, c) in enumerate(zip(seqs, counts)):
+            base = seq.num_cached
+            if base + c > seq.blocks.capacity_rows:
+                raise RuntimeError(f"sequence {seq.id}: {base + c} rows exceed the "
+                                   f"{seq.blocks.capacity_rows} reserved for it")
+            tables[i] = seq.blocks.table_row(SCRATCH_BLOCK)
+            positions[at:at + c] = np.arange(base, base + c, dtype=np.int32)
+            at += c
+        return positions, np.repeat(tables, counts, axis=0)
+
     def verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor,
                          num_drafts: int) -> list[RowsOut]:
         """The target pass over every sequence's k + 1 rows [last token, k drafts], its tokens
@@ -87,19 +92,12 @@ class TargetRunner:
         would build for the same tokens (row j of a sequence at position and live rows
         num_cached + j), with only positions and tables from the host. A row whose logits are
         all non-finite raises as there (FAULTS 27)."""
-        k1, n = num_drafts + 1, len(seqs)
-        for s in seqs:
-            if s.num_cached + k1 > s.blocks.capacity_rows:
-                raise RuntimeError(f"sequence {s.id}: {s.num_cached + k1} rows exceed the "
-                                   f"{s.blocks.capacity_rows} reserved for it")
-        # numpy rows, tensors over them without a copy (the target stages them with numpy too)
-        base = np.fromiter((s.num_cached for s in seqs), np.int32, n)
-        positions = torch.from_numpy((base[:, None] + np.arange(k1, dtype=np.int32)).reshape(-1))
-        tables = np.array([s.blocks.table_row(SCRATCH_BLOCK) for s in seqs], dtype=np.int32)
+        k1 = num_drafts + 1
+        positions, row_tables = self._rows(seqs, [k1] * len(seqs))
+        pos = torch.from_numpy(positions)
         greedy, hidden = self.model.forward(
-            TargetRows(tokens=tokens, positions=positions,
-                       block_tables=torch.from_numpy(np.repeat(tables, k1, axis=0)),
-                       live_rows=positions))
+            TargetRows(tokens=tokens, positions=pos, block_tables=torch.from_numpy(row_tables),
+                       live_rows=pos))
         outs = []
         for i, s in enumerate(seqs):
             toks = greedy[i * k1:(i + 1) * k1]

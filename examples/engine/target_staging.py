@@ -36,8 +36,7 @@ class TargetStaging:
     which is how the padding bookkeeping is tested there."""
 
     def __init__(self, passes: object, *, max_blocks: int, device: torch.device) -> None:
-        self.passes = passes
-        self.graphs = getattr(passes, "graphs", None)
+        self.graphs = getattr(passes, "graphs", None)  # the bucket runner; only it is staged
         if device.type == "cuda" and device.index is None:
             # "cuda" names the current device; the buffers' device has its index (cuda:0), and
             # int_region compares the two: unresolved, no region was ever found on a GPU
