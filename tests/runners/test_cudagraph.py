@@ -142,10 +142,32 @@ def test_forced_capture_failure_leaves_other_widths_served():
     assert not runner.serves(2)
     out = runner.run(_batch(4, "bfloat16", 4).inputs)
     assert (out["drafts"] >= 0).all()
+    _assert_rng_usable()  # regression: the failed capture left the generator "capturing"
     again = GraphRunner(compiled, batch.clone_states())  # a later capture still works
     assert again.widths == (1, 2, 4)
     with pytest.raises(CaptureError):
         GraphRunner(compiled, batch.clone_states(), fail_widths=frozenset({4}), strict=True)
+    _assert_rng_usable()
+
+
+def _assert_rng_usable() -> None:
+    """Eager random ops and a captured one still work on the device (a host engine samples
+    with them): on torch 2.11 a failed capture used to leave the default generator in capture
+    mode, and the next `torch.randn` raised "Offset increment outside graph capture"."""
+    assert torch.randn(64, device="cuda").isfinite().all()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        sample = torch.rand(64, device="cuda")
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    first = sample.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(first, sample)  # the captured draw advances per replay
+    assert torch.randn(64, device="cuda").isfinite().all()
 
 
 @cuda
