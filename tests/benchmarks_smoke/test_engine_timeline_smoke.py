@@ -1,0 +1,45 @@
+"""benchmarks/engine_timeline.py: the idle-time attribution on a hand-made trace (exact numbers),
+and a CPU run of the quick start's engine under the profiler with the wrappers undone after."""
+from benchmarks import engine_timeline as tl
+from draft_circuit.runners.proposer import MtpProposer
+from examples.engine.engine import Engine
+
+
+def _x(name, ts, dur, cat="user_annotation"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
+
+
+def test_idle_gpu_time_is_charged_to_the_innermost_host_phase():
+    events = [
+        _x(tl.STEP, 0, 100), _x("engine._decode", 0, 60), _x("target.forward", 5, 40),
+        _x("engine._end_step", 60, 40), _x("proposer.step_batch", 70, 30),
+        _x("k1", 10, 30, "kernel"), _x("k2", 20, 10, "kernel"),   # busy 10..40 (union)
+        _x("k3", 90, 20, "kernel"),                              # busy 90..100 inside the step
+        _x("cudaGraphLaunch", 85, 4, "cuda_runtime"),
+    ]
+    got = tl.reduce_trace(events)
+    assert got["steps"] == 1 and got["step_wall_us"] == 100
+    assert got["step_gpu_busy_us"] == 40 and got["step_gpu_idle_us"] == 60
+    # idle 0..10: forward covers 5..10 (innermost), _decode 0..5; 40..45 forward; 45..60
+    # _decode; 60..70 _end_step; 70..90 step_batch
+    assert got["idle_under_us_per_step"] == {"proposer.step_batch": 20.0, "engine._decode": 20.0,
+                                            "target.forward": 10.0, "engine._end_step": 10.0}
+    assert got["runtime_per_step"] == {"cudaGraphLaunch": {"calls": 1.0, "host_us": 4.0}}
+
+
+def test_union_and_gaps():
+    busy = tl.union([(5, 7), (1, 3), (2, 4)])
+    assert busy == [(1, 4), (5, 7)]
+    assert tl.idle_gaps(busy, 0, 8) == [(0, 1), (4, 5), (7, 8)]
+    assert tl.overlap(busy, [b[0] for b in busy], 3, 6) == 2
+
+
+def test_cpu_run_reports_both_modes_and_undoes_the_wrappers(tmp_path):
+    generate, step_batch, step = Engine.generate, MtpProposer.step_batch, Engine.step
+    got = tl.main(["--out", str(tmp_path / "t.json"), "--", "--max-new-tokens", "4", "--quiet"])
+    assert [g["mode"] for g in got] == ["speculation", "target-only"]
+    for g in got:
+        assert g["steps"] > 0 and g["step_wall_us"] > 0
+        assert "target.forward" in g["phase_us_median"]
+    assert Engine.generate is generate and MtpProposer.step_batch is step_batch
+    assert Engine.step is step
