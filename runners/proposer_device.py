@@ -21,7 +21,9 @@ latest batch, so a host can launch its verify pass from device tensors with no h
   CPU a runner raised in its run; nothing is copied.
 
 A batch costs four device operations besides the chain's replay (the cat, the verify input's
-token column and clamp, the host copy; three on CPU), whatever n.
+token column and clamp, the host copy), whatever n. On CPU, where the buffers are host memory,
+the first three are numpy copies between views of the same memory (the same bits; a torch op's
+dispatch costs microseconds) and there is no host copy.
 
 The buffers are reused by the next device-resident batch, which settles the previous one first.
 """
@@ -39,10 +41,15 @@ from draft_circuit.runners.input_guard import check_copied_faults, check_runner_
 from draft_circuit.runners.proposer_batch import served
 from draft_circuit.runners.proposer_inputs import check_propose
 from draft_circuit.runners.proposer_state import MtpProposerState, PendingBatch
-from draft_circuit.runners.proposer_readback import FlatViews, WatchedRunners
+from draft_circuit.runners.proposer_readback import FlatViews, HostViews, WatchedRunners
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
+
+
+#: the clamp's bound as a 0-d int32 array (a Python 0 costs the ufunc a scalar conversion)
+_ZERO = np.zeros((), dtype=np.int32)
+_ZERO.flags.writeable = False
 
 
 class DeviceDrafts:
@@ -71,6 +78,13 @@ class DeviceDrafts:
         self._shapes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._host_rows: dict[tuple[int, int], np.ndarray] = {}  # the host copy's [n, k], per shape
         self._flat = FlatViews()  # 1-D views of the chain outputs a fill concatenates
+        # CPU: the fill's three copies as numpy copies between numpy views of the same memory
+        # (a torch op is a dispatch, microseconds; numpy's copy a fraction of one; the same
+        # bits land): the buffers' views per shape, the sources' kept by identity
+        self._verify_np = self.verify.numpy() if self._host_np is not None and not self.cuda \
+            else None
+        self._np_shapes: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._src = HostViews()
         self._spans: dict[int, torch.Tensor] = {}  # flat[:size], per size
         self._host_spans: dict[int, torch.Tensor] = {}  # its host copy's, per size
         for n in range(1, max_width + 1):  # made now, not on a width's first batch
@@ -103,9 +117,12 @@ class DeviceDrafts:
              runners: Sequence[object] = ()) -> None:
         """Copy a chain's outputs into the buffers and, on CUDA, enqueue their copy to the host,
         with the fault records of `runners` (at most two: the chain's, the catch-up's)."""
-        _, _, _, first, rest = self._views(n, k)
         self._rows = (n, k)
         watched = self._watched(runners)
+        if self._verify_np is not None and self._fill_host(out["drafts"], out["confidences"],
+                                                           tokens, n, k):
+            return
+        _, _, _, first, rest = self._views(n, k)
         parts = [self._flat(out["drafts"]), self._flat(out["confidences"], True)]
         size = 2 * n * k
         if self.cuda:
@@ -127,6 +144,33 @@ class DeviceDrafts:
             host.copy_(span, non_blocking=True)
             assert self._copied is not None and self._stream is not None
             self._stream.record(self._copied)
+
+    def _fill_host(self, drafts: torch.Tensor, confidences: torch.Tensor, tokens: torch.Tensor,
+                   n: int, k: int) -> bool:
+        """`fill`'s cat, token column and clamp on CPU, as numpy copies into numpy views of
+        `flat` and `verify` (bit for bit what the torch ops write); False, with nothing to
+        trust written, for outputs numpy cannot view as int32 and float32 (the torch path)."""
+        if drafts.dtype is not torch.int32 or confidences.dtype is not torch.float32 \
+                or tokens.dtype is not torch.int32:
+            return False
+        views = self._np_shapes.get((n, k))
+        if views is None:
+            assert self._host_np is not None and self._verify_np is not None
+            rows = self._verify_np[:n * (k + 1)].reshape(n, k + 1)
+            views = self._np_shapes[(n, k)] = (
+                self._host_np[:n * k].reshape(n, k),
+                self._host_np[n * k:2 * n * k].reshape(n, k), rows[:, 0], rows[:, 1:])
+        to_drafts, to_bits, to_first, to_rest = views
+        try:  # a CPU tensor numpy cannot view (one autograd tracks, say): the torch path
+            d, c, t = self._src(drafts), self._src(confidences), self._src(tokens)
+        except (RuntimeError, TypeError):
+            return False
+        # (item assignment: a third of np.copyto's call cost)
+        to_drafts[...] = d
+        to_bits[...] = c.view(np.int32)  # the float32 bits, as the cat's int32 view
+        to_first[...] = t
+        np.maximum(d, _ZERO, out=to_rest)  # torch.clamp(drafts, min=0)
+        return True
 
     def check_faults(self) -> None:
         """After the latest batch's read: raise a bad row its runners' records showed (CUDA: the

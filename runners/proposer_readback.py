@@ -9,7 +9,7 @@ once the drafts are read; with every record clear nothing else is asked. On CPU 
 copied: the outputs' numpy views are handed back (a CPU runner raised in its run).
 
 `FlatViews` keeps 1-D int32 views of tensors a caller gets back run after run, for the cats
-here and in runners/proposer_device.py.
+here and in runners/proposer_device.py; `HostViews` their numpy views on CPU.
 """
 from __future__ import annotations
 
@@ -48,6 +48,27 @@ class FlatViews:
         return x
 
 
+class HostViews:
+    """`t.numpy()` of CPU tensors a caller gets back run after run (a staged runner's outputs,
+    the staging's token rows: the same tensors every run), kept by the tensor's id and checked
+    by identity (held here, so the id stays its own): `.numpy()` costs a microsecond a call.
+    A runner that hands back new tensors each run (the oracle) gets fresh views, the kept
+    ones dropped past 8."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+    def __call__(self, t: torch.Tensor) -> np.ndarray:
+        hot = self._views.get(id(t))
+        if hot is not None and hot[0] is t:
+            return hot[1]
+        if len(self._views) >= 8:
+            self._views.clear()
+        view = t.numpy()
+        self._views[id(t)] = (t, view)
+        return view
+
+
 class WatchedRunners:
     """The runners whose fault records a read copies: the distinct ones among the first two
     given (`runners`), their records (`records`, in order) and those that keep none
@@ -81,8 +102,8 @@ class ReadBack:
         self.cuda = device.type == "cuda"
         w = width
         # CPU: numpy views of the output tensors a run hands back (a staged runner's are its
-        # own buffers, the same tensors every run; `.numpy()` costs a microsecond each)
-        self._host_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        # own buffers, the same tensors every run)
+        self._host_view = HostViews()
         self._records: dict[int, tuple[weakref.ref[object], np.ndarray | None]] = {}
         k2 = 2 * max(max_drafts, 1)
         # drafts and confidences, then up to two runners' fault records (chain and catch-up)
@@ -114,18 +135,6 @@ class ReadBack:
         if len(self._records) >= 8:
             self._records.clear()
         self._records[id(runner)] = (ref, view)
-        return view
-
-    def _host_view(self, t: torch.Tensor) -> np.ndarray:
-        """`t.numpy()` of a CPU tensor, kept for the next run that hands back the same tensor
-        (held here, so its id stays its own while the entry lives)."""
-        hot = self._host_views.get(id(t))
-        if hot is not None and hot[0] is t:
-            return hot[1]
-        if len(self._host_views) >= 8:  # a runner that hands back new tensors (the oracle)
-            self._host_views.clear()
-        view = t.numpy()
-        self._host_views[id(t)] = (t, view)
         return view
 
     def read(self, drafts: torch.Tensor, confidences: torch.Tensor,
