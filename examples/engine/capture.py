@@ -2,12 +2,15 @@
 
 The target circuit is compiled for power-of-two row counts (buckets) up to max_rows; a pass of
 n rows runs on the smallest bucket >= n, its extra rows inert (never split: one sequence's rows
-must run in order). Buckets up to `graph_rows` carry the decode and verify passes (a batch's
-[last token, drafts...] rows): on CUDA each is one CUDA graph, captured once, all in one pool,
-so a decode step of the target is one replay, as the drafter's is. Wider buckets carry prefill
-chunks: they run the same compiled program (the same kernels, the same bits per row) launched
-from the host, uncaptured, which costs little beside a prefill's work and keeps the graphs (and
-their pool) to the widths a step uses. On CPU both are the program runner.
+must run in order). Buckets up to `graph_rows` (by default every bucket of the engine's default
+max_rows) are CUDA graphs on CUDA, captured once, all in one pool: a decode, verify or prefill
+pass is one replay. A bucket past graph_rows runs the same compiled program (the same kernels,
+the same bits per row) launched from the host, uncaptured: every launch then pays Triton's
+Python launch path, about 60 us a kernel on the H100, so a 12-layer target's ~90-launch pass
+took ~6 ms uncaptured against ~0.6 ms replayed (benchmarks/engine_timeline.py, 2026-12-06: the
+quick start's prefills were a third of its speculative wall time). Capturing the wide buckets
+costs little: the arena is sized for max_rows whatever is captured, so the graph pool grows by
+the kernels' few allocations only. On CPU both are the program runner.
 
 `TargetPasses` is the `DraftRunner` the target model calls; `captured(n)` says which way n runs.
 """
@@ -24,8 +27,9 @@ from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.protocol import WidthPlan
 
-#: decode / verify passes take batch x (k + 1) rows: 128 covers --max-batch 16 at k = 7
-GRAPH_ROWS = 128
+#: buckets up to this many rows are captured: the engine's default max_rows (EngineConfig), so
+#: prefills replay too; a wider max_rows runs its widest buckets uncaptured
+GRAPH_ROWS = 1024
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -82,7 +86,7 @@ class TargetPasses:
         return True
 
     def captured(self, n: int) -> bool:
-        """Whether a pass of n rows replays a CUDA graph (False on CPU, and for prefill buckets)."""
+        """Whether a pass of n rows replays a CUDA graph (False on CPU, and past graph_rows)."""
         return self.device.type == "cuda" and self.serves(n) and self._runner(n) is self.graphs
 
     def plan(self, n: int) -> WidthPlan:

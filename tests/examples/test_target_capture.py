@@ -1,5 +1,6 @@
-"""The compiled target's passes (examples/engine/capture.py, issue 20 item 4): decode / verify
-buckets on CUDA graphs, prefill buckets uncaptured on the same program. On CPU: which bucket
+"""The compiled target's passes (examples/engine/capture.py, issue 20 item 4): buckets up to
+graph_rows on CUDA graphs (by default every bucket: prefills replay too), wider ones uncaptured
+on the same program. On CPU: which bucket
 serves a pass, and that the split between the two runners changes no bit. On the GPU
 (`pytest -m cuda`): the captured target equals the uncaptured one bitwise (tokens, hiddens,
 every KV row) and a replay allocates nothing."""
@@ -96,6 +97,17 @@ def test_captured_target_equals_uncaptured_bitwise(weights, dtype):
     assert all(captured.runner.captured(n) for n in range(1, 17))
     assert not captured.runner.captured(17) and not any(plain.runner.captured(n) for n in range(1, 65))
     _assert_same(_run_all(captured), _run_all(plain))
+
+
+@cuda
+def test_by_default_every_bucket_prefills_included_is_a_graph(weights):
+    """Regression (2026-12-06, benchmarks/engine_timeline.py on the H100): prefill buckets ran
+    uncaptured, ~60 us of Triton's Python launch path a kernel, a third of the quick start's
+    speculative wall time. The default captures them, and changes no bit."""
+    default = TargetModel(SMALL, weights, KV, max_rows=64, device="cuda", dtype=torch.bfloat16,
+                          forward="circuit")
+    assert all(default.runner.captured(n) for n in range(1, 65)) and default.runner.wide is None
+    _assert_same(_run_all(default), _run_all(model(weights, "cuda", 0, torch.bfloat16)))
 
 
 @cuda
