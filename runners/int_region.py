@@ -91,12 +91,18 @@ class IntMirror:
         (`tables[slots[i]]`, or `tables[i]` with slots None), every row past n neutral: only
         what differs from the latest fill (a numpy call costs about a microsecond whatever it
         writes)."""
-        for dst, v in zip(self.values, values):
-            dst[:n] = v
-        if slots is None:
-            self.tables[:n] = tables
+        if n == 1 and slots is not None:  # one row (a decode step at n = 1): scalar writes
+            # and one row copy, a fraction of the slice writes' and take's call costs
+            for dst, v in zip(self.values, values):
+                dst[0] = v[0]  # type: ignore[index]
+            self.tables[0] = tables[slots[0]]
         else:
-            tables.take(slots, axis=0, out=self.tables[:n])
+            for dst, v in zip(self.values, values):
+                dst[:n] = v
+            if slots is None:
+                self.tables[:n] = tables
+            else:
+                tables.take(slots, axis=0, out=self.tables[:n])
         filled = self.filled
         if filled == n:
             return

@@ -227,11 +227,12 @@ def trim_after_verify(state: MtpProposerState, num_accepted: int, *, kv_exact: b
 
 def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: Sequence[int],
                             states: Sequence[MtpProposerState], *, kv_exact: bool,
-                            refeed: bool) -> np.ndarray:
+                            refeed: bool) -> list[int] | np.ndarray:
     """`trim_after_verify` for many states at once (their `slots`), as array operations: every
     count is checked first (the first bad one raises the same error, nothing trimmed), then
     each awaiting state trims `rows_to_trim` rows and moves its key back as far (both saturate
-    at 0); a state not awaiting its verify trims nothing. Returns the counts trimmed."""
+    at 0); a state not awaiting its verify trims nothing. Returns the counts trimmed (a list
+    up to SMALL_BATCH states, else an array)."""
     n = len(slots)
     if n <= SMALL_BATCH and len(num_accepted) == n:  # a few states: the scalar rule, each
         rows = table.gather(slots)  # one gather; Python ints from here on
@@ -247,18 +248,21 @@ def trim_after_verify_batch(table: SlotTable, slots: np.ndarray, num_accepted: S
                 trim = max(c[DRAFTED], 1) - 1
             else:
                 trim = rows_to_trim(c[DRAFTED], a, kv_exact=False, refeed=refeed)
-            if trim:
-                c[ROWS] = max(c[ROWS] - trim, 0)
-                c[KEY] = max(c[KEY] - trim, 0)
             trims.append(trim)
-            c[AWAITING] = 0
-        if n <= FEW:
-            table.scatter(slots, rows)  # a row a slot
+        if n <= FEW:  # the three changed columns of a slot as numpy scalar writes (a tenth of
+            # a microsecond each; a whole row's write converts a list, several times that)
+            rows_c, key_c, awaiting_c = table.rows, table.pair_key, table.awaiting
+            for slot, c, trim in zip(slots.tolist(), rows, trims):
+                if trim:
+                    rows_c[slot] = max(c[ROWS] - trim, 0)
+                    key_c[slot] = max(c[KEY] - trim, 0)
+                awaiting_c[slot] = 0
         else:  # the columns a trim changes, a write each
-            table.put(slots, ROWS, [c[ROWS] for c in rows])
-            table.put(slots, KEY, [c[KEY] for c in rows])
+            table.put(slots, ROWS, [max(c[ROWS] - t, 0) for c, t in zip(rows, trims)])
+            table.put(slots, KEY, [max(c[KEY] - t, 0) if t else c[KEY]
+                                   for c, t in zip(rows, trims)])
             table.awaiting[slots] = 0
-        return np.array(trims, dtype=np.int64)
+        return trims
     # every column read and written through its 1-D view (numpy's fast path for one index
     # array; a 2-D fancy gather or scatter costs several times as much)
     drafted = table.drafted[slots]
