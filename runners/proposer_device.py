@@ -230,7 +230,7 @@ def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens
     (`mine`: `p`'s states, settled and distinct, at `slots`; the inputs `check_propose`'s,
     `mask` the bitmask it returned): the chain, the buffers' fill and the pending batch."""
     n, dev = len(last_tokens), p.device_drafts
-    drafts, confs = dev.drafts(n, num_drafts), dev.confidences(n, num_drafts)
+    drafts, confs = dev._views(n, num_drafts)[:2]
     if num_drafts == 0:  # every row drafts nothing
         p.slots.record(slots, np.zeros((n, 0), np.int64), p.slots.rows[slots],
                        np.fromiter(positions, dtype=np.int64, count=n))
@@ -241,10 +241,14 @@ def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens
     out, rows = p._run_chain(last_tokens, target_hiddens, positions, num_drafts, mine, mask, slots)
     chain = p.chains.get(num_drafts, mask is not None)
     dev.fill(out, p.staging.tokens(n), n, num_drafts, (chain, p.chains.kv_only()[0]))
-    batch = PendingBatch(drafts, np.asarray(rows, dtype=np.int64), list(positions), mine, slots,
-                         p.slots, read=dev.read, check=dev.check_faults)
-    p.slots.pending[slots] = batch  # every state settles with the batch (each held none before:
-    p.slots.num_pending += n        # the caller settled them)
+    batch = PendingBatch(drafts, rows, list(positions), mine, slots, p.slots, read=dev.read,
+                         check=dev.check_faults)
+    # every state settles with the batch (each held none before: the caller settled them)
+    if n == 1:  # a scalar write: a fraction of a fancy assignment's cost
+        p.slots.pending[slots[0]] = batch
+    else:
+        p.slots.pending[slots] = batch
+    p.slots.num_pending += n
     dev.batch = batch
     p.last_served = served(p, chain.plan(n).kind, n)
     return drafts, confs

@@ -127,7 +127,7 @@ def record_drafts(state: MtpProposerState, drafts: list[int], rows: int, positio
     state.awaiting_verify = True
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PendingBatch:
     """A device-resident propose_batch not yet read: its drafts [n, k] on the device, each row's
     slot, rows before the run and position. The first call that touches any of its states
@@ -135,7 +135,7 @@ class PendingBatch:
     one sync) and one `SlotTable.record`."""
 
     drafts: torch.Tensor
-    rows: np.ndarray
+    rows: Sequence[int] | np.ndarray  # a few rows: the run's list as it came (no array made)
     positions: Sequence[int]
     states: list[MtpProposerState]  # kept alive (their slots stay theirs) until settled
     slots: np.ndarray
@@ -161,9 +161,12 @@ class PendingBatch:
             slots, rows, positions = self.slots, self.rows, self.positions
         else:  # a state freed or handed over since has nothing to record
             mine = np.asarray(t.pending[self.slots] == self, dtype=np.bool_)  # identity
-            slots, drafts, rows = self.slots[mine], drafts[mine], self.rows[mine]
+            slots, drafts, rows = self.slots[mine], drafts[mine], np.asarray(self.rows)[mine]
             positions = np.asarray(self.positions)[mine]
-        t.pending[slots] = None
+        if len(slots) == 1:  # a scalar write: a fraction of a fancy assignment's cost
+            t.pending[slots[0]] = None
+        else:
+            t.pending[slots] = None
         t.num_pending -= len(slots)
         kept = t.record(slots, drafts, rows, positions)
         if self.check is not None:
