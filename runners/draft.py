@@ -111,7 +111,10 @@ class CircuitDraftRunner:
         # split results are gathered here: one buffer per output at the max width
         self._gathered = {k: torch.empty_like(v) for k, v in out.items()}
         self._host_sync_free = torch.device(compiled.device).type == "cpu"
-        self._fault_word: np.ndarray | None = None  # the CPU fault record's numpy view (run)
+        # the CPU fault record's numpy view (run's check of a clear record; None: ask the guard)
+        record = self.fault_record()
+        self._fault_word: np.ndarray | None = record.numpy() \
+            if record is not None and record.device.type == "cpu" else None
         self._last: tuple[int, WidthPlan] | None = None  # the latest run: to place a fault's row
         # staged_inputs' read-only views and the outputs of a staged run, per width (made once)
         self._staged: dict[int, MappingProxyType[str, torch.Tensor]] = {}
@@ -184,17 +187,11 @@ class CircuitDraftRunner:
 
     def _check_faults_host(self) -> None:
         """`check_faults` after a run on CPU, where the record is host memory: a clear record
-        (word 0 zero) is told by one read of its numpy view, kept from the first call (the
+        (word 0 zero) is told by one read of its numpy view, made at construction (the
         guard's one tensor, cleared in place, never replaced); anything else asks
         `check_faults` (a fault, or a backend without a record)."""
         word = self._fault_word
-        if word is None:
-            record = self.fault_record()
-            if record is None or record.device.type != "cpu":
-                self.check_faults()
-                return
-            word = self._fault_word = record.numpy()
-        if word[0]:
+        if word is None or word[0]:
             self.check_faults()
 
     def fault_record(self) -> torch.Tensor | None:

@@ -178,8 +178,8 @@ def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor]
         return False, None
     if 0 < len(hiddens) <= SMALL_BATCH:  # a few sequences: a bounded loop costs less
         for ts, hs in zip(tokens, hiddens):
-            if type(hs) is not torch.Tensor or hs.dim() != 2 or hs.shape[1] != hidden_size \
-                    or hs.shape[0] != len(ts):
+            # a torch.Size is a tuple: rank, rows and width in one comparison
+            if type(hs) is not torch.Tensor or hs.shape != (len(ts), hidden_size):
                 return False, None
         flat = list(chain.from_iterable(tokens))
         ok = plain_ints(flat) and (not flat or (min(flat) >= 0 and max(flat) < vocab))

@@ -53,7 +53,8 @@ def step_all(p: "MtpProposer", num_accepted: Sequence[int],
         for s in states:
             p._own(s)  # names the first state that is not this proposer's (after_verify's error)
     assert slots is not None
-    settle_held(p, states, slots)  # the verified drafts' counts, when no last_drafts read them
+    if t.num_pending:  # the verified drafts' counts, when no last_drafts read them
+        settle_held(p, states, slots)
     if not t.distinct(slots) and len(set(map(id, states))) != n:
         raise ProposerError("step_batch: a state appears twice (it would be trimmed, caught up "
                             "and drafted twice for one verify)")
@@ -61,14 +62,16 @@ def step_all(p: "MtpProposer", num_accepted: Sequence[int],
     # every check before any change: the catch-up's, the propose's (when served: a refused
     # batch's inputs are never read, as propose_batch_on_device's are not), then the counts
     # the trim checks before it trims
+    head = p.head
+    config, width = head.config, head.hidden_in_size
     ids = check_catchup_counts(catchup_tokens, catchup_hiddens, catchup_first, states,
-                               hidden_size=p.head.hidden_in_size, vocab=p.head.config.vocab_size,
-                               distinct=True, what="step_batch")
+                               hidden_size=width, vocab=config.vocab_size, distinct=True,
+                               what="step_batch")
     reason = width_refusal(p, n, num_drafts, False) if n else "an empty batch (width 0)"
     if reason is None:
         check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, None,
-                      num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
-                      hidden_size=p.head.hidden_in_size, distinct=True)
+                      num_drafts_max=p.num_drafts, config=config, device=p.device,
+                      hidden_size=width, distinct=True)
     trim_after_verify_batch(t, slots, num_accepted, mine, kv_exact=p.kv_exact, refeed=p.refeed)
     # a sequence with no rows to catch up writes none (as one left out of catchup_batch)
     if any(map(len, catchup_tokens)):
