@@ -27,16 +27,26 @@ Rows = tuple[Sequence, list[int], torch.Tensor, int]
 class Verified:
     """What a decode step's verify leaves the draft side, per sequence of the step (finished
     ones too: the draft side skips them, they are freed first): its kept drafts, how many the
-    target accepted, the position it drafted from (its last token's before the step) and the
-    target hiddens the step knows from the one before that on: `before` (the hidden that made
-    the step's first token, at `proposed - 1`), then `after` (the verify's rows, [k + 1, H])."""
+    target accepted, the tokens the step kept (`Sequence.append`'s), the position it drafted
+    from (its last token's before the step) and the target hiddens the step knows from the one
+    before that on: `before` (the hidden that made the step's first token, at `proposed - 1`),
+    then its k + 1 verify rows, `hidden[starts[i]:]` of the pass's one tensor [rows, H]."""
     seqs: list[Sequence]
     drafts: list[list[int]]
     accepted: list[int]
+    hidden: torch.Tensor
+    starts: list[int]
+    kept: list[list[int]] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
     before: list[torch.Tensor | None] = field(default_factory=list)  # None only before a prefill
-    after: list[torch.Tensor] = field(default_factory=list)
     prefill: list[Rows] = field(default_factory=list)  # prompts merged into the pass (host path)
+    _no_rows: torch.Tensor | None = None
+
+    def no_rows(self) -> torch.Tensor:
+        """[0, H] on the hiddens' device: every sequence with no catch-up row shares it."""
+        if self._no_rows is None:
+            self._no_rows = self.hidden[:0]
+        return self._no_rows
 
 
 @dataclass
@@ -96,24 +106,24 @@ def missing_rows(v: Verified, i: int, key: int | None) -> Rows:
     """The drafter rows sequence i's next propose needs and the drafter lacks, found from its
     pair key after the step's trim as a host of the reference does: the next row is at
     key + 2, the last at the new last token's position - 1, and the row at p pairs the token
-    at p with the target hidden at p - 1. The hiddens known are [before, *after] from
-    `proposed - 1` on; a slice of `after` where the rows start past `before` (the exact-KV
-    steady state: no copy)."""
+    at p with the target hidden at p - 1. The hiddens known are [before, *its verify rows]
+    from `proposed - 1` on; one slice of the pass's hiddens where the rows start past `before`
+    (the exact-KV steady state: no copy), the shared empty one where there are none."""
     s, known_from = v.seqs[i], v.proposed[i] - 1
     first, last = (key + 2 if key is not None else 1), s.position - 1
-    lo, hi = first - 1 - known_from, last - known_from  # into [before, *after]
+    lo, hi = first - 1 - known_from, last - known_from  # into [before, *rows]
     if lo < 0:
         raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "
                            f"but this step holds target hiddens from {known_from} on")
-    after = v.after[i]
+    at = v.starts[i]
     if hi <= lo:
-        hiddens = after[:0]
+        hiddens = v.no_rows()
     elif lo:
-        hiddens = after[lo - 1:hi - 1]
+        hiddens = v.hidden[at + lo - 1:at + hi - 1]
     else:
         before = v.before[i]
         assert before is not None  # a decoding sequence has the hidden its last token came from
-        hiddens = torch.cat([before.view(1, -1), after[:hi - 1]])
+        hiddens = torch.cat([before.view(1, -1), v.hidden[at:at + hi - 1]])
     return (s, s.tokens[first:last + 1], hiddens, first)
 
 

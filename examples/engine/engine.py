@@ -112,6 +112,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, max_blocks,
                                    max_batch=config.max_batch, num_drafts=self.k)
         self.stats = Stats()
+        self._cuda = torch.device(config.device).type == "cuda"  # read twice a step
         self._ahead: Ahead | None = None  # the next step's drafts, proposed at this one's end
 
     def _proposer(self, checkpoint: Checkpoint, kv: KvLayout) -> MtpProposer:
@@ -220,6 +221,7 @@ class Engine:
             t0 = time.perf_counter()
             self._end_step(verified)
             self.stats.draft_s += time.perf_counter() - t0
+            self._account(verified)  # behind the next GPU work's launch
 
     #: on the device path, draft the next step in the call that trims and catches up this one
     #: (`MtpProposer.step_batch`) when its batch is known; False: the separate calls (a test
@@ -294,14 +296,15 @@ class Engine:
     device_drafts: bool | None = None
 
     def _on_device(self, n: int) -> bool:
-        on = self.device_drafts if self.device_drafts is not None \
-            else torch.device(self.config.device).type == "cuda"
+        on = self.device_drafts if self.device_drafts is not None else self._cuda
         return on and n * (self.k + 1) <= self.target.model.max_rows  # one target pass
 
     def _decode(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> Verified:
         """Draft (or take the drafts the last step proposed ahead), verify [last token,
-        drafts...] of every sequence in one target pass, accept, and update the sequences; the
-        drafter's trims and catch-up are `step`'s, after the finishes (`_end_step`).
+        drafts...] of every sequence in one target pass, accept, and update what the draft
+        side's launch reads (tokens, finishes, hiddens); the drafter's trims and catch-up are
+        `step`'s, after the finishes (`_end_step`), and the rest of the step's bookkeeping
+        (target KV rows, statistics) follows that launch (`_account`).
         `prefill`: admitted sequences whose prompts ride in the same pass, after the verify
         rows (host path only); their drafter rows join the step's catch-up call.
 
@@ -326,36 +329,48 @@ class Engine:
             drafts = (draft_each if on_device else draft)(self.proposer, seqs, self.k,
                                                           self.stats.draft_batches)
             t1 = time.perf_counter()
-            outs = self.target.run([*seqs, *prefill], [[s.last_token, *d] for s, d in zip(seqs, drafts)]
-                                   + [s.request.prompt for s in prefill])
-            outs, prefilled = outs[:len(seqs)], outs[len(seqs):]
+            out = self.target.run_pass([*seqs, *prefill],
+                                       [[s.last_token, *d] for s, d in zip(seqs, drafts)]
+                                       + [s.request.prompt for s in prefill])
+            prefilled = [out.rows_out(i) for i in range(len(seqs), len(seqs) + len(prefill))]
         else:
             t1 = time.perf_counter()
-            outs = self.target.verify_on_device(seqs, tokens, self.k)
+            out = self.target.verify_on_device(seqs, tokens, self.k)
             drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()
-        v = Verified(seqs, drafts, [accept(d, out.tokens) for d, out in zip(drafts, outs)],
+        v = Verified(seqs, drafts, [], out.hidden, out.starts,
                      prefill=self._prefilled(prefill, prefilled))
-        eos = self.checkpoint.eos_token_id
-        for s, d, out, a in zip(seqs, drafts, outs, v.accepted):
+        eos, hidden, kept = self.checkpoint.eos_token_id, out.hidden, v.kept
+        # only what the draft side's next launch reads (tokens, hiddens, finishes): the rest of
+        # the step's bookkeeping waits until it is launched (`_account`)
+        for s, d, greedy, at in zip(seqs, drafts, out.tokens, out.starts):
+            a = accept(d, greedy)
+            v.accepted.append(a)
             # the target hiddens this step knows, from position - 1 (the one drafted from) on
             v.proposed.append(s.position)
             v.before.append(s.hidden)
-            v.after.append(out.hiddens)
-            # rows of the last token and the accepted drafts are the target's; rejected rows'
-            # KV is dead and gets overwritten by the next verify
-            s.blocks.set_rows(s.num_cached + a + 1)
-            s.hidden = out.hiddens[a]
-            room = s.request.max_new_tokens - len(s.generated)
-            kept = s.append([*d[:a], out.tokens[a]], eos)
-            self.stats.generated += len(kept)
-            self.stats.verifies += 1
-            drafted, accepted_now = usable(len(d), a, room, kept, eos)  # issue 20 item 3
-            self.stats.drafted += drafted
-            self.stats.accepted += accepted_now
+            s.hidden = hidden[at + a]
+            kept.append(s.append([*d[:a], greedy[a]], eos))
         self.stats.draft_s += t1 - t0
         self.stats.target_s += t2 - t1
         return v
+
+    def _account(self, v: Verified) -> None:
+        """The step's bookkeeping no launch waits for, after the draft side launched: the
+        target's KV rows (the last token's and the accepted drafts' are the target's; rejected
+        rows' KV is dead, overwritten by the next verify; a finished sequence's table is gone)
+        and the statistics."""
+        eos, stats = self.checkpoint.eos_token_id, self.stats
+        for s, d, a, kept, proposed in zip(v.seqs, v.drafts, v.accepted, v.kept, v.proposed):
+            if not s.finished:
+                s.blocks.set_rows(proposed + a + 1)  # num_cached before the step: proposed
+            stats.generated += len(kept)
+            stats.verifies += 1
+            # the room before the step: what it generated before, all taken from its request
+            room = s.request.max_new_tokens - (s.num_generated - len(kept))
+            drafted, accepted_now = usable(len(d), a, room, kept, eos)  # issue 20 item 3
+            stats.drafted += drafted
+            stats.accepted += accepted_now
 
     def _decode_plain(self, seqs: list[Sequence], prefill: Seq[Sequence] = ()) -> None:
         """One target pass of every sequence's last token (and `prefill`'s prompts after them)."""

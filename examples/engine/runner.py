@@ -37,6 +37,23 @@ class RowsOut:
     hiddens: torch.Tensor   # [rows, H], final-norm hiddens (on the target's device)
 
 
+@dataclass
+class PassOut:
+    """A target pass over several sequences: sequence i's greedy token after each of its rows,
+    and the pass's drafter hiddens [rows, H] (on the target's device, the caller's to keep),
+    sequence i's rows from starts[i] on. Kept whole: a view a sequence is host dispatch (on
+    CUDA a few us each, in the step's bubble), so a step slices only the rows it uses."""
+
+    tokens: list[list[int]]
+    hidden: torch.Tensor
+    starts: list[int]
+
+    def rows_out(self, i: int) -> RowsOut:
+        """Sequence i's slice (its hiddens a view of the pass's)."""
+        at = self.starts[i]
+        return RowsOut(self.tokens[i], self.hidden[at:at + len(self.tokens[i])])
+
+
 class TargetRunner:
     def __init__(self, model: TargetModel) -> None:
         self.model = model
@@ -44,6 +61,11 @@ class TargetRunner:
     def run(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> list[RowsOut]:
         """One logical pass over every sequence's new tokens (split into passes of at most
         max_rows rows, in row order, so a later chunk sees the KV an earlier one wrote)."""
+        out = self.run_pass(seqs, new_tokens)
+        return [out.rows_out(i) for i in range(len(seqs))]
+
+    def run_pass(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> PassOut:
+        """`run`, its hiddens left as the pass's one tensor (`PassOut`): no view a sequence."""
         counts = [len(t) for t in new_tokens]
         total = sum(counts)
         positions, row_tables = self._rows(seqs, counts)
@@ -60,12 +82,13 @@ class TargetRunner:
             tokens += t
             hiddens.append(h)
         hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
-        out, offset = [], 0
-        for seq, toks in zip(seqs, new_tokens):
-            _check_finite(seq, tokens[offset:offset + len(toks)])
-            out.append(RowsOut(tokens[offset:offset + len(toks)], hidden[offset:offset + len(toks)]))
-            offset += len(toks)
-        return out
+        per_seq, starts, offset = [], [], 0
+        for seq, c in zip(seqs, counts):
+            _check_finite(seq, tokens[offset:offset + c])
+            per_seq.append(tokens[offset:offset + c])
+            starts.append(offset)
+            offset += c
+        return PassOut(per_seq, hidden, starts)
 
     def _rows(self, seqs: list[Sequence], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Each row's RoPE position (its live rows too) and block table for sequence i's
@@ -86,24 +109,25 @@ class TargetRunner:
         return positions, np.repeat(tables, counts, axis=0)
 
     def verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor,
-                         num_drafts: int) -> list[RowsOut]:
+                         num_drafts: int) -> PassOut:
         """The target pass over every sequence's k + 1 rows [last token, k drafts], its tokens
         a device tensor (the proposer's verify input, row i's at i*(k+1)..): the rows `run`
         would build for the same tokens (row j of a sequence at position and live rows
         num_cached + j), with only positions and tables from the host. A row whose logits are
-        all non-finite raises as there (FAULTS 27)."""
+        all non-finite raises as there (FAULTS 27). Per sequence only its greedy tokens (a list
+        slice); its hiddens stay rows of the pass's one tensor (no view a sequence: on CUDA
+        each is host dispatch in the step's bubble)."""
         k1 = num_drafts + 1
         positions, row_tables = self._rows(seqs, [k1] * len(seqs))
         pos = torch.from_numpy(positions)
         greedy, hidden = self.model.forward(
             TargetRows(tokens=tokens, positions=pos, block_tables=torch.from_numpy(row_tables),
                        live_rows=pos))
-        outs = []
-        for i, s in enumerate(seqs):
-            toks = greedy[i * k1:(i + 1) * k1]
-            _check_finite(s, toks)
-            outs.append(RowsOut(toks, hidden[i * k1:(i + 1) * k1]))
-        return outs
+        if -1 in greedy:  # one scan of the pass; the sequence and row named as `run` names them
+            i = greedy.index(-1) // k1
+            _check_finite(seqs[i], greedy[i * k1:(i + 1) * k1])
+        return PassOut([greedy[i:i + k1] for i in range(0, len(greedy), k1)], hidden,
+                       list(range(0, len(greedy), k1)))
 
 
 def _check_finite(seq: Sequence, tokens: list[int]) -> None:

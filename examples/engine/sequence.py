@@ -55,14 +55,19 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt:]
 
+    @property
+    def num_generated(self) -> int:
+        """len(generated), without copying the tokens."""
+        return len(self.tokens) - len(self.request.prompt)
+
     def append(self, new: list[int], eos: int | None) -> list[int]:
         """Append what a step produced, cut at max_new_tokens or after an EOS; returns the kept
         tokens (a speculative step may produce more than the request still wants)."""
-        room = self.request.max_new_tokens - len(self.generated)
+        room = self.request.max_new_tokens - self.num_generated
         kept = new[:room]
         if eos is not None and eos in kept:
             kept = kept[:kept.index(eos) + 1]
             self.finished = True
         self.tokens += kept
-        self.finished |= len(self.generated) >= self.request.max_new_tokens
+        self.finished |= len(kept) >= room
         return kept

@@ -24,12 +24,12 @@ def run(path, *, merge: bool, device_drafts: bool | None = None, **config):
     engine.merge_prefill = merge
     engine.device_drafts = device_drafts
     passes: list[list[bool]] = []
-    target_run = engine.target.run
+    target_run = engine.target.run_pass  # every host-built pass: `run` and the verify's own
 
     def recorded(seqs, new_tokens):
         passes.append([s.num_cached == 0 for s in seqs])
         return target_run(seqs, new_tokens)
-    engine.target.run = recorded
+    engine.target.run_pass = recorded
     return engine.generate(REQUESTS).outputs, engine, passes
 
 
