@@ -26,7 +26,10 @@ draft (tests/examples/test_engine_step_batch.py's `forced_accept`): random heads
 nothing, so without it no step has rows to catch up, unlike a trained drafter's (the output is
 then not greedy's; the host's work is a trained drafter's). Per mode and width: the median over
 repeats of each repeat's median host us per steady step (not the first step, its prefill's,
-nor the last), the range, ops and proposer calls per step.
+nor the last), the range, ops and proposer calls per step, and the bubble: the median host time
+from a verify's read returning (`TargetModel.forward`) to the next program launch (on the
+device path step_batch's first replay; on a GPU the time it idles between the two, the
+window issue 20 shrinks).
 
     python3 -m benchmarks.engine_step_host --widths 1,4,8 --repeats 5 --accept forced
 """
@@ -78,16 +81,24 @@ def one_run(path: Path, width: int, ahead: bool, k: int, new_tokens: int,
     assert p is not None
     counter = OpCounter(torch.device("cpu")) if count_ops else None
 
-    def timed(real: Callable[..., Any]) -> Callable[..., Any]:
+    read_at: list[float | None] = [None]  # when the last verify's read returned
+    bubbles: list[float] = []  # each: host time from that read to the next program launch
+
+    def timed(real: Callable[..., Any], verify: bool = False) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             where = counter.where if counter is not None else None
             if counter is not None:
                 counter.where = None  # a program's own ops are not the host's
             t = time.thread_time()
+            if not verify and read_at[0] is not None:
+                bubbles.append(t - read_at[0])
+                read_at[0] = None
             try:
                 return real(*args, **kwargs)
             finally:
                 inside[0] += time.thread_time() - t
+                if verify:
+                    read_at[0] = time.thread_time()
                 if counter is not None:
                     counter.where = where
         return call
@@ -97,7 +108,7 @@ def one_run(path: Path, width: int, ahead: bool, k: int, new_tokens: int,
             calls[name] += 1
             return real(*args, **kwargs)
         return call
-    engine.target.model.forward = timed(engine.target.model.forward)  # type: ignore[method-assign]
+    engine.target.model.forward = timed(engine.target.model.forward, True)  # type: ignore[method-assign]
     for runner in p.chains.runners():
         backend = getattr(runner, "backend", None)
         if backend is not None and hasattr(backend, "execute"):
@@ -132,6 +143,8 @@ def one_run(path: Path, width: int, ahead: bool, k: int, new_tokens: int,
     for _, _, c, _ in steady:
         per_step.update(c)
     return {"host_us": statistics.median((t - prog) * 1e6 for t, prog, _, _ in steady),
+            # the first's is the prefill's, the last's (no launch after it) never ends
+            "bubble_us": statistics.median(b * 1e6 for b in bubbles[1:] or [0.0]),
             "ops": statistics.median(ops for *_, ops in steady),
             "steps": len(steps),
             "calls_per_step": {k: v / len(steady) for k, v in sorted(per_step.items())}}
@@ -164,16 +177,18 @@ def main(argv: list[str] | None = None) -> None:
                     rows[m][w].append(one_run(path, w, MODES[m], args.num_drafts, args.new_tokens))
     out: dict[str, Any] = {"device": "cpu", "num_drafts": args.num_drafts, "accept": args.accept,
                            "results": {}}
-    print(f"{'mode':<10}{'n':>4}{'host us/step':>14}{'range':>18}{'ops/step':>10}  calls/step")
+    print(f"{'mode':<10}{'n':>4}{'host us/step':>14}{'range':>18}{'bubble us':>11}{'ops/step':>10}"
+          "  calls/step")
     for m in modes:
         for w in widths:
             got = [x["host_us"] for x in rows[m][w]]
             res = {"median_us": statistics.median(got), "min_us": min(got), "max_us": max(got),
+                   "bubble_us": statistics.median(x["bubble_us"] for x in rows[m][w]),
                    "ops_per_step": ops[m][w], "calls_per_step": rows[m][w][0]["calls_per_step"]}
             out["results"].setdefault(m, {})[w] = res
             calls = " ".join(f"{k}={v:.2f}" for k, v in res["calls_per_step"].items())
             print(f"{m:<10}{w:>4}{res['median_us']:>14.0f}{res['min_us']:>9.0f}-{res['max_us']:<8.0f}"
-                  f"{res['ops_per_step']:>10.0f}  {calls}")
+                  f"{res['bubble_us']:>11.0f}{res['ops_per_step']:>10.0f}  {calls}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
