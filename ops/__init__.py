@@ -7,6 +7,7 @@ from draft_circuit.ops import family_ops  # noqa: F401  (registration: checkpoin
 from draft_circuit.ops import fused_linear  # noqa: F401  (registration: launch-saving linears)
 from draft_circuit.ops import prologue_linear  # noqa: F401  (registration: norms / adds folded into linears)
 from draft_circuit.ops import prologue_argmax  # noqa: F401  (registration: the final norm in the lm-head)
+from draft_circuit.ops import kv_only  # noqa: F401  (registration: the KV-only catch-up's fused ops)
 from draft_circuit.ops import input_guard  # noqa: F401  (registration: the runners' input guard)
 from draft_circuit.ops import collectives  # noqa: F401  (registration: tensor-parallel collectives)
 from draft_circuit.ops import vocab_parallel  # noqa: F401  (registration: the lm-head's cross-rank argmax)

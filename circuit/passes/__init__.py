@@ -20,8 +20,9 @@ PASSES: dict[str, Pass] = {"eliminate_dead_nodes": eliminate_dead_nodes,
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "eliminate_dead_nodes", "fuse_linear_add", "fuse_add_rmsnorm", "fuse_lm_head_argmax",
-    "fuse_rope_kv_write", "fuse_linear_silu_mul", "fuse_qkv", "fuse_concat_linear",
-    "fuse_argmax_keep", "fuse_rmsnorm_qkv", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
+    "fuse_rope_kv_write", "fuse_rope_k_kv_write", "fuse_linear_silu_mul", "fuse_qkv", "fuse_kv",
+    "fuse_concat_linear", "fuse_argmax_keep", "fuse_rmsnorm_qkv", "fuse_rmsnorm_kv",
+    "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argmax_keep",
     "fuse_rmsnorm_argmax", "fuse_argmax_last", "fuse_argmax_gate", "fuse_argmax_last_gate",
     "fuse_embed_concat_linear")
 

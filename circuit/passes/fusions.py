@@ -218,6 +218,23 @@ def _rope_kv_write(m: Match) -> Parts:
             (q_rope.outputs[0], *kv.outputs), {**k_rope.attrs, **kv.attrs})
 
 
+def _k_rope_kv_write(m: Match) -> Parts:
+    """rope(k) and the kv_write of it -> rope_k_kv_write(k, v, positions, caches, tables, live,
+    [active]) with the rope's attrs and the write's."""
+    k_rope, kv = m.producer, m.consumer
+    kc, vc, _, v, tables, live, *active = kv.inputs
+    return ((k_rope, kv), (k_rope.inputs[0], v, k_rope.inputs[1], kc, vc, tables, live, *active),
+            kv.outputs, {**k_rope.attrs, **kv.attrs})
+
+
+def _kv_sibling(c: Circuit, lin: Node) -> bool:
+    """A q/k/v-style linear (plain, param weight) whose only reader is a rope_k_kv_write, as its
+    k or its v: the K and V projections of a step with no q (the KV-only catch-up)."""
+    user = sole_user(c, lin.outputs[0])
+    return (_qkv_sibling(c, lin) and user is not None and user.op == "rope_k_kv_write"
+            and lin.outputs[0] in user.inputs[:2])
+
+
 def _linear_silu_mul(m: Match) -> Parts:
     lin, act = m.producer, m.consumer
     return (lin, act), lin.inputs, act.outputs, {}
@@ -246,6 +263,13 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            "k and v to their paged slots in one launch",
            producer="rope", consumer="kv_write", edge=2, sole_reader=True, fused_op="rope_kv_write",
            rewrite=_rope_kv_write, guard=_q_rope_of_this_attention),
+    # after fuse_rope_kv_write: a k rope left unfused has no q rope of its attention (the
+    # KV-only catch-up drops q; ops/kv_only.py)
+    Fusion("fuse_rope_k_kv_write",
+           "rope(k) whose only reader is its kv_write, with no q rope to fuse -> rope_k_kv_write, "
+           "rotating k and writing k and v to their paged slots in one launch",
+           producer="rope", consumer="kv_write", edge=2, sole_reader=True,
+           fused_op="rope_k_kv_write", rewrite=_k_rope_kv_write),
     Fusion("fuse_linear_silu_mul",
            "the gate_up linear whose only reader is silu_mul -> linear_silu_mul, so the [n, 2I] "
            "activations never reach memory",
@@ -256,6 +280,11 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
              "three plain linears over one input with param weights (q/k/v) -> linear_qkv, one "
              "launch over the three weights as they are bound (no concatenated copy)",
              op="linear", count=3, fused_op="linear_qkv", rewrite=_qkv, guard=_qkv_sibling),
+    # after fuse_qkv and fuse_rope_k_kv_write: k and v with no q (the KV-only catch-up)
+    Siblings("fuse_kv",
+             "two plain linears over one input whose products only a rope_k_kv_write reads (its "
+             "k and v) -> linear_kv, one launch (the q/k/v kernel with no q)",
+             op="linear", count=2, fused_op="linear_kv", rewrite=_qkv, guard=_kv_sibling),
     Fusion("fuse_concat_linear",
            "concat([x1, x2]) whose only reader is a plain linear -> linear_concat, which reads "
            "each K tile from x1 or x2, so the concatenated row never reaches memory",
@@ -273,6 +302,11 @@ FUSIONS: tuple[Fusion | Siblings, ...] = (
            "q/k/v launch's prologue; the normed row is never stored)",
            producer="rmsnorm", consumer="linear_qkv", edge=0, sole_reader=True,
            fused_op="rmsnorm_linear_qkv", rewrite=_norm_prologue),
+    Fusion("fuse_rmsnorm_kv",
+           "rmsnorm whose only reader is linear_kv -> rmsnorm_linear_kv (input_layernorm in the "
+           "k/v launch's prologue)",
+           producer="rmsnorm", consumer="linear_kv", edge=0, sole_reader=True,
+           fused_op="rmsnorm_linear_kv", rewrite=_norm_prologue),
     Fusion("fuse_qkv_rope_kv_write",
            "rmsnorm_linear_qkv whose q, k and v only rope_kv_write reads -> "
            "rmsnorm_linear_qkv_rope_kv_write: the products rotated and written to the caches in "

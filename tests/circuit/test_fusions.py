@@ -90,8 +90,13 @@ PROLOGUE_ROWS = ("fuse_rmsnorm_qkv", "fuse_rmsnorm_silu_mul", "fuse_rmsnorm_argm
                  "fuse_rmsnorm_argmax", "fuse_argmax_last", "fuse_argmax_gate", "fuse_argmax_last_gate",
                  "fuse_qkv_rope_kv_write",
                  "fuse_embed_concat_linear")
-BLOCK_ROWS = [row for row in FUSIONS if row.name not in PROLOGUE_ROWS]
-ONLY_IN_PROLOGUE_BLOCK = {"add_rmsnorm", *(row.fused_op for row in FUSIONS if row.name in PROLOGUE_ROWS)}
+# the KV-only catch-up's rows (ops/kv_only.py): a step without q, tested on kv_block() below
+KV_ROWS = ("fuse_rope_k_kv_write", "fuse_kv", "fuse_rmsnorm_kv")
+KV_PREREQUISITES = {"fuse_kv": ("fuse_rope_k_kv_write",),
+                    "fuse_rmsnorm_kv": ("fuse_rope_k_kv_write", "fuse_kv")}
+BLOCK_ROWS = [row for row in FUSIONS if row.name not in PROLOGUE_ROWS + KV_ROWS]
+ONLY_IN_PROLOGUE_BLOCK = {"add_rmsnorm", *(row.fused_op for row in FUSIONS
+                                          if row.name in PROLOGUE_ROWS + KV_ROWS)}
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])
@@ -111,6 +116,61 @@ def test_row_equals_the_unfused_eager_circuit(row, width):
     prog_states = {k: t.clone() for k, t in states.items()}
     assert_same(ProgramRunner(compiled, prog_states).run(inputs), want)
     assert_same(prog_states, want_states)
+
+
+def kv_block():
+    """What the KV-only catch-up keeps of a step: input norm -> k and v -> rope(k) -> the paged
+    write, the caches the only outputs (no q, no attention)."""
+    b = CircuitBuilder("kv_block", max_width=MAX_WIDTH)
+    x = b.input("x", "float32", ("n", HIDDEN))
+    pos = b.input("pos", "int32", ("n",))
+    tables = b.input("tables", "int32", ("n", BLOCKS_PER_ROW))
+    live, active = b.input("live", "int32", ("n",)), b.input("active", "int32", ("n",))
+    cache = (NUM_BLOCKS, BS, 1, 4)
+    kc, vc = b.state("kc", "float32", cache), b.state("vc", "float32", cache)
+    p = {name: b.param(name, "float32", shape) for name, shape in (
+        ("wn", (HIDDEN,)), ("wk", (4, HIDDEN)), ("wv", (4, HIDDEN)))}
+    m = b.op1("rmsnorm", [x, p["wn"]], {"eps": 1e-5}, name="norm")
+    k = b.op1("rope", [b.op1("linear", [m, p["wk"]], name="k"), pos], {"head_dim": 4, "pos_offset": 1},
+              name="rk")
+    v = b.op1("linear", [m, p["wv"]], name="v")
+    kc, vc = b.op("kv_write", [kc, vc, k, v, tables, live, active], {"row_offset": 1}, name="kvw")
+    b.output(kc)
+    b.output(vc)
+    return b.build()
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+@pytest.mark.parametrize("name", [*KV_ROWS, "default"])
+def test_kv_rows_equal_the_unfused_eager_circuit(name, width):
+    """Each KV-only row after the rows it builds on, and the default pipeline, on kv_block():
+    the eager run and the compiled program write the unfused circuit's caches bitwise; the
+    default pipeline leaves two nodes (rmsnorm_linear_kv, rope_k_kv_write)."""
+    c = kv_block()
+    params, inputs, states = values(c, width, seed=20 + width)
+    inputs = {k: v for k, v in inputs.items() if k in {"x", "pos", "tables", "live", "active"}}
+    pipeline = DEFAULT_PIPELINE if name == "default" else (*KV_PREREQUISITES.get(name, ()), name)
+    fused = run_passes(c, pipeline)
+    if name == "default":
+        assert [n.op for n in fused.nodes] == ["rmsnorm_linear_kv", "rope_k_kv_write"]
+    else:
+        row = next(r for r in FUSIONS if r.name == name)
+        assert sum(n.op == row.fused_op for n in fused.nodes) == 1
+    want, want_states = run_eager(c, params, inputs, states)
+    got, got_states = run_eager(fused, params, inputs, states)
+    assert_same(got, want)
+    assert_same(got_states, want_states)
+    compiled = compile_draft(c, params, [width], options=CompileOptions(pipeline=pipeline))
+    prog_states = {k: t.clone() for k, t in states.items()}
+    assert_same(ProgramRunner(compiled, prog_states).run(inputs), want)
+    assert_same(prog_states, want_states)
+
+
+def test_a_k_rope_beside_its_q_rope_still_fuses_as_rope_kv_write():
+    """fuse_rope_k_kv_write runs after fuse_rope_kv_write: a full step's k rope goes with its q
+    rope (one rope_kv_write), never into the KV-only op."""
+    ops = {n.op for n in run_passes(block(), DEFAULT_PIPELINE).nodes}
+    assert "rope_kv_write" in ops and not ops & {"rope_k_kv_write", "linear_kv", "rmsnorm_linear_kv"}
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])

@@ -64,6 +64,14 @@ EXAMPLES = {
                                           S("float32", NB, BS, HKV, D), S("float32", NB, BS, HKV, D),
                                           S("int32", ROW, 3), S("int32", ROW), S("int32", ROW)],
                                          {"head_dim": D, "row_offset": 1}),
+    # issue 14: the KV-only catch-up's fused ops (ops/kv_only.py)
+    "linear_kv": ([S("float32", ROW, 6), S("float32", HKV * D, 6), S("float32", HKV * D, 6)], {}),
+    "rmsnorm_linear_kv": ([S("float32", ROW, 6), S("float32", 6), S("float32", HKV * D, 6),
+                           S("float32", HKV * D, 6)], {"eps": 1e-5}),
+    "rope_k_kv_write": ([S("float32", ROW, HKV * D), S("float32", ROW, HKV * D), S("int32", ROW),
+                         S("float32", NB, BS, HKV, D), S("float32", NB, BS, HKV, D),
+                         S("int32", ROW, 3), S("int32", ROW), S("int32", ROW)],
+                        {"head_dim": D, "row_offset": 1, "pos_offset": 2}),
     "embed_rmsnorm_linear_concat": ([S("float32", 11, 3), S("int32", ROW), S("float32", 3),
                                      S("float32", ROW, 5), S("float32", 5), S("float32", 7, 8)], {}),
     "embedding": ([S("float32", 11, 6), S("int32", ROW)], {}),
@@ -155,7 +163,7 @@ def test_shape_rule_matches_reference(name, width):
 def test_writes_state_is_derived_from_mutates():
     writers = {name for name, op in REGISTRY.items() if op.mutates}
     assert writers == {"embed_write", "kv_write", "rope_kv_write", "mla_kv_write", "input_guard",
-                       "rmsnorm_linear_qkv_rope_kv_write"}
+                       "rmsnorm_linear_qkv_rope_kv_write", "rope_k_kv_write"}
     for name, op in REGISTRY.items():
         assert op.writes_state == op.has(WRITES_STATE) == (name in writers), name
 
@@ -236,4 +244,5 @@ def test_interpretable_bindings_match_their_references():
             "triton_rope_freqs", "triton_head_linear", "triton_mla_kv_write", "triton_mla_decode",
             "triton_linear_fp8", "triton_linear_qkv", "triton_linear_concat",
             "triton_linear_argmax_keep", "triton_input_guard", "triton_zero_centred_rmsnorm",
-            "triton_zero_centred_head_rmsnorm"} <= ran
+            "triton_zero_centred_head_rmsnorm", "triton_linear_kv", "triton_rmsnorm_linear_kv",
+            "triton_rope_k_kv_write"} <= ran

@@ -156,3 +156,47 @@ def test_kv_only_family_round_trips_through_compile():
     compiled.add_family(KV_ONLY, family)
     assert compiled.report().to_json() != before
     assert [w.width for w in compiled.report().families[KV_ONLY]] == [1, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [1, 3, 4])
+def test_kv_only_kernels_are_three_fused_launches_writing_the_full_steps_rows(width, dtype):
+    """The KV-only circuit fuses like the full step (ops/kv_only.py): eh_proj (the runner adds the guard),
+    input_layernorm + k/v in one launch and rope(k) + the paged write in one, not ~20 torch
+    kernels (found on the H100 with benchmarks/engine_timeline.py). Under the Triton
+    interpreter it writes bitwise the KV rows the full one-step chain's kernels write (the same
+    q/k/v and rope kernels with the q part empty), at an own and a padded width."""
+    from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
+    from draft_circuit.circuit.planner import CompileOptions
+    from draft_circuit.runners.program import ProgramRunner
+    from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
+    from tests.ops.test_bindings import CFG as BCFG
+    kv = KvLayout(num_blocks=60, block_size=8, max_blocks_per_seq=5)
+    head = MtpHead(BCFG, str(dtype).removeprefix("torch."))
+    one = emit_draft_chain(head, 1, max_width=4, kv=kv, bitmask=False, embed_target=False)
+    params = head.bind(random_mtp_weights(BCFG, seed=3, dtype=dtype))
+    options = CompileOptions(interpret_kernels=True)
+    kv_only = kv_only_circuit(one)
+    declared = lambda c: {v.name for v in c.inputs_of_kind("param")}  # noqa: E731
+    compiled = {name: compile_draft(c, {k: v for k, v in params.items() if k in declared(c)}, [4],
+                                    options=options)
+                for name, c in (("full", one), ("kv_only", kv_only))}
+    launches = [x.kernel for x in compiled["kv_only"].programs[4].launches]
+    assert launches == ["triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_kv",
+                            "triton_rope_k_kv_write"], launches
+    batch = random_draft_batch(BCFG, kv, width, seed=width, num_drafts=1, dtype=dtype)
+    pools = {}
+    for name, c in compiled.items():
+        states = batch.clone_states()
+        runner = ProgramRunner(c, states)
+        n = 4
+        inputs = {k: v for k, v in batch.inputs.items() if k in runner.input_buffers(n)}
+        pad = {k: torch.cat([v, v[-1:].expand(n - width, *v.shape[1:])]) if width < n else v
+               for k, v in inputs.items()}
+        if "active" in pad:
+            pad["active"] = torch.cat([torch.ones(width, dtype=torch.int32),
+                                       torch.zeros(n - width, dtype=torch.int32)])
+        runner.run(pad)
+        pools[name] = states
+    for name in pools["full"]:
+        assert torch.equal(pools["full"][name], pools["kv_only"][name]), name
