@@ -24,6 +24,7 @@ from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (ac
 SPLIT_ROWS = 128
 HEAD_BLOCK, BLOCK_N = 16, 16
 MERGE_NUM_WARPS = 4
+SPLIT_PROGRAMS = 2048  # programs along the split axis, about (kernels.decode_attention's rule)
 _LOG2E = 1.4426950408889634
 
 
@@ -31,19 +32,22 @@ _LOG2E = 1.4426950408889634
 def _split_kernel(
     q_lat_ptr, q_pe_ptr, pe_ptr, latent_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, block_size, qk_scale_log2,
-    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls,
+    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls, STRIDE,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # program = (sequence, head block, j): the live splits j, j + STRIDE, ... one after another,
+    # each split's partial computed alone, so the bits never depend on STRIDE (a grid choice;
+    # kernels.decode_attention says why)
     seq = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
-    split = tl.program_id(2)
+    first = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
-    lo = split * SPLIT
-    if lo < L:
+    for split in range(first, tl.cdiv(L, SPLIT), STRIDE):
+        lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, L)
         heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
         head_ok = heads < NUM_HEADS
@@ -138,11 +142,13 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
         return
     kw = launch_kwargs(q_lat)
     r_pad = max(16, triton.next_power_of_2(r))
-    _split_kernel[(n, triton.cdiv(heads, HEAD_BLOCK), shape[2])](
+    head_blocks = triton.cdiv(heads, HEAD_BLOCK)
+    stride = max(1, min(shape[2], triton.cdiv(SPLIT_PROGRAMS, n * head_blocks)))
+    _split_kernel[(n, head_blocks, stride)](
         q_lat, q_pe, pe_cache, latent_cache, block_tables, live_rows, workspace,
         row_offset, capacity, shape[2], block_size, scale * _LOG2E,
         q_lat.stride(0), q_pe.stride(0), block_tables.stride(0), pe_cache.stride(0), pe_cache.stride(1),
-        latent_cache.stride(0), latent_cache.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), stride,
         NUM_HEADS=heads, R=r, P=p, R_PAD=r_pad, P_PAD=max(16, triton.next_power_of_2(p)),
         HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=bool(kw),
         num_warps=8 if r_pad >= 256 else 4, **kw,

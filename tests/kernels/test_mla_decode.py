@@ -53,6 +53,19 @@ def test_kernel_matches_reference_fp32(lives, heads, r, p, block_size, max_block
         assert torch.equal(alone, out[i:i + 1])
 
 
+@pytest.mark.parametrize("programs", [1, 10**6])
+def test_bits_do_not_depend_on_the_split_programs_count(programs, monkeypatch):
+    """One program a row walking every split, or one a split (the old grid), give the default
+    grid's bits (kernels.decode_attention's rule, applied here too)."""
+    import draft_circuit.kernels.mla_decode as md
+    q_lat, q_pe, pc, lc, tables, live = _case([130, 3, 257], 20, 32, 16, 16, 17)
+    want, got = torch.empty_like(q_lat), torch.empty_like(q_lat)
+    mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, want, scale=0.37, split_rows=32)
+    monkeypatch.setattr(md, "SPLIT_PROGRAMS", programs)
+    mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, got, scale=0.37, split_rows=32)
+    assert torch.equal(got, want)
+
+
 def test_bad_operands_are_refused_by_name():
     q_lat, q_pe, pc, lc, tables, live = _case([3, 4], 2, 16, 8, 8, 2)
     with pytest.raises(KernelInputError, match="do not split into the same heads"):
