@@ -87,15 +87,29 @@ def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts:
     proposer's own rule (`key_after_verify`, beside the trim it mirrors) instead of a read; the
     rows are given their positions explicitly so tokens and RoPE positions agree whatever the
     key."""
-    seqs = [v.seqs[i] for i in live]
-    rows = [missing_rows(v, i, key_after_verify(v.proposed[i], len(v.drafts[i]), v.accepted[i],
-                                                kv_exact=proposer.kv_exact, refeed=proposer.refeed))
-            for i in live]
-    got = proposer.step_batch([v.accepted[i] for i in live], [r[1] for r in rows],
-                              [r[2] for r in rows], [s.last_token for s in seqs],
-                              torch.stack([s.hidden for s in seqs if s.hidden is not None]),
-                              [s.position for s in seqs], num_drafts,
-                              [s.draft_state for s in seqs], catchup_first=[r[3] for r in rows])
+    kv_exact, refeed = proposer.kv_exact, proposer.refeed
+    # every per-sequence list the call takes, in one pass over the live sequences
+    seqs: list[Sequence] = []
+    accepted, first, last, positions, states = [], [], [], [], []
+    tokens: list[list[int]] = []
+    hiddens: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    for i in live:
+        a = v.accepted[i]
+        s, ts, hs, f = missing_rows(v, i, key_after_verify(v.proposed[i], len(v.drafts[i]), a,
+                                                           kv_exact=kv_exact, refeed=refeed))
+        seqs.append(s)
+        accepted.append(a)
+        tokens.append(ts)
+        hiddens.append(hs)
+        first.append(f)
+        assert s.hidden is not None  # a decoding sequence's: what its last token came from
+        last.append(s.tokens[-1])
+        targets.append(s.hidden)
+        positions.append(len(s.tokens) - 1)
+        states.append(s.draft_state)
+    got = proposer.step_batch(accepted, tokens, hiddens, last, torch.stack(targets), positions,
+                              num_drafts, states, catchup_first=first)
     if got is None:  # declined (an unserved width): trimmed and caught up, nothing drafted
         return None
     stats.batches[proposer.last_served.kind][len(seqs)] += 1
