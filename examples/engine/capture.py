@@ -10,7 +10,8 @@ Python launch path, about 60 us a kernel on the H100, so a 12-layer target's ~90
 took ~6 ms uncaptured against ~0.6 ms replayed (benchmarks/engine_timeline.py, 2026-12-06: the
 quick start's prefills were a third of its speculative wall time). Capturing the wide buckets
 costs little: the arena is sized for max_rows whatever is captured, so the graph pool grows by
-the kernels' few allocations only. On CPU both are the program runner.
+the kernels' few allocations only. A bucket whose capture failed runs uncaptured on the graph
+runner's own program (slow, never refused). On CPU both are the program runner.
 
 `TargetPasses` is the `DraftRunner` the target model calls; `captured(n)` says which way n runs.
 """
@@ -62,6 +63,14 @@ class TargetPasses:
                                         backend=ProgramRunner(wide_compiled, states))
                      if wide_compiled is not None else None)
         self._small_max = max(small, default=0)
+        # a bucket whose capture failed (GraphRunner serves the rest) runs uncaptured on the graph
+        # runner's own program: the same arena and launches, no second copy of either
+        program = getattr(self.graphs.backend, "program", None) if self.graphs is not None else None
+        failed = getattr(getattr(self.graphs.backend, "stats", None), "failures", None) \
+            if self.graphs is not None else None
+        self.uncaptured = (CircuitDraftRunner(self.graphs.compiled, states, scratch_block=scratch_block,
+                                              policy=policy, backend=program)
+                           if self.graphs is not None and program is not None and failed else None)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -69,13 +78,16 @@ class TargetPasses:
 
     @property
     def max_width(self) -> int:
-        return max((r.max_width for r in (self.graphs, self.wide) if r is not None), default=0)
+        return max((r.max_width for r in (self.graphs, self.wide, self.uncaptured) if r is not None),
+                   default=0)
 
     def _runner(self, n: int) -> CircuitDraftRunner:
         if self.graphs is not None and n <= self._small_max and self.graphs.serves(n):
             return self.graphs
         if self.wide is not None and self.wide.serves(n):
             return self.wide
+        if self.uncaptured is not None and self.uncaptured.serves(n):
+            return self.uncaptured
         raise WidthError(f"a target pass of {n} rows is not served (buckets up to {self.max_width})")
 
     def serves(self, n: int) -> bool:

@@ -110,6 +110,31 @@ def test_by_default_every_bucket_prefills_included_is_a_graph(weights):
     _assert_same(_run_all(default), _run_all(model(weights, "cuda", 0, torch.bfloat16)))
 
 
+def test_the_default_captures_every_bucket_of_the_engines_default_max_rows():
+    from examples.engine.capture import GRAPH_ROWS
+    from examples.engine.engine import EngineConfig
+    assert GRAPH_ROWS >= EngineConfig().max_rows
+
+
+@cuda
+def test_a_bucket_whose_capture_failed_runs_uncaptured(weights, monkeypatch):
+    """The 64-row bucket's capture fails (GraphRunner's fail_widths): its passes run on the graph
+    runner's own program, uncaptured, bitwise the uncaptured target's; the others replay."""
+    from draft_circuit.runners.cudagraph import GraphRunner
+    init = GraphRunner.__init__
+
+    def failing(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "fail_widths": frozenset({64})})
+    monkeypatch.setattr(GraphRunner, "__init__", failing)
+    m = TargetModel(SMALL, weights, KV, max_rows=64, device="cuda", dtype=torch.bfloat16,
+                    forward="circuit")
+    assert 64 in m.runner.graphs.backend.stats.failures and not m.runner.captured(40)
+    assert m.runner.serves(40) and m.runner._runner(40) is m.runner.uncaptured
+    assert m.runner.captured(32) and m.runner.uncaptured.backend is m.runner.graphs.backend.program
+    monkeypatch.setattr(GraphRunner, "__init__", init)
+    _assert_same(_run_all(m), _run_all(model(weights, "cuda", 0, torch.bfloat16)))
+
+
 @cuda
 def test_captured_target_pass_allocates_nothing(weights):
     m = model(weights, "cuda", graph_rows=16)
