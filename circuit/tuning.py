@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from draft_circuit.circuit.capture_rng import release_rng_capture
 from draft_circuit.circuit.ir import ROW, Circuit, CircuitError, Node
 from draft_circuit.circuit.report import KernelChoice
 from draft_circuit.circuit.types import TensorSpec
@@ -247,9 +248,15 @@ def gpu_measure(op: OpDef, binding: KernelBinding, specs: Sequence[TensorSpec], 
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            run(i)
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            for i in range(launches):
+                run(i)
+    except Exception:
+        # a failed capture leaves the RNG generator in capture mode on torch 2.11: put it back
+        # before the caller moves on to the next candidate
+        release_rng_capture(side)
+        raise
     graph.replay()
     times = []
     for _ in range(REPLAYS):

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
+from draft_circuit.circuit.capture_rng import release_rng_capture
 from draft_circuit.circuit.planner import CompiledDraft
 from draft_circuit.circuit.binding import WidthError, check_inputs
 from draft_circuit.runners.padding import fill_neutral
@@ -68,30 +69,6 @@ def _progress_bar(total: int) -> Any:
     show = sys.stderr.isatty() or bool(os.environ.get("CIRCUIT_PROGRESS"))
     return tqdm(total=total, desc="capturing widths", unit="width", disable=not show,
                 file=sys.stderr, leave=False)
-
-
-def release_rng_capture(stream: Any) -> None:
-    """Leave the device's default RNG generator out of capture mode after a failed capture.
-
-    A capture that fails at its end (a sync inside it, an invalidated stream) never runs the
-    generator's capture epilogue on torch 2.11, so the generator stays "capturing" and every
-    later eager random op on the device (`torch.randn`, a sampler's `multinomial`) raises
-    "Offset increment outside graph capture encountered unexpectedly": one unserved width
-    would break the host engine's sampling for the rest of the process. A capture that
-    succeeds runs the epilogue, so one trivial capture (a one-element add, into its own pool,
-    freed at once) puts the generator back. Best effort: if even that cannot capture, log it.
-    """
-    try:
-        scratch = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            scratch.add_(0)
-            graph.capture_end()
-        torch.cuda.synchronize()
-        del graph
-    except Exception as e:  # noqa: BLE001 - only the RNG's state is at stake; say so
-        log.warning("could not release the RNG generator after a failed capture: %s", e)
 
 
 @single_caller("run", "execute")
