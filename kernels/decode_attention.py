@@ -12,7 +12,7 @@ import torch
 from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
-SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
+SPLIT_ROWS = 32  # KV rows per split (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
 # KV rows per step inside a split = this // (query heads a program serves, padded), so the
 # [heads, rows, head_dim] product tiles stay within registers (checked on sm90 with Triton 3.6: no
 # spills for G = 1..32 at head_dim 64, 80 and 128).

@@ -3,9 +3,9 @@ L = live_rows + row_offset + 1 latent rows (c [R] in latent_cache, k_pe [P] in p
 head shared by all query heads).
 
 Contract: out[i, h] = softmax(scale * (q_lat[i, h] . c_t + q_pe[i, h] . k_pe_t)) @ c in fp32 (the
-probabilities meet c in c's dtype, as flash attention does), cast to q_lat's dtype. Programs
-(row, block of HEAD_BLOCK heads, split of SPLIT_ROWS rows) write partial (acc, max, sum) to a
-workspace that kernels.decode_attention's merge kernel folds in split order: a row never depends
+probabilities meet c in c's dtype, as flash attention does), cast to q_lat's dtype. Each split
+of SPLIT_ROWS rows (a program (row, block of HEAD_BLOCK heads, j) computes the splits j, j + STRIDE,
+...) writes its partial (acc, max, sum) to a workspace that kernels.decode_attention's merge kernel folds in split order: a row never depends
 on n, nor on the other rows' lengths.
 """
 from __future__ import annotations
@@ -46,18 +46,18 @@ def _split_kernel(
         tl.extra.cuda.gdc_wait()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
+    heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
+    head_ok = heads < NUM_HEADS
+    d = tl.arange(0, R_PAD)
+    e = tl.arange(0, P_PAD)
+    d_ok, e_ok = d < R, e < P
+    q_lat = tl.load(q_lat_ptr + seq * stride_ql + heads[:, None] * R + d[None, :],
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [HB, R]
+    q_pe = tl.load(q_pe_ptr + seq * stride_qp + heads[:, None] * P + e[None, :],
+                   mask=head_ok[:, None] & e_ok[None, :], other=0.0)  # [HB, P]
     for split in range(first, tl.cdiv(L, SPLIT), STRIDE):
         lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, L)
-        heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
-        head_ok = heads < NUM_HEADS
-        d = tl.arange(0, R_PAD)
-        e = tl.arange(0, P_PAD)
-        d_ok, e_ok = d < R, e < P
-        q_lat = tl.load(q_lat_ptr + seq * stride_ql + heads[:, None] * R + d[None, :],
-                        mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [HB, R]
-        q_pe = tl.load(q_pe_ptr + seq * stride_qp + heads[:, None] * P + e[None, :],
-                       mask=head_ok[:, None] & e_ok[None, :], other=0.0)  # [HB, P]
         m = tl.full([HEAD_BLOCK], float("-inf"), tl.float32)  # running max, log2 domain
         l = tl.zeros([HEAD_BLOCK], tl.float32)  # running sum of exp2(s - m)
         acc = tl.zeros([HEAD_BLOCK, R_PAD], tl.float32)  # running sum of p c

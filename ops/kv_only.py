@@ -8,7 +8,10 @@ kernels a run (benchmarks/engine_timeline.py, 2026-12-06, H100: a third of the d
 kernels a step were these). Each op here is the composition of its parts' references, so a
 fused circuit's eager run is the unfused one's, bitwise; and each kernel binding is the full
 step's kernel with the q part empty, so the k and v rows a catch-up writes are those the full
-step's kernels write (the same tiles, the same sums):
+step's kernels write: the same K order and sums; the tile shape may differ past n = 32 on sm90
+(kernels.tiles chooses it by the launch's program count, which q no longer adds to), which
+kernels.tiles measured not to change a row's bits there (tests/runners/test_kv_only.py checks it
+on the GPU at n = 64):
 
 - `linear_kv(x, w_k, w_v) -> (k, v)`: kernels.linear_multi.linear_qkv over (no rows, w_k, w_v);
 - `rmsnorm_linear_kv(x, norm_weight, w_k, w_v) -> (k, v)`: kernels.linear_fused's

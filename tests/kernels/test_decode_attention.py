@@ -194,20 +194,21 @@ def test_row_does_not_depend_on_batch() -> None:
     assert torch.equal(alone, batch[:1])
 
 
-@pytest.mark.parametrize("programs", [1, 3, 10**6])
-def test_bits_do_not_depend_on_the_split_programs_count(programs: int, monkeypatch) -> None:
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_bits_do_not_depend_on_the_split_stride(stride: int, monkeypatch) -> None:
     """Each split-axis program loops over every STRIDE-th live split (STRIDE from the width, a
-    grid choice): one program a row walking all its splits, three, or one a split (the old grid)
-    give the same bits, and the reference's values; rows of 40, 3 and 100 live rows, 16-row
-    splits, a 40-row table tail beyond them."""
+    grid choice): strides 1, 2 and 3 give the bits of one program a split (the old grid, STRIDE
+    = all 10 splits of the table), and the reference's values; rows of 40, 3 and 100 live rows,
+    16-row splits, a 160-row table."""
     import draft_circuit.kernels.decode_attention as da
     lengths = [40, 3, 100]
     case = make_case(lengths, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float32, tail=-1, seed=5, spare_blocks=3)
     live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
     attrs = dict(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, row_offset=0, split_rows=16)
+    monkeypatch.setattr(da, "SPLIT_PROGRAMS", 10**6)  # STRIDE = max_splits: one program a split
     want = run(case, live_rows, **attrs)
-    monkeypatch.setattr(da, "SPLIT_PROGRAMS", programs)
+    monkeypatch.setattr(da, "SPLIT_PROGRAMS", stride * 3 * 2)  # n * kv heads programs a stride
     assert torch.equal(run(case, live_rows, **attrs), want)
     ref = reference(case["q"], case["k_cache"], case["v_cache"], case["block_tables"], live_rows,
                     num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, row_offset=0)
@@ -277,7 +278,8 @@ def test_cuda_bf16_against_fp32_reference(num_heads: int, num_kv_heads: int, hea
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_width_independence(dtype: torch.dtype) -> None:
+def test_cuda_width_independence(dtype: torch.dtype, monkeypatch) -> None:
+    import draft_circuit.kernels.decode_attention as da
     gen = torch.Generator().manual_seed(7)
     num_heads, num_kv_heads, head_dim, block_size = 16, 4, 128, 16
     attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim ** -0.5,
@@ -291,3 +293,7 @@ def test_cuda_width_independence(dtype: torch.dtype) -> None:
         alone = run({**case, "q": case["q"][:1].clone(), "block_tables": case["block_tables"][:1].clone()},
                     live_rows[:1].clone(), **attrs)
         assert torch.equal(alone, batch[:1]), n
+        # one program a row walking all its splits (STRIDE 1: Triton specialises an int arg of 1)
+        monkeypatch.setattr(da, "SPLIT_PROGRAMS", 1)
+        assert torch.equal(run(case, live_rows, **attrs), batch), n
+        monkeypatch.undo()

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from draft_circuit.circuit import CircuitBuilder
-from draft_circuit.circuit.planner import KV_ONLY, PlanError, compile_draft, kv_only_circuit
+from draft_circuit.circuit.planner import KV_ONLY, CompileOptions, PlanError, compile_draft, kv_only_circuit
 from draft_circuit.circuit.report import PlanReport
 from draft_circuit.runners.chains import compile_chain
+from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
 
 
@@ -161,41 +162,52 @@ def test_kv_only_family_round_trips_through_compile():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("width", [1, 3, 4])
 def test_kv_only_kernels_are_three_fused_launches_writing_the_full_steps_rows(width, dtype):
-    """The KV-only circuit fuses like the full step (ops/kv_only.py): eh_proj (the runner adds the guard),
-    input_layernorm + k/v in one launch and rope(k) + the paged write in one, not ~20 torch
-    kernels (found on the H100 with benchmarks/engine_timeline.py). Under the Triton
+    """The KV-only circuit fuses like the full step (ops/kv_only.py): eh_proj (the runner adds
+    the guard), input_layernorm + k/v in one launch and rope(k) + the paged write in one, not
+    ~20 torch kernels (found on the H100 with benchmarks/engine_timeline.py). Under the Triton
     interpreter it writes bitwise the KV rows the full one-step chain's kernels write (the same
     q/k/v and rope kernels with the q part empty), at an own and a padded width."""
+    _kv_only_against_full(width, 4, dtype, "cpu", CompileOptions(interpret_kernels=True))
+
+
+@cuda
+@pytest.mark.parametrize("width", [1, 8, 33, 64])
+def test_kv_only_kernels_write_the_full_steps_rows_on_the_gpu(width):
+    """bf16 on the GPU, up to n = 64 where the full step's q/k/v launch takes the wide tile and
+    the KV-only one (fewer programs) the pinned one (kernels.tiles: on sm90 the tile shape does
+    not change a row's bits): the KV rows are still bitwise the full step's."""
+    _kv_only_against_full(width, 64, torch.bfloat16, "cuda", CompileOptions())
+
+
+def _kv_only_against_full(width, program_width, dtype, device, options):
     from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
-    from draft_circuit.circuit.planner import CompileOptions
     from draft_circuit.runners.program import ProgramRunner
     from draft_circuit.runners.testing import random_draft_batch, random_mtp_weights
     from tests.ops.test_bindings import CFG as BCFG
-    kv = KvLayout(num_blocks=60, block_size=8, max_blocks_per_seq=5)
+    kv = KvLayout(num_blocks=program_width * 6 + 8, block_size=8, max_blocks_per_seq=5)
     head = MtpHead(BCFG, str(dtype).removeprefix("torch."))
-    one = emit_draft_chain(head, 1, max_width=4, kv=kv, bitmask=False, embed_target=False)
-    params = head.bind(random_mtp_weights(BCFG, seed=3, dtype=dtype))
-    options = CompileOptions(interpret_kernels=True)
+    one = emit_draft_chain(head, 1, max_width=program_width, kv=kv, bitmask=False, embed_target=False)
+    params = head.bind(random_mtp_weights(BCFG, seed=3, dtype=dtype, device=device))
     kv_only = kv_only_circuit(one)
     declared = lambda c: {v.name for v in c.inputs_of_kind("param")}  # noqa: E731
-    compiled = {name: compile_draft(c, {k: v for k, v in params.items() if k in declared(c)}, [4],
-                                    options=options)
+    compiled = {name: compile_draft(c, {k: v for k, v in params.items() if k in declared(c)},
+                                    [program_width], device=device, options=options)
                 for name, c in (("full", one), ("kv_only", kv_only))}
-    launches = [x.kernel for x in compiled["kv_only"].programs[4].launches]
+    launches = [x.kernel for x in compiled["kv_only"].programs[program_width].launches]
     assert launches == ["triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_kv",
-                            "triton_rope_k_kv_write"], launches
-    batch = random_draft_batch(BCFG, kv, width, seed=width, num_drafts=1, dtype=dtype)
+                        "triton_rope_k_kv_write"], launches
+    batch = random_draft_batch(BCFG, kv, width, seed=width, num_drafts=1, dtype=dtype, device=device)
     pools = {}
+    n = program_width
     for name, c in compiled.items():
         states = batch.clone_states()
         runner = ProgramRunner(c, states)
-        n = 4
         inputs = {k: v for k, v in batch.inputs.items() if k in runner.input_buffers(n)}
         pad = {k: torch.cat([v, v[-1:].expand(n - width, *v.shape[1:])]) if width < n else v
                for k, v in inputs.items()}
         if "active" in pad:
-            pad["active"] = torch.cat([torch.ones(width, dtype=torch.int32),
-                                       torch.zeros(n - width, dtype=torch.int32)])
+            pad["active"] = torch.cat([torch.ones(width, dtype=torch.int32, device=device),
+                                       torch.zeros(n - width, dtype=torch.int32, device=device)])
         runner.run(pad)
         pools[name] = states
     for name in pools["full"]:
