@@ -12,16 +12,11 @@ import torch
 from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
-SPLIT_ROWS = 32  # KV rows per split (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
+SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
 # KV rows per step inside a split = this // (query heads a program serves, padded), so the
 # [heads, rows, head_dim] product tiles stay within registers (checked on sm90 with Triton 3.6: no
 # spills for G = 1..32 at head_dim 64, 80 and 128).
 STEP_ROWS_X_HEADS = 32
-# programs along the split axis, about this many in all: each loops over every STRIDE-th live
-# split. The grid used to be every split of the table's capacity (32 at 1024 rows), so at n = 64
-# with ~100 live rows 7 of 8 programs had nothing to do and the launch took 69.6 us against 11.1
-# at n = 1 (H100, chain_profile, 2026-12-06); the split size, never the grid, decides the bits
-SPLIT_PROGRAMS = 2048
 SPLIT_NUM_WARPS = 4  # doubled once a program serves 32 (padded) heads: no spills there either on sm90
 MERGE_NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
@@ -32,31 +27,29 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, qk_scale_log2,
-    stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, STRIDE,
+    stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # program = (sequence, kv head, j); it serves the GROUP query heads that share the kv head,
-    # over the live splits j, j + STRIDE, j + 2 * STRIDE, ... one after another: each split's
-    # partial is computed alone as before, so the bits never depend on STRIDE (a grid choice)
+    # program = (sequence, kv head, split); it serves the GROUP query heads that share the kv head
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    first = tl.program_id(2)
+    split = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
-                mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
-    for split in range(first, tl.cdiv(L, SPLIT), STRIDE):
-        lo = split * SPLIT
+    lo = split * SPLIT
+    if lo < L:
         hi = tl.minimum(lo + SPLIT, L)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        heads = kv_head * GROUP + g
+        head_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 domain
         l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p V
@@ -188,12 +181,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kw = launch_kwargs(q)
     shared = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
                   SPLIT=split_rows, USE_PDL=bool(kw))
-    stride = max(1, min(shape[2], triton.cdiv(SPLIT_PROGRAMS, n * num_kv_heads)))
-    _split_kernel[(n, num_kv_heads, stride)](
+    _split_kernel[(n, num_kv_heads, shape[2])](
         q, k_cache, v_cache, block_tables, live_rows, workspace,
         row_offset, capacity, shape[2], scale * _LOG2E,
         q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         num_warps=SPLIT_NUM_WARPS * (2 if group_pad >= 32 else 1), **shared, **kw,
     )

@@ -3,9 +3,9 @@ L = live_rows + row_offset + 1 latent rows (c [R] in latent_cache, k_pe [P] in p
 head shared by all query heads).
 
 Contract: out[i, h] = softmax(scale * (q_lat[i, h] . c_t + q_pe[i, h] . k_pe_t)) @ c in fp32 (the
-probabilities meet c in c's dtype, as flash attention does), cast to q_lat's dtype. Each split
-of SPLIT_ROWS rows (a program (row, block of HEAD_BLOCK heads, j) computes the splits j, j + STRIDE,
-...) writes its partial (acc, max, sum) to a workspace that kernels.decode_attention's merge kernel folds in split order: a row never depends
+probabilities meet c in c's dtype, as flash attention does), cast to q_lat's dtype. Programs
+(row, block of HEAD_BLOCK heads, split of SPLIT_ROWS rows) write partial (acc, max, sum) to a
+workspace that kernels.decode_attention's merge kernel folds in split order: a row never depends
 on n, nor on the other rows' lengths.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (ac
 SPLIT_ROWS = 128
 HEAD_BLOCK, BLOCK_N = 16, 16
 MERGE_NUM_WARPS = 4
-SPLIT_PROGRAMS = 2048  # programs along the split axis, about (kernels.decode_attention's rule)
 _LOG2E = 1.4426950408889634
 
 
@@ -32,32 +31,29 @@ _LOG2E = 1.4426950408889634
 def _split_kernel(
     q_lat_ptr, q_pe_ptr, pe_ptr, latent_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, block_size, qk_scale_log2,
-    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls, STRIDE,
+    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # program = (sequence, head block, j): the live splits j, j + STRIDE, ... one after another,
-    # each split's partial computed alone, so the bits never depend on STRIDE (a grid choice;
-    # kernels.decode_attention says why)
     seq = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
-    first = tl.program_id(2)
+    split = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
-    heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
-    head_ok = heads < NUM_HEADS
-    d = tl.arange(0, R_PAD)
-    e = tl.arange(0, P_PAD)
-    d_ok, e_ok = d < R, e < P
-    q_lat = tl.load(q_lat_ptr + seq * stride_ql + heads[:, None] * R + d[None, :],
-                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [HB, R]
-    q_pe = tl.load(q_pe_ptr + seq * stride_qp + heads[:, None] * P + e[None, :],
-                   mask=head_ok[:, None] & e_ok[None, :], other=0.0)  # [HB, P]
-    for split in range(first, tl.cdiv(L, SPLIT), STRIDE):
-        lo = split * SPLIT
+    lo = split * SPLIT
+    if lo < L:
         hi = tl.minimum(lo + SPLIT, L)
+        heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
+        head_ok = heads < NUM_HEADS
+        d = tl.arange(0, R_PAD)
+        e = tl.arange(0, P_PAD)
+        d_ok, e_ok = d < R, e < P
+        q_lat = tl.load(q_lat_ptr + seq * stride_ql + heads[:, None] * R + d[None, :],
+                        mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [HB, R]
+        q_pe = tl.load(q_pe_ptr + seq * stride_qp + heads[:, None] * P + e[None, :],
+                       mask=head_ok[:, None] & e_ok[None, :], other=0.0)  # [HB, P]
         m = tl.full([HEAD_BLOCK], float("-inf"), tl.float32)  # running max, log2 domain
         l = tl.zeros([HEAD_BLOCK], tl.float32)  # running sum of exp2(s - m)
         acc = tl.zeros([HEAD_BLOCK, R_PAD], tl.float32)  # running sum of p c
@@ -142,13 +138,11 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
         return
     kw = launch_kwargs(q_lat)
     r_pad = max(16, triton.next_power_of_2(r))
-    head_blocks = triton.cdiv(heads, HEAD_BLOCK)
-    stride = max(1, min(shape[2], triton.cdiv(SPLIT_PROGRAMS, n * head_blocks)))
-    _split_kernel[(n, head_blocks, stride)](
+    _split_kernel[(n, triton.cdiv(heads, HEAD_BLOCK), shape[2])](
         q_lat, q_pe, pe_cache, latent_cache, block_tables, live_rows, workspace,
         row_offset, capacity, shape[2], block_size, scale * _LOG2E,
         q_lat.stride(0), q_pe.stride(0), block_tables.stride(0), pe_cache.stride(0), pe_cache.stride(1),
-        latent_cache.stride(0), latent_cache.stride(1), stride,
+        latent_cache.stride(0), latent_cache.stride(1),
         NUM_HEADS=heads, R=r, P=p, R_PAD=r_pad, P_PAD=max(16, triton.next_power_of_2(p)),
         HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=bool(kw),
         num_warps=8 if r_pad >= 256 else 4, **kw,

@@ -142,8 +142,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     spec.loader.exec_module(module)
     names = ["q_ptr", "k_ptr", "v_ptr", "tables_ptr", "live_ptr", "ws_ptr", "row_offset", "capacity",
              "max_splits", "qk_scale_log2", "stride_q", "stride_table", "stride_kb", "stride_ks", "stride_kh",
-             "stride_vb", "stride_vs", "stride_vh", "STRIDE"]
-    types = ["*bf16"] * 3 + ["*i32", "*i32", "*fp32", "i32", "i32", "i32", "fp32"] + ["i32"] * 9
+             "stride_vb", "stride_vs", "stride_vh"]
+    types = ["*bf16"] * 3 + ["*i32", "*i32", "*fp32", "i32", "i32", "i32", "fp32"] + ["i32"] * 8
     for group in (16, 32):
         const = dict(NUM_HEADS=group, GROUP=group, GROUP_PAD=group, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16,
                      BLOCK_N=max(1, step // group), SPLIT=256, USE_PDL=False)
@@ -192,27 +192,6 @@ def test_row_does_not_depend_on_batch() -> None:
     alone = run({**case, "q": case["q"][:1].clone(), "block_tables": case["block_tables"][:1].clone()},
                 live_rows[:1].clone(), **attrs)
     assert torch.equal(alone, batch[:1])
-
-
-@pytest.mark.parametrize("stride", [1, 2, 3])
-def test_bits_do_not_depend_on_the_split_stride(stride: int, monkeypatch) -> None:
-    """Each split-axis program loops over every STRIDE-th live split (STRIDE from the width, a
-    grid choice): strides 1, 2 and 3 give the bits of one program a split (the old grid, STRIDE
-    = all 10 splits of the table), and the reference's values; rows of 40, 3 and 100 live rows,
-    16-row splits, a 160-row table."""
-    import draft_circuit.kernels.decode_attention as da
-    lengths = [40, 3, 100]
-    case = make_case(lengths, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                     dtype=torch.float32, tail=-1, seed=5, spare_blocks=3)
-    live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
-    attrs = dict(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, row_offset=0, split_rows=16)
-    monkeypatch.setattr(da, "SPLIT_PROGRAMS", 10**6)  # STRIDE = max_splits: one program a split
-    want = run(case, live_rows, **attrs)
-    monkeypatch.setattr(da, "SPLIT_PROGRAMS", stride * 3 * 2)  # n * kv heads programs a stride
-    assert torch.equal(run(case, live_rows, **attrs), want)
-    ref = reference(case["q"], case["k_cache"], case["v_cache"], case["block_tables"], live_rows,
-                    num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125, row_offset=0)
-    torch.testing.assert_close(want, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_workspace_passed_in() -> None:
@@ -278,8 +257,7 @@ def test_cuda_bf16_against_fp32_reference(num_heads: int, num_kv_heads: int, hea
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_width_independence(dtype: torch.dtype, monkeypatch) -> None:
-    import draft_circuit.kernels.decode_attention as da
+def test_cuda_width_independence(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     num_heads, num_kv_heads, head_dim, block_size = 16, 4, 128, 16
     attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim ** -0.5,
@@ -293,7 +271,3 @@ def test_cuda_width_independence(dtype: torch.dtype, monkeypatch) -> None:
         alone = run({**case, "q": case["q"][:1].clone(), "block_tables": case["block_tables"][:1].clone()},
                     live_rows[:1].clone(), **attrs)
         assert torch.equal(alone, batch[:1]), n
-        # one program a row walking all its splits (STRIDE 1: Triton specialises an int arg of 1)
-        monkeypatch.setattr(da, "SPLIT_PROGRAMS", 1)
-        assert torch.equal(run(case, live_rows, **attrs), batch), n
-        monkeypatch.undo()

@@ -53,20 +53,6 @@ def test_kernel_matches_reference_fp32(lives, heads, r, p, block_size, max_block
         assert torch.equal(alone, out[i:i + 1])
 
 
-@pytest.mark.parametrize("stride", [1, 2, 3])
-def test_bits_do_not_depend_on_the_split_stride(stride, monkeypatch):
-    """Strides 1, 2 and 3 give the bits of one program a split (the old grid, STRIDE = all 9
-    splits of the table): kernels.decode_attention's rule, applied here too."""
-    import draft_circuit.kernels.mla_decode as md
-    q_lat, q_pe, pc, lc, tables, live = _case([130, 3, 257], 20, 32, 16, 16, 17)
-    want, got = torch.empty_like(q_lat), torch.empty_like(q_lat)
-    monkeypatch.setattr(md, "SPLIT_PROGRAMS", 10**6)
-    mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, want, scale=0.37, split_rows=32)
-    monkeypatch.setattr(md, "SPLIT_PROGRAMS", stride * 3 * 2)  # n * head blocks programs a stride
-    mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, got, scale=0.37, split_rows=32)
-    assert torch.equal(got, want)
-
-
 def test_bad_operands_are_refused_by_name():
     q_lat, q_pe, pc, lc, tables, live = _case([3, 4], 2, 16, 8, 8, 2)
     with pytest.raises(KernelInputError, match="do not split into the same heads"):
