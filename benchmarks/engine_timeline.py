@@ -108,10 +108,11 @@ def overlap(busy: list[tuple[float, float]], starts: list[float], s: float, e: f
     return got
 
 
-def idle_gaps(busy: list[tuple[float, float]], s: float, e: float) -> list[tuple[float, float]]:
-    """The parts of [s, e) no busy interval covers."""
+def idle_gaps(busy: list[tuple[float, float]], starts: list[float], s: float,
+              e: float) -> list[tuple[float, float]]:
+    """The parts of [s, e) no busy interval covers (starts: the intervals' start points)."""
     gaps, t = [], s
-    i = max(0, bisect.bisect_right([b[0] for b in busy], s) - 1)
+    i = max(0, bisect.bisect_right(starts, s) - 1)
     while i < len(busy) and busy[i][0] < e:
         bs, be = busy[i]
         if be > t:
@@ -133,11 +134,22 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     gpu = union((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)))
                 for ev in events if ev.get("ph") == "X" and ev.get("cat") in GPU_CATS)
     starts = [b[0] for b in gpu]
-    runtime: dict[str, list[float]] = defaultdict(list)
-    for ev in events:
-        if ev.get("ph") == "X" and ev.get("cat") == "cuda_runtime":
-            runtime[ev["name"]].append(float(ev.get("dur", 0.0)))
     steps = sorted((s, e) for s, e, name in host if name == STEP)
+    step_starts = [s for s, _ in steps]
+
+    def in_a_step(ev: dict[str, Any]) -> bool:
+        t = float(ev["ts"])
+        i = bisect.bisect_right(step_starts, t) - 1
+        return i >= 0 and t < steps[i][1]
+    runtime: dict[str, list[float]] = defaultdict(list)
+    kernels = 0
+    for ev in events:
+        if ev.get("ph") != "X" or not in_a_step(ev):
+            continue
+        if ev.get("cat") == "cuda_runtime":
+            runtime[ev["name"]].append(float(ev.get("dur", 0.0)))
+        elif ev.get("cat") == "kernel":
+            kernels += 1
     phases = sorted((s, e, name) for s, e, name in host if name != STEP)
     charged: dict[str, float] = defaultdict(float)
     per_phase: dict[str, list[float]] = defaultdict(list)
@@ -147,7 +159,7 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         inside = [p for p in phases if p[0] < e and p[1] > s]
         for ps, pe, name in inside:
             per_phase[name].append(pe - ps)
-        for gs, ge in idle_gaps(gpu, s, e):
+        for gs, ge in idle_gaps(gpu, starts, s, e):
             # charge each piece of the gap to the innermost phase covering it (none: "step")
             cuts = sorted({gs, ge, *(x for p in inside for x in p[:2] if gs < x < ge)})
             for a, b in zip(cuts, cuts[1:]):
@@ -168,9 +180,10 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
                                    sorted(charged.items(), key=lambda kv: -kv[1])},
         "phase_us_median": {k: _med(v) for k, v in sorted(per_phase.items())},
         "phase_calls_per_step": {k: round(len(v) / n, 2) for k, v in sorted(per_phase.items())},
+        # the runtime calls and kernels that start inside a step (not the setup around them)
         "runtime_per_step": {k: {"calls": round(len(v) / n, 2), "host_us": round(sum(v) / n, 1)}
                              for k, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:8]},
-        "kernels_per_step": round(sum(1 for ev in events if ev.get("cat") == "kernel") / n, 1),
+        "kernels_per_step": round(kernels / n, 1),
     }
 
 

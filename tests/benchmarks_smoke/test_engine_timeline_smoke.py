@@ -16,6 +16,7 @@ def test_idle_gpu_time_is_charged_to_the_innermost_host_phase():
         _x("k1", 10, 30, "kernel"), _x("k2", 20, 10, "kernel"),   # busy 10..40 (union)
         _x("k3", 90, 20, "kernel"),                              # busy 90..100 inside the step
         _x("cudaGraphLaunch", 85, 4, "cuda_runtime"),
+        _x("cudaMalloc", 120, 9, "cuda_runtime"), _x("setup", 130, 5, "kernel"),  # after the step
     ]
     got = tl.reduce_trace(events)
     assert got["steps"] == 1 and got["step_wall_us"] == 100
@@ -25,12 +26,13 @@ def test_idle_gpu_time_is_charged_to_the_innermost_host_phase():
     assert got["idle_under_us_per_step"] == {"proposer.step_batch": 20.0, "engine._decode": 20.0,
                                             "target.forward": 10.0, "engine._end_step": 10.0}
     assert got["runtime_per_step"] == {"cudaGraphLaunch": {"calls": 1.0, "host_us": 4.0}}
+    assert got["kernels_per_step"] == 3  # k1, k2, k3; not the kernel after the step
 
 
 def test_union_and_gaps():
     busy = tl.union([(5, 7), (1, 3), (2, 4)])
     assert busy == [(1, 4), (5, 7)]
-    assert tl.idle_gaps(busy, 0, 8) == [(0, 1), (4, 5), (7, 8)]
+    assert tl.idle_gaps(busy, [b[0] for b in busy], 0, 8) == [(0, 1), (4, 5), (7, 8)]
     assert tl.overlap(busy, [b[0] for b in busy], 3, 6) == 2
 
 
