@@ -160,21 +160,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--accept", choices=("greedy", "forced"), default="greedy")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
+    modes = args.modes.split(",")
+    threads, rule = torch.get_num_threads(), engine_module.accept
     torch.set_num_threads(1)
     if args.accept == "forced":
         setattr(engine_module, "accept", forced_accept)  # the rule _decode calls
-    widths = [int(w) for w in args.widths.split(",")]
-    modes = args.modes.split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_checkpoint(Path(tmp) / "small", CONFIG, seed=3)
-        one_run(path, 2, True, args.num_drafts, 8)  # warm-up: first compiles, imports
-        rows: dict[str, dict[int, list[dict[str, Any]]]] = {m: {w: [] for w in widths} for m in modes}
-        ops = {m: {w: one_run(path, w, MODES[m], args.num_drafts, args.new_tokens, True)["ops"]
-                   for w in widths} for m in modes}
-        for r in range(args.repeats):
-            for w in widths:
-                for m in (modes if r % 2 == 0 else modes[::-1]):
-                    rows[m][w].append(one_run(path, w, MODES[m], args.num_drafts, args.new_tokens))
+    try:  # both put back after: a caller in the same process (a test) decodes greedily again
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_random_checkpoint(Path(tmp) / "small", CONFIG, seed=3)
+            one_run(path, 2, True, args.num_drafts, 8)  # warm-up: first compiles, imports
+            rows: dict[str, dict[int, list[dict[str, Any]]]] = {m: {w: [] for w in widths}
+                                                                 for m in modes}
+            ops = {m: {w: one_run(path, w, MODES[m], args.num_drafts, args.new_tokens, True)["ops"]
+                       for w in widths} for m in modes}
+            for r in range(args.repeats):
+                for w in widths:
+                    for m in (modes if r % 2 == 0 else modes[::-1]):
+                        rows[m][w].append(one_run(path, w, MODES[m], args.num_drafts,
+                                                  args.new_tokens))
+    finally:
+        setattr(engine_module, "accept", rule)
+        torch.set_num_threads(threads)
     out: dict[str, Any] = {"device": "cpu", "num_drafts": args.num_drafts, "accept": args.accept,
                            "results": {}}
     print(f"{'mode':<10}{'n':>4}{'host us/step':>14}{'range':>18}{'bubble us':>11}{'ops/step':>10}"
