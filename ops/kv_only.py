@@ -21,17 +21,17 @@ on the GPU at n = 64):
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.attention import (KvWriteAttrs, RopeAttrs, RopeKvWriteAttrs, _infer_kv_write,
                                          _infer_rope, kv_write_ref, rope_ref)
-from draft_circuit.ops.basic import EpsAttrs, _infer_rmsnorm, linear_ref, rmsnorm_ref
+from draft_circuit.ops.basic import EpsAttrs, linear_ref, rmsnorm_ref
 from draft_circuit.ops.bindings import TRITON, Applies, KernelBinding, Tensors, kernel
 from draft_circuit.ops.fused_linear import _infer_qkv, _qkv_cost
-from draft_circuit.ops.registry import (ATTENTION, FUSED, MATMUL, NORM, REDUCTION, Cost, CostContext, Env,
-                                        OpDef, Specs, default_cost, register)
+from draft_circuit.ops.prologue_linear import _infer_norm_qkv, _norm_qkv_cost, _norm_qkv_ref
+from draft_circuit.ops.registry import ATTENTION, FUSED, MATMUL, NORM, REDUCTION, Cost, OpDef, register
 
 _k_qkv = kernel("linear_multi", "linear_qkv")
 _k_norm_qkv = kernel("linear_fused", "rmsnorm_linear_qkv")
@@ -57,21 +57,6 @@ register(OpDef(
 ))
 
 
-def _infer_norm_kv(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
-    return _infer_qkv([_infer_rmsnorm(ins[:2], a)[0], *ins[2:]], a)
-
-
-def _norm_kv_ref(t: Sequence[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor, ...]:
-    normed = rmsnorm_ref(t[0], t[1], a.eps)  # one norm for both products, as rmsnorm_linear_qkv
-    return tuple(linear_ref(normed, w) for w in t[2:])
-
-
-def _norm_kv_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env) -> Cost:
-    n, k = ins[0].concrete(env)
-    rows = sum(w.concrete(env)[0] for w in ins[2:])
-    return default_cost(ins, outs, env, flops=2 * n * k * rows)
-
-
 def _launch_norm_kv(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     w0, o0 = _no_q(ins[2], outs[0])
     _k_norm_qkv()(ins[0], ins[1], a.eps, (w0, ins[2], ins[3]), (o0, outs[0], outs[1]))
@@ -79,8 +64,11 @@ def _launch_norm_kv(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
 
 register(OpDef(
     name="rmsnorm_linear_kv", inputs=("x", "norm_weight", "k_weight", "v_weight"),
-    outputs=("k", "v"), attrs=EpsAttrs, infer=_infer_norm_kv, cost=_norm_kv_cost,
-    reference=_norm_kv_ref, tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
+    outputs=("k", "v"), attrs=EpsAttrs, infer=_infer_norm_qkv, cost=_norm_qkv_cost,
+    # one norm for both products, as rmsnorm_linear_qkv (whose shape rule and cost take any
+    # number of weights)
+    reference=lambda t, a: _norm_qkv_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2:]),
+    tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
     kernels=(KernelBinding("triton_rmsnorm_linear_kv", _launch_norm_kv, Applies(TRITON)),),
 ))
 
