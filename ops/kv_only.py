@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.attention import (KvWriteAttrs, RopeAttrs, RopeKvWriteAttrs, _infer_kv_write,
                                          _infer_rope, kv_write_ref, rope_ref)
