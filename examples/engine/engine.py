@@ -219,9 +219,12 @@ class Engine:
             self._finish(s)
         if verified is not None:  # after the finishes: the next step's batch is known now
             t0 = time.perf_counter()
-            self._end_step(verified)
-            self.stats.draft_s += time.perf_counter() - t0
-            self._account(verified)  # behind the next GPU work's launch
+            try:
+                self._end_step(verified)
+            finally:  # even when the draft side raises: the tokens are appended already, so the
+                # target's KV rows and the statistics must follow them (num_cached == len - 1)
+                self.stats.draft_s += time.perf_counter() - t0
+                self._account(verified)  # behind the next GPU work's launch
 
     #: on the device path, draft the next step in the call that trims and catches up this one
     #: (`MtpProposer.step_batch`) when its batch is known; False: the separate calls (a test

@@ -245,3 +245,27 @@ def test_drafting_ahead_on_the_gpu_equals_the_separate_calls(small_checkpoint, m
     assert engine.device_drafts is None and engine._on_device(3)  # CUDA's default
     calls = count_calls(engine, monkeypatch)
     assert engine.generate(REQUESTS).outputs == outputs and calls["step_batch"] > 0
+
+
+def test_a_draft_side_that_raises_leaves_the_sequences_consistent(small_checkpoint, monkeypatch):
+    """Review regression: the step's target KV rows and statistics are accounted after the draft
+    side's launch; when the draft side raises they are still accounted, so every running
+    sequence keeps the engine's invariant (the target's KV holds every token but the last)."""
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(max_batch=3, num_drafts=3))
+    engine.device_drafts = True
+    for r in REQUESTS[:3]:
+        engine.scheduler.add(r)
+    engine.step()  # the prefill and a first step
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        raise RuntimeError("draft side down")
+    monkeypatch.setattr(engine_module, "end_step", broken)
+    with pytest.raises(RuntimeError, match="draft side down"):
+        while engine.scheduler.has_work:
+            engine.step()
+    assert calls["n"] == 1
+    for s in engine.scheduler.running:
+        assert s.num_cached == len(s.tokens) - 1, s.id
+    assert engine.stats.verifies > 0 and engine.stats.generated > 0
