@@ -38,6 +38,7 @@ from examples.engine import engine as engine_module
 from examples.engine import model as target_model
 from examples.engine.__main__ import main as engine_main
 from examples.engine.engine import Engine
+from examples.engine.runner import TargetRunner
 from draft_circuit.runners.proposer import MtpProposer
 
 STEP = "engine.step"
@@ -50,8 +51,9 @@ PHASES: tuple[tuple[Any, str, str], ...] = (
     (Engine, "_end_step", "engine._end_step"),
     (Engine, "_prefill", "engine._prefill"),
     (Engine, "_finish", "engine._finish"),
+    (Engine, "_account", "engine._account"),
     (target_model.TargetModel, "forward", "target.forward"),
-    (target_model.TargetModel, "verify_on_device", "target.verify_on_device"),
+    (TargetRunner, "verify_on_device", "target.verify_on_device"),
     (MtpProposer, "step_batch", "proposer.step_batch"),
     (MtpProposer, "last_drafts", "proposer.last_drafts"),
     (MtpProposer, "propose_batch_on_device", "proposer.propose_batch_on_device"),

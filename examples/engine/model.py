@@ -149,8 +149,8 @@ class TargetModel:
     forward="eager": the eager runner, any row count, no compile. forward="circuit": the circuit
     compiled (fused passes, Triton kernels on CUDA) for power-of-two row counts up to max_rows,
     a pass padded up to the next one with inert rows (never split: a sequence's rows must run in
-    order); on CUDA the decode / verify buckets are CUDA graphs, prefill chunks run uncaptured
-    (examples/engine/capture.py). Either way a row's bits never depend on the rows it shares a pass
+    order); on CUDA every bucket up to graph_rows is a CUDA graph, prefill included (wider ones
+    run uncaptured; examples/engine/capture.py). Either way a row's bits never depend on the rows it shares a pass
     with (row-wise references; width-independent kernels), which is what makes speculative
     output equal target-only output.
     """
@@ -181,7 +181,7 @@ class TargetModel:
         self.runner: DraftRunner
         if forward == "eager":
             self.runner = EagerDraftRunner(self.circuit, params, states)
-        elif forward == "circuit":  # decode / verify buckets captured on CUDA, prefill uncaptured
+        elif forward == "circuit":  # buckets up to graph_rows captured on CUDA (prefill too)
             self.runner = TargetPasses(self.circuit, params, states, max_rows=max_rows,
                                        device=str(self.device), graph_rows=graph_rows)
         else:

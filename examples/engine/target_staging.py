@@ -61,7 +61,7 @@ class TargetStaging:
         n = tokens.shape[0]
         graphs = self.graphs
         if self.region is None or n > graphs.max_width or not graphs.serves(n):  # type: ignore[union-attr]
-            return None  # a prefill bucket: the uncaptured runner's
+            return None  # a bucket past graph_rows or whose capture failed: uncaptured
         m = self.mirror.tables.shape[1]
         if not (positions.shape == live_rows.shape == tokens.shape == (n,)
                 and block_tables.shape == (n, m) and tokens.dtype == positions.dtype
