@@ -40,7 +40,7 @@ class Verified:
     proposed: list[int] = field(default_factory=list)
     before: list[torch.Tensor | None] = field(default_factory=list)  # None only before a prefill
     prefill: list[Rows] = field(default_factory=list)  # prompts merged into the pass (host path)
-    _no_rows: torch.Tensor | None = None
+    _no_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def no_rows(self) -> torch.Tensor:
         """[0, H] on the hiddens' device: every sequence with no catch-up row shares it."""
