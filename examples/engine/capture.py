@@ -24,6 +24,7 @@ import torch
 from draft_circuit.circuit.binding import WidthError
 from draft_circuit.circuit.ir import Circuit
 from draft_circuit.circuit.planner import compile_draft
+from draft_circuit.runners.cudagraph import GraphRunner  # importable on a CPU build
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.protocol import WidthPlan
@@ -65,12 +66,10 @@ class TargetPasses:
         self._small_max = max(small, default=0)
         # a bucket whose capture failed (GraphRunner serves the rest) runs uncaptured on the graph
         # runner's own program: the same arena and launches, no second copy of either
-        program = getattr(self.graphs.backend, "program", None) if self.graphs is not None else None
-        failed = getattr(getattr(self.graphs.backend, "stats", None), "failures", None) \
-            if self.graphs is not None else None
-        self.uncaptured = (CircuitDraftRunner(self.graphs.compiled, states, scratch_block=scratch_block,
-                                              policy=policy, backend=program)
-                           if self.graphs is not None and program is not None and failed else None)
+        backend = self.graphs.backend if self.graphs is not None else None
+        self.uncaptured = (CircuitDraftRunner(backend.compiled, states, scratch_block=scratch_block,
+                                              policy=policy, backend=backend.program)
+                           if isinstance(backend, GraphRunner) and backend.stats.failures else None)
 
     @property
     def widths(self) -> tuple[int, ...]:
