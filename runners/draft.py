@@ -123,6 +123,17 @@ class CircuitDraftRunner:
         #: stager fills): a stager that sees this change must not trust its record of the rows
         self.unstaged_runs = 0
 
+    def uncaptured_fallback(self, policy: WidthPolicy = WidthPolicy()) -> CircuitDraftRunner | None:
+        """A runner over this one's own program, launched from the host, for the widths whose CUDA
+        graph capture failed (the graph runner serves the rest); None when nothing failed or the
+        backend captures nothing. It shares the arena and the compiled program: no second copy."""
+        from draft_circuit.runners.cudagraph import GraphRunner  # importable on a CPU build
+        backend = self.backend
+        if not isinstance(backend, GraphRunner) or not backend.stats.failures:
+            return None
+        return CircuitDraftRunner(backend.compiled, self.states, scratch_block=self.scratch_block,
+                                  policy=policy, backend=backend.program)
+
     @property
     def widths(self) -> tuple[int, ...]:
         return tuple(sorted(self.plans))

@@ -24,7 +24,6 @@ import torch
 from draft_circuit.circuit.binding import WidthError
 from draft_circuit.circuit.ir import Circuit
 from draft_circuit.circuit.planner import compile_draft
-from draft_circuit.runners.cudagraph import GraphRunner  # importable on a CPU build
 from draft_circuit.runners.draft import CircuitDraftRunner, WidthPolicy
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.protocol import WidthPlan
@@ -66,10 +65,8 @@ class TargetPasses:
         self._small_max = max(small, default=0)
         # a bucket whose capture failed (GraphRunner serves the rest) runs uncaptured on the graph
         # runner's own program: the same arena and launches, no second copy of either
-        backend = self.graphs.backend if self.graphs is not None else None
-        self.uncaptured = (CircuitDraftRunner(backend.compiled, states, scratch_block=scratch_block,
-                                              policy=policy, backend=backend.program)
-                           if isinstance(backend, GraphRunner) and backend.stats.failures else None)
+        self.uncaptured = (self.graphs.uncaptured_fallback(policy)
+                           if self.graphs is not None else None)
 
     @property
     def widths(self) -> tuple[int, ...]:

@@ -60,6 +60,8 @@ def test_buckets_and_which_runner_serves_a_pass(weights):
     assert runner.plan(9).parts == ((16, 9),)  # a prefill chunk: the uncaptured program
     assert runner._runner(8) is runner.graphs and runner._runner(9) is runner.wide
     assert not runner.captured(1), "CPU: nothing is captured"
+    assert runner.uncaptured is None and runner.graphs.uncaptured_fallback() is None, \
+        "no capture failed: no fallback runner"
     assert not runner.serves(65) and not runner.serves(0)
     with pytest.raises(ValueError, match="graph_rows must be >= 0"):
         model(weights, "cpu", graph_rows=-1)
