@@ -26,6 +26,7 @@ from draft_circuit.runners.chains import (KV_ONLY_KEY, ChainRunners, DraftBindin
 from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.kv_cache import BlockPool
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.protocol import DraftRunner
 from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
                                                    check_drafter_pairs, check_propose,
@@ -256,17 +257,20 @@ class MtpProposer:
         for runner in self.chains.runners():
             check_runner_faults(runner)
 
-    def propose_batch(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+    def propose_batch(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor | HiddenRows,
                       positions: Sequence[int], num_drafts: int, states: Sequence[object], *,
                       bitmask: torch.Tensor | None = None,
                       out_conf: list[list[float]] | None = None) -> list[list[int]] | None:
         """Every sequence in one n-row run, or None before anything runs (then propose each
         alone). `last_served` says which, and why when refused; `out_conf` receives each kept
-        draft's confidence (its top-1 log-probability)."""
+        draft's confidence (its top-1 log-probability). `target_hiddens`: [n, H], or n rows of
+        one tensor picked by index (`HiddenRows`, runners/hidden_rows.py: one gather on the
+        device instead of a host-side stack)."""
         return propose_all(self, last_tokens, target_hiddens, positions, num_drafts, states,
                            bitmask, out_conf)
 
-    def propose_batch_on_device(self, last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+    def propose_batch_on_device(self, last_tokens: Sequence[int],
+                                target_hiddens: torch.Tensor | HiddenRows,
                                 positions: Sequence[int], num_drafts: int,
                                 states: Sequence[object], *, bitmask: torch.Tensor | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -281,8 +285,9 @@ class MtpProposer:
                                  states, bitmask)
 
     def step_batch(self, num_accepted: Sequence[int], catchup_tokens: Sequence[Sequence[int]],
-                   catchup_hiddens: Sequence[torch.Tensor], last_tokens: Sequence[int],
-                   target_hiddens: torch.Tensor, positions: Sequence[int], num_drafts: int,
+                   catchup_hiddens: Sequence[torch.Tensor] | HiddenRows,
+                   last_tokens: Sequence[int], target_hiddens: torch.Tensor | HiddenRows,
+                   positions: Sequence[int], num_drafts: int,
                    states: Sequence[object], *, catchup_first: Sequence[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The draft side of a decode step in one call: `after_verify_batch(num_accepted,
@@ -293,7 +298,9 @@ class MtpProposer:
         leaving bitwise what those calls leave and returning what the propose returns; None:
         the trims and catch-up are done, the propose was refused (`last_served` says why:
         propose each alone). Every input is checked before anything changes (runners/
-        proposer_step.py)."""
+        proposer_step.py). Either hiddens may be a `HiddenRows` (rows of one tensor, such as
+        the verify pass's, picked by index: runners/hidden_rows.py); the catch-up's then picks
+        every sequence's rows in order, as many as its tokens."""
         return step_all(self, num_accepted, catchup_tokens, catchup_hiddens, last_tokens,
                         target_hiddens, positions, num_drafts, states, catchup_first)
 
@@ -315,14 +322,16 @@ class MtpProposer:
                        masked: bool) -> tuple[str | None, np.ndarray]:
         return batch_refusal(self, n, k, states, masked)  # and the states' slots
 
-    def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int],
+    def _run_chain(self, tokens: Sequence[int], hiddens: torch.Tensor | HiddenRows,
+                   positions: Sequence[int],
                    k: int, states: list[MtpProposerState], bitmask: torch.Tensor | None,
                    slots: np.ndarray | None = None
                    ) -> tuple[dict[str, torch.Tensor], Sequence[int] | np.ndarray]:
         if slots is None:
             slots = np.fromiter((s.slot for s in states), dtype=np.intp, count=len(states))
         return run_chain(self._execute, self.slots,
-                         ChainRows(tokens, (hiddens,), positions, slots, None, states), k, bitmask)
+                         ChainRows(tokens, hiddens if isinstance(hiddens, HiddenRows) else (hiddens,),
+                                   positions, slots, None, states), k, bitmask)
 
     def read_deferred_draft_token(self) -> int:
         """The last kept draft of the latest deferred propose (this is where the host syncs)."""
@@ -355,11 +364,11 @@ class MtpProposer:
                           [list(tokens[1:])], [hiddens[:len(tokens) - 1]], [pos_base], [mine],
                           np.array([mine.slot], dtype=np.intp))
 
-    def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
-                      first_pos: Sequence[int], states: Sequence[object]) -> int:
+    def catchup_batch(self, tokens: Sequence[Sequence[int]],
+                      hiddens: Sequence[torch.Tensor] | HiddenRows, first_pos: Sequence[int], states: Sequence[object]) -> int:
         """tokens[i][k] with hiddens[i][k] at RoPE first_pos[i] + k, appended at each state's row
         count; every count is checked before anything runs (0 when a state is not this
-        proposer's)."""
+        proposer's). `hiddens` may be one `HiddenRows` picking every sequence's rows in order."""
         return catchup_all(self, tokens, hiddens, first_pos, states)
 
     # ---- after verify and hand-over ----

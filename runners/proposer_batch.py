@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence, cast
 import numpy as np
 import torch
 
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.contract import Served, ServedKind
 from draft_circuit.runners.proposer_inputs import (check_catchup_counts, check_num_drafts,
                                                    check_propose)
@@ -113,7 +114,8 @@ def served(p: "MtpProposer", kind: ServedKind, n: int) -> Served:
     return got if got is not None else p._served.setdefault((kind, n), Served(kind, n))
 
 
-def propose_all(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+def propose_all(p: "MtpProposer", last_tokens: Sequence[int],
+                target_hiddens: torch.Tensor | HiddenRows,
                 positions: Sequence[int], num_drafts: int, states: Sequence[object],
                 bitmask: torch.Tensor | None,
                 out_conf: list[list[float]] | None) -> list[list[int]] | None:
@@ -164,7 +166,7 @@ def after_verify_all(p: "MtpProposer", num_accepted: Sequence[int],
 
 
 def catchup_all(p: "MtpProposer", tokens: Sequence[Sequence[int]],
-                hiddens: Sequence[torch.Tensor], first_pos: Sequence[int],
+                hiddens: Sequence[torch.Tensor] | HiddenRows, first_pos: Sequence[int],
                 states: Sequence[object]) -> int:
     """`MtpProposer.catchup_batch` (its docstring states the contract)."""
     t = p.slots

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults
@@ -205,7 +206,8 @@ class DeviceDrafts:
         return rows
 
 
-def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int],
+                      target_hiddens: torch.Tensor | HiddenRows,
                       positions: Sequence[int], num_drafts: int, states: Sequence[object],
                       bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`MtpProposer.propose_batch_on_device` (its docstring states the contract)."""
@@ -222,7 +224,8 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hidde
                            mask)
 
 
-def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int], target_hiddens: torch.Tensor,
+def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int],
+                    target_hiddens: torch.Tensor | HiddenRows,
                     positions: Sequence[int], num_drafts: int, mine: list[MtpProposerState],
                     slots: np.ndarray, mask: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

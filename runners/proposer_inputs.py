@@ -15,6 +15,7 @@ from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead
 from draft_circuit.ops.tokens import TokenError
 from draft_circuit.ops.sampling import mask_words
+from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows
 from draft_circuit.runners.kv_cache import ensure_rows_all
 from draft_circuit.runners.proposer_slots import SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
@@ -87,25 +88,37 @@ def check_num_drafts(k: object, num_drafts: int) -> None:
         raise ProposerError(f"num_drafts {k!r} must be in 0..{num_drafts}")
 
 
-def check_propose(tokens: Sequence[int], hiddens: torch.Tensor, positions: Sequence[int], k: int,
+def check_propose(tokens: Sequence[int], hiddens: torch.Tensor | HiddenRows,
+                  positions: Sequence[int], k: int,
                   states: Sequence[MtpProposerState], bitmask: torch.Tensor | None, *,
                   num_drafts_max: int, config: MtpConfig,
                   device: str | torch.device, hidden_size: int | None = None,
                   distinct: bool = False) -> torch.Tensor | None:
     """Every check a propose makes before anything changes; returns the checked bitmask on the
-    proposer's device. `hidden_size`: the head's `hidden_in_size` (None: config.hidden_size);
-    `distinct`: the states are known distinct (`SlotTable.distinct`), else counted here."""
+    proposer's device. `hiddens`: [n, hidden_size], or n rows picked from one tensor
+    (runners/hidden_rows.py). `hidden_size`: the head's `hidden_in_size` (None:
+    config.hidden_size); `distinct`: the states are known distinct (`SlotTable.distinct`),
+    else counted here."""
     n, c = len(tokens), config
     width = c.hidden_size if hidden_size is None else hidden_size
     check_num_drafts(k, num_drafts_max)
-    if hiddens.dim() == 2 and hiddens.shape[1] != width:
-        raise HiddenWidthError(f"hiddens must be [{n}, {width}], got {list(hiddens.shape)}: target hiddens "
-                               f"{hiddens.shape[1]} wide, the head reads {width} (its hidden_in_size)")
+    if isinstance(hiddens, HiddenRows):
+        check_hidden_rows(hiddens, n, width, f"a batch propose of {n} rows")
+        shape: tuple[int, ...] = (n, width)
+    else:
+        if not isinstance(hiddens, torch.Tensor):
+            raise ProposerError(f"hiddens must be a tensor [{n}, {width}] or HiddenRows, got "
+                                f"{type(hiddens).__name__}")
+        shape = tuple(hiddens.shape)
+        if hiddens.dim() == 2 and hiddens.shape[1] != width:
+            raise HiddenWidthError(f"hiddens must be [{n}, {width}], got {list(shape)}: target "
+                                   f"hiddens {hiddens.shape[1]} wide, the head reads {width} (its "
+                                   "hidden_in_size)")
     if len(states) != n or (not distinct and len(set(map(id, states))) != n) \
-            or len(positions) != n or hiddens.shape != (n, width):
+            or len(positions) != n or shape != (n, width):
         raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
                             f"[{n}, {width}]; got {len(states)} states, "
-                            f"{len(positions)} positions, hiddens {list(hiddens.shape)}")
+                            f"{len(positions)} positions, hiddens {list(shape)}")
     if not (plain_ints(positions) and (not positions or min(positions) >= 1)):
         for i, p in enumerate(positions):  # only to name the bad row (see check_tokens)
             check_position(p, f"row {i}: position")
@@ -132,17 +145,22 @@ def _num_hiddens(hiddens: object, hidden_size: int, what: str) -> int:
     return int(hiddens.shape[0])
 
 
-def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
+def check_catchup_counts(tokens: Sequence[Sequence[int]],
+                         hiddens: Sequence[torch.Tensor] | HiddenRows,
                          first_pos: Sequence[int] | None, states: Sequence[object], *,
                          hidden_size: int, vocab: int, distinct: bool = False,
                          what: str = "catchup_batch") -> list[int] | None:
     """catchup_batch's counts, all before anything runs: one token list, hidden list, first
-    position and state per sequence, as many hiddens as tokens in each, distinct states
-    (`distinct`: known so, `SlotTable.distinct`), valid positions and token ids. Each error
-    names the call (`what`), the sequence and the counts. `first_pos` None: the positions are
-    the proposer's own (step_batch's, from each state's key), nothing to check. Returns the
-    token ids in row order when the check made that list (past SMALL_BATCH sequences: the
-    catch-up's rows are built from it)."""
+    position and state per sequence, as many hiddens as tokens in each (or one HiddenRows
+    picking every sequence's rows in order, as many as their tokens: runners/hidden_rows.py),
+    distinct states (`distinct`: known so, `SlotTable.distinct`), valid positions and token
+    ids. Each error names the call (`what`), the sequence and the counts. `first_pos` None:
+    the positions are the proposer's own (step_batch's, from each state's key), nothing to
+    check. Returns the token ids in row order when the check made that list (past SMALL_BATCH
+    sequences: the catch-up's rows are built from it)."""
+    if isinstance(hiddens, HiddenRows):
+        return _check_picked(tokens, hiddens, first_pos, states, hidden_size=hidden_size,
+                             vocab=vocab, distinct=distinct, what=what)
     counts = (len(tokens), len(hiddens), len(states if first_pos is None else first_pos),
               len(states))
     if len(set(counts)) != 1:
@@ -164,6 +182,30 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]], hiddens: Sequence[torc
             check_position(first_pos[i], f"{what} sequence {i}: first position")
         check_tokens(list(ts), vocab, f" of sequence {i}")
     return None  # (the fast pass is stricter than the loop: what it refused, the loop admits)
+
+
+def _check_picked(tokens: Sequence[Sequence[int]], hiddens: HiddenRows,
+                  first_pos: Sequence[int] | None, states: Sequence[object], *,
+                  hidden_size: int, vocab: int, distinct: bool, what: str) -> list[int]:
+    """`check_catchup_counts` of a catch-up whose hiddens are one HiddenRows: the same counts,
+    the pick's rows as many as the tokens; returns the token ids in row order."""
+    counts = (len(tokens), len(states if first_pos is None else first_pos), len(states))
+    if len(set(counts)) != 1:
+        raise ProposerError(f"{what}: {counts[0]} token lists, {counts[1]} first positions and "
+                            f"{counts[2]} states: one of each per sequence")
+    if not distinct and len(set(map(id, states))) != len(states):
+        raise ProposerError(f"{what}: a state appears twice (its rows would be written twice "
+                            "at the same row)")
+    flat = list(chain.from_iterable(tokens))
+    check_hidden_rows(hiddens, len(flat), hidden_size, what)
+    if first_pos is not None and not (plain_ints(first_pos) and (not first_pos
+                                                                 or min(first_pos) >= 1)):
+        for i, p in enumerate(first_pos):  # only to name the bad sequence
+            check_position(p, f"{what} sequence {i}: first position")
+    if not (plain_ints(flat) and (not flat or (min(flat) >= 0 and max(flat) < vocab))):
+        for i, ts in enumerate(tokens):  # only to name the bad sequence
+            check_tokens(list(ts), vocab, f" of sequence {i}")
+    return flat
 
 
 def _catchup_ok(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
@@ -232,7 +274,8 @@ class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen datac
     empty, their caller holds the states)."""
 
     tokens: Sequence[int] | np.ndarray
-    hiddens: Sequence[torch.Tensor]  # the rows' hiddens: segments [m, H] adding up to n rows
+    # the rows' hiddens: segments [m, H] adding up to n rows, or n rows picked from one tensor
+    hiddens: Sequence[torch.Tensor] | HiddenRows
     positions: Sequence[int] | np.ndarray
     slots: np.ndarray
     live: Sequence[int] | np.ndarray | None  # a propose's: None, run_chain reads it
@@ -243,19 +286,22 @@ class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen datac
 _ROWS = methodcaller("size", 0)
 _SHAPE = attrgetter("shape")
 
-def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
+def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor] | HiddenRows,
                  first_pos: Sequence[int] | np.ndarray, slots: np.ndarray,
                  bases: np.ndarray | Sequence[int], width: int,
                  exact: bool) -> list[ChainRows] | None:
     """`catchup_chunks` of at most SMALL_BATCH sequences whose rows fit one run, as Python
     lists (None when they do not fit: the array path splits them)."""
+    picked = hiddens if isinstance(hiddens, HiddenRows) else None
+    # one pick of every row in order: the segments loop below reads none
+    segments = [_NO_ROWS] * len(tokens) if isinstance(hiddens, HiddenRows) else hiddens
     toks: list[int] = []
     pos: list[int] = []
     live: list[int] = []
     owners: list[int] = []
     segs: list[torch.Tensor] = []
     firsts = first_pos.tolist() if isinstance(first_pos, np.ndarray) else first_pos
-    for ts, h, p, b, s in zip(tokens, hiddens, firsts,
+    for ts, h, p, b, s in zip(tokens, segments, firsts,
                               bases.tolist() if isinstance(bases, np.ndarray) else bases,
                               slots.tolist()):
         m = len(ts)
@@ -269,7 +315,12 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
         return None
     if not toks:
         return []
-    return [ChainRows(toks, segs, pos, np.array(owners, dtype=np.intp), live, kv_only=True)]
+    return [ChainRows(toks, segs if picked is None else picked, pos,
+                      np.array(owners, dtype=np.intp), live, kv_only=True)]
+
+
+#: what _small_chunk's loop reads for a sequence when the hiddens are one HiddenRows (unused)
+_NO_ROWS = torch.zeros(0, 0)
 
 
 def _arange(total: int) -> np.ndarray:
@@ -288,7 +339,7 @@ def _arange(total: int) -> np.ndarray:
 _ARANGE = np.zeros(0, dtype=np.int64)
 
 
-def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor],
+def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor] | HiddenRows,
                    first_pos: Sequence[int] | np.ndarray, slots: np.ndarray,
                    bases: np.ndarray | Sequence[int], width: int, *,
                    counts: np.ndarray | None = None, ids: list[int] | None = None,
@@ -303,7 +354,9 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     sequence's token count when the caller has it; `ids`: the token ids flattened in row order
     when it has them (check_catchup_counts made them); `exact`: every hiddens[i] has exactly
     that many rows (the caller checked: no spare row to cut, and no row count read a
-    sequence); `every`: whether every count is nonzero, when the caller knows."""
+    sequence); `every`: whether every count is nonzero, when the caller knows. `hiddens` may
+    be one HiddenRows picking every row in row order (checked to hold exactly the rows): each
+    chunk then takes its span of the pick."""
     if len(tokens) <= SMALL_BATCH:
         small = _small_chunk(tokens, hiddens, first_pos, slots, bases, width, exact)
         if small is not None:
@@ -326,6 +379,10 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     live = np.subtract(bases, starts).repeat(counts)
     live += row
     owners = np.asarray(slots).repeat(counts)
+    if isinstance(hiddens, HiddenRows):  # one pick, row order: a chunk is its span [lo, hi)
+        return [ChainRows(toks[lo:lo + width], hiddens.part(lo, lo + width), pos[lo:lo + width],
+                          owners[lo:lo + width], live[lo:lo + width], kv_only=True)
+                for lo in range(0, total, width)]
     segs = list(hiddens)
     if not exact:
         rows = np.fromiter(map(_ROWS, segs), dtype=np.int64, count=len(segs))

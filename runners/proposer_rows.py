@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
 from draft_circuit.runners.kv_cache import ensure_rows_all
 from draft_circuit.runners.proposer_slots import FEW, KEY, ROWS, SMALL_BATCH, SlotTable
@@ -47,7 +48,8 @@ def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,
 
 
 def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
-               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int] | np.ndarray,
+               hiddens: Sequence[torch.Tensor] | HiddenRows,
+               first_pos: Sequence[int] | np.ndarray,
                states: Sequence[MtpProposerState], slots: np.ndarray,
                ids: list[int] | None = None) -> int:
     """Append sequence i's rows (states[i], at slots[i]), tokens[i][k] with hiddens[i][k] at
@@ -88,7 +90,8 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
 
 
 def _write_few(execute: Execute, table: SlotTable, width: int, tokens: Sequence[Sequence[int]],
-               hiddens: Sequence[torch.Tensor], first_pos: Sequence[int] | np.ndarray,
+               hiddens: Sequence[torch.Tensor] | HiddenRows,
+               first_pos: Sequence[int] | np.ndarray,
                states: Sequence[MtpProposerState], slots: np.ndarray) -> int:
     """`write_rows` of at most SMALL_BATCH sequences: the same rule on their rows and
     capacities as Python ints (two column reads before, the changed columns written after; a

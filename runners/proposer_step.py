@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence, cast
 import numpy as np
 import torch
 
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.proposer_batch import settle_held, width_refusal
 from draft_circuit.runners.proposer_device import draft_on_device
@@ -42,8 +43,9 @@ def next_row_positions(table: SlotTable, slots: np.ndarray) -> Sequence[int] | n
 
 
 def step_all(p: "MtpProposer", num_accepted: Sequence[int],
-             catchup_tokens: Sequence[Sequence[int]], catchup_hiddens: Sequence[torch.Tensor],
-             last_tokens: Sequence[int], target_hiddens: torch.Tensor, positions: Sequence[int],
+             catchup_tokens: Sequence[Sequence[int]],
+             catchup_hiddens: Sequence[torch.Tensor] | HiddenRows, last_tokens: Sequence[int],
+             target_hiddens: torch.Tensor | HiddenRows, positions: Sequence[int],
              num_drafts: int, states: Sequence[object],
              catchup_first: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`MtpProposer.step_batch` (its docstring states the contract)."""

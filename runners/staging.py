@@ -19,9 +19,10 @@ straight into the buffers the chain's program reads.
   `SlotTable`, runners/proposer_slots.py), rewritten only when its sequence gained, lost or
   handed over a block; a run gathers its rows' tables into the mirror with one `np.take` of
   its rows' slot array and they travel in the same copy (no per-row work of any kind).
-- Hiddens are copied into the region's hidden buffer (one `cat` for a catch-up's segments);
-  rows past n are zeroed only when n shrank; `log_tau` is refilled only when its value or n
-  changes.
+- Hiddens are copied into the region's hidden buffer (one `cat` for a catch-up's segments, or
+  one `index_select` for rows picked from one tensor, `HiddenRows`, their indices staged
+  through a pinned mirror like the ints: a second small copy on CUDA); rows past n are zeroed
+  only when n shrank; `log_tau` is refilled only when its value or n changes.
 - Drafts and confidences come back in ONE device-to-host copy into pinned memory, with one sync
   per call (runners/proposer_readback.py): one `cat` (one launch) packs the drafts, the
   confidences' float32 bits and the runners' fault records side by side first.
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.device import CurrentStream
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.int_region import INTS, ROWS, IntMirror, int_region
 from draft_circuit.runners.proposer_readback import ReadBack
 
@@ -77,6 +79,14 @@ class _Region:
         self.zeros = torch.zeros_like(hidden) if runner is not None and self.hidden_np is None \
             and self.neutral.get("hidden", 0) == 0 else None
         self.zero_rows: dict[int, torch.Tensor] = {}  # zeros[:m], per m
+        # HiddenRows' indices: a device buffer and its host mirror(s) (pinned, two on CUDA, used
+        # in the same turns as the ints'; on CPU the buffer itself), written through numpy
+        self.index = torch.zeros(w, dtype=torch.int64, device=flat.device)
+        index_hosts = [torch.zeros(w, dtype=torch.int64, pin_memory=cuda) for _ in self.hosts] \
+            if self.copies else [self.index]
+        self.index_np = [h.numpy() for h in index_hosts]
+        self.index_hosts = index_hosts
+        self.index_rows: dict[int, torch.Tensor] = {}  # index[:m], per m
         self.tau: tuple[float, int] | None = None
         self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
         # the staging's own region: views handed out per (n, with log_tau), made once
@@ -183,17 +193,18 @@ class ChainStaging:
                     runner.staged_inputs(n)  # type: ignore[attr-defined]
             for n in range(1, region.width + 1):
                 region.hidden_rows.setdefault(n, region.hidden[:n])
+                region.index_rows.setdefault(n, region.index[:n])
                 if region.zeros is not None:
                     region.zero_rows.setdefault(n, region.zeros[:n])
 
     # ---- inputs ----
     def inputs(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                live: Sequence[int] | np.ndarray, slots: np.ndarray,
-               hiddens: Sequence[torch.Tensor], log_tau: float | None,
+               hiddens: Sequence[torch.Tensor] | HiddenRows, log_tau: float | None,
                runner: object | None = None, *, tables: np.ndarray) -> Mapping[str, torch.Tensor]:
         """The runner inputs of n rows: row i's block table is `tables[slots[i]]` (the states'
         host tables, runners/proposer_slots.py), hiddens are the rows' segments in order (their
-        rows add up to n). With `runner` a `CircuitDraftRunner` whose plan for n is one
+        rows add up to n) or the n rows picked from one tensor (`HiddenRows`). With `runner` a `CircuitDraftRunner` whose plan for n is one
         program, its own `staged_inputs(n)`, filled in place (give it back to that runner's
         `run` unchanged); otherwise read-only views of the staging's own buffers. Valid until
         the next call. log_tau None: a chain without the confidence stop. Array writes only:
@@ -220,9 +231,9 @@ class ChainStaging:
         region.mirrors[turn].fill(n, (tokens, positions, live), tables, slots, region.neutral)
         if region.copies:
             region.flat.copy_(region.hosts[turn], non_blocking=True)
-        if region.stream is not None:
+        self._stage_hiddens(region, hiddens, n, turn)
+        if region.stream is not None:  # after every copy that read this turn's mirrors
             region.stream.record(region.copied[turn])
-        self._stage_hiddens(region, hiddens, n)
         if staged is not None:
             self._fill_tau(region, log_tau, n)
             out = staged
@@ -242,15 +253,22 @@ class ChainStaging:
         region.log_tau[n:].fill_(region.neutral.get("log_tau", float("-inf")))
         region.tau = (log_tau, n)
 
-    def _stage_hiddens(self, region: _Region, hiddens: Sequence[torch.Tensor], n: int) -> None:
+    def _stage_hiddens(self, region: _Region, hiddens: Sequence[torch.Tensor] | HiddenRows,
+                       n: int, turn: int) -> None:
         """The rows' hiddens into the region's buffer: one `cat` into it (a catch-up of many
         sequences is one launch, not one a sequence; it converts dtypes as a copy does), or,
-        when a segment lies on another device, one copy a segment. A runner's own buffer keeps its
+        when a segment lies on another device, one copy a segment; rows picked from one tensor
+        (`HiddenRows`) in one `index_select` (`_gather`). A runner's own buffer keeps its
         rows past n neutral (a padded program reads them): zeroed when n shrank, or when an
         unstaged run wrote them. Where a numpy view cannot zero them (CUDA, bfloat16), the zeros
         travel in the rows' own `cat`: one launch whatever the segments."""
         hidden = region.hidden
         dirty = region.hidden_dirty if region.runner is not None else 0
+        if isinstance(hiddens, HiddenRows):
+            hiddens = self._gather(region, hiddens, n, turn)
+            if not hiddens:  # gathered into the buffer's rows
+                self._neutral_past(region, n, dirty)
+                return
         if dirty > n and region.zeros is not None:
             # the rows and the zeros past them up to the rows a wider run left: one launch
             span = region.hidden_rows.get(dirty)
@@ -278,13 +296,42 @@ class ChainStaging:
                 for h in hiddens:
                     hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
                     start += h.shape[0]
+        self._neutral_past(region, n, dirty)
+
+    @staticmethod
+    def _neutral_past(region: _Region, n: int, dirty: int) -> None:
+        """A runner's own hidden buffer's rows [n, dirty) back to neutral (a padded program
+        reads them), and n recorded as the rows that may hold values."""
         if region.runner is not None:
             if dirty > n:
                 if region.hidden_np is not None:
                     region.hidden_np[n:dirty] = region.neutral["hidden"]
                 else:
-                    hidden[n:dirty].fill_(region.neutral["hidden"])
+                    region.hidden[n:dirty].fill_(region.neutral["hidden"])
             region.hidden_dirty = n
+
+    @staticmethod
+    def _gather(region: _Region, picked: HiddenRows, n: int, turn: int) -> list[torch.Tensor]:
+        """`picked`'s n rows into the buffer's rows [:n] in one `index_select`, the indices
+        through this turn's host mirror (one small non_blocking copy on CUDA; on CPU written in
+        place): returns [] when done. A source on another device or of another dtype than the
+        buffer (rare: a host that keeps its hiddens elsewhere) is gathered on its own device
+        instead and returned as the one segment to copy in."""
+        source, hidden = picked.source, region.hidden
+        if source.device != hidden.device or source.dtype != hidden.dtype:
+            picks = torch.from_numpy(np.ascontiguousarray(picked.rows, dtype=np.int64))
+            return [source.index_select(0, picks.to(source.device))]
+        region.index_np[turn][:n] = picked.rows
+        if region.copies:  # the whole mirror: one copy, no slice of it to make
+            region.index.copy_(region.index_hosts[turn], non_blocking=True)
+        index = region.index_rows.get(n)
+        if index is None:  # views made once a width (a slice is a torch op, microseconds)
+            index = region.index_rows[n] = region.index[:n]
+        rows = region.hidden_rows.get(n)
+        if rows is None:
+            rows = region.hidden_rows[n] = hidden[:n]
+        torch.index_select(source, 0, index, out=rows)
+        return []
 
     def tokens(self, n: int) -> torch.Tensor:
         """The device tokens of the latest run's n rows (valid until the next run): what a

@@ -258,8 +258,8 @@ def test_the_op_count_sees_per_row_work(monkeypatch):
     from draft_circuit.runners import staging as staging_mod
     real = staging_mod.ChainStaging._stage_hiddens
 
-    def per_row(self, region, hiddens, n):
-        real(self, region, hiddens, n)
+    def per_row(self, region, hiddens, n, turn):
+        real(self, region, hiddens, n, turn)
         for i in range(n):
             region.hidden[i].copy_(region.hidden[i])  # what a per-row staging would issue
     monkeypatch.setattr(staging_mod.ChainStaging, "_stage_hiddens", per_row)

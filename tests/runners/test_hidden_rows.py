@@ -1,0 +1,247 @@
+"""Target hiddens as rows of one tensor picked by index (`HiddenRows`, runners/hidden_rows.py):
+step_batch, catchup_batch and both batch proposes leave bitwise what the same rows given as
+per-sequence tensors leave (drafts, confidences, rows, keys, tables, drafter KV) at exact,
+padded and split widths and past SMALL_BATCH; the staging gathers them in one index_select
+(no cat, no stack, no tensor built in the proposer's frames); a bad pick is refused by type
+with words that name it and nothing changed."""
+import numpy as np
+import pytest
+import torch
+
+from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows, hidden_rows
+from draft_circuit.runners.proposer_inputs import HiddenWidthError
+from draft_circuit.runners.proposer_state import ProposerError
+from draft_circuit.runners.testing import assert_no_allocation, cuda
+from tests.runners.test_proposer import CFG, K, hidden, make
+from tests.runners.test_proposer_device_cuda import _sync_mode
+from tests.runners.test_proposer_staging import ConstructorTrace
+from tests.runners.test_proposer_step import (CASES, IDS, StepLoop, _accepted, _catchup, _pair,
+                                              _same, _snapshot, _unchanged)
+
+
+def _packed(parts: list[torch.Tensor], seed: int) -> tuple[torch.Tensor, list[np.ndarray]]:
+    """Every part's rows in one tensor, in a shuffled order with spare rows between (a verify
+    pass's hiddens hold rows nobody drafts from), and each part's row indices in it."""
+    total = sum(p.shape[0] for p in parts)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(total + 5, generator=g)[:total].numpy()
+    source = torch.randn(total + 5, CFG.hidden_size, generator=g)
+    picks, at = [], 0
+    for p in parts:
+        idx = order[at:at + p.shape[0]].astype(np.int64)
+        source[torch.from_numpy(idx)] = p
+        picks.append(idx)
+        at += p.shape[0]
+    return source, picks
+
+
+@pytest.mark.parametrize("n,opts", CASES, ids=IDS)
+def test_step_batch_with_picked_rows_is_step_batch_with_tensors(n, opts):
+    """Five decode steps: `a` hands step_batch per-sequence tensors, `b` the same values as
+    HiddenRows of one tensor (the catch-up's rows and the targets' from one source, as an
+    engine's verify pass gives them), every output and state bitwise alike after each step."""
+    a, sa, b, sb = _pair(n, opts)
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    last = [(5 + i) % CFG.vocab_size for i in range(n)]
+    source, (pick,) = _packed([hidden(7, n)], 1)
+    got_a = a.propose_batch_on_device(last, hidden(7, n), pos, K, sa)
+    got_b = b.propose_batch_on_device(last, HiddenRows(source, pick), pos, K, sb)
+    for step in range(5):
+        assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
+        assert torch.equal(a.verify_tokens(), b.verify_tokens())
+        drafts = a.last_drafts(sa)
+        assert b.last_drafts(sb) == drafts
+        accepted = _accepted(drafts, step)
+        tokens, hiddens = _catchup(drafts, accepted, step)
+        last = [(7 * i + step) % CFG.vocab_size for i in range(n)]
+        hid = hidden(200 + step, n)
+        pos = [p + c + 1 for p, c in zip(pos, accepted)]
+        source, picks = _packed([*hiddens, hid], 10 + step)
+        caught = hidden_rows(source, np.concatenate(picks[:n]))
+        got_a = a.step_batch(accepted, tokens, hiddens, last, hid, pos, K, sa)
+        got_b = b.step_batch(accepted, tokens, caught, last, HiddenRows(source, picks[n]), pos,
+                             K, sb)
+        assert got_a is not None and got_b is not None
+        _same(a, sa, b, sb)
+
+
+def test_catchup_batch_and_the_host_propose_take_picked_rows():
+    """The separate calls too: catchup_batch (some sequences with no rows) and propose_batch,
+    picked rows against tensors, bitwise."""
+    n = 5
+    a, sa, b, sb = _pair(n, {})
+    tokens = [[1 + i] * (i % 3) for i in range(n)]
+    hiddens = [hidden(30 + i, len(t)) if t else hidden(1, 1)[:0] for i, t in enumerate(tokens)]
+    source, picks = _packed(hiddens, 3)
+    first = [a.last_pair_key(s) + 2 for s in sa]
+    assert a.catchup_batch(tokens, hiddens, first, sa) == \
+        b.catchup_batch(tokens, hidden_rows(source, np.concatenate(picks)), first, sb)
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    source, (pick,) = _packed([hidden(8, n)], 4)
+    conf_a: list = []
+    conf_b: list = []
+    assert a.propose_batch([3] * n, hidden(8, n), pos, K, sa, out_conf=conf_a) == \
+        b.propose_batch([3] * n, HiddenRows(source, pick), pos, K, sb, out_conf=conf_b)
+    assert conf_a == conf_b
+    _same(a, sa, b, sb)
+
+
+def test_a_picked_step_gathers_once_and_builds_no_tensor(monkeypatch):
+    """Steady state with picked rows: no cat or stack of segments, no tensor built in the
+    proposer's frames (the indices go through the staging's own mirror), one index_select
+    a run whatever n."""
+    n = 6
+    p, states, _, _ = _pair(n, {})
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    p.propose_batch_on_device([3] * n, hidden(7, n), pos, K, states)
+    source = hidden(9, 4 * n)
+
+    def step(i):
+        nonlocal pos
+        accepted = _accepted(p.last_drafts(states), i)
+        drafts = p.last_drafts(states)
+        tokens = [list(d[:c]) for d, c in zip(drafts, accepted)]
+        rows = np.concatenate([np.arange(4 * j, 4 * j + c) for j, c in enumerate(accepted)])
+        pos = [q + c + 1 for q, c in zip(pos, accepted)]
+        return p.step_batch(accepted, tokens, HiddenRows(source, rows.astype(np.int64)),
+                            [3] * n, HiddenRows(source, np.arange(0, 4 * n, 4)), pos, K, states)
+    for i in range(2):  # warm
+        step(i)
+    trace = ConstructorTrace(monkeypatch)
+    gathers = []
+    real = torch.index_select
+
+    def counted(*args, **kwargs):
+        gathers.append(kwargs.get("out") is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "index_select", counted)
+    for i in range(2, 5):
+        assert step(i) is not None
+    assert trace.calls == []
+    assert gathers and all(gathers)  # every gather wrote into the staging's buffer
+    assert len(gathers) <= 2 * 3  # one a run: at most a catch-up and a propose a step
+
+
+def test_a_source_on_another_dtype_is_gathered_then_copied():
+    """A source whose dtype differs from the chain's hidden buffer (a host keeping fp64
+    hiddens, say) still drafts what the tensors draft: gathered on its own, then copied in."""
+    n = 3
+    a, sa, b, sb = _pair(n, {})
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    source, (pick,) = _packed([hidden(7, n)], 2)
+    got_a = a.propose_batch_on_device([3] * n, hidden(7, n), pos, K, sa)
+    got_b = b.propose_batch_on_device([3] * n, HiddenRows(source.double(), pick), pos, K, sb)
+    assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
+
+
+BAD = {  # what is wrong -> (which argument, the bad value, the error type, words it names)
+    "a row outside the source": ("catch", lambda s: HiddenRows(s, np.array([4], np.int64)),
+                                 ProposerError, "row 0 picks source row 4, outside the source's 4"),
+    "a negative row": ("catch", lambda s: HiddenRows(s, np.array([-1], np.int64)),
+                       ProposerError, "picks source row -1"),
+    "a row too many": ("catch", lambda s: HiddenRows(s, np.array([0, 1], np.int64)),
+                       ProposerError, "picks 2 rows, the call has 1"),
+    "float rows": ("catch", lambda s: HiddenRows(s, np.array([0.0])), ProposerError,
+                   "1-D integer numpy array"),
+    "rows as a list": ("catch", lambda s: HiddenRows(s, [0]), ProposerError,  # type: ignore[arg-type]
+                       "1-D integer numpy array, got list"),
+    "a 1-D source": ("catch", lambda s: HiddenRows(s[0], np.array([0], np.int64)), ProposerError,
+                     "source must be a tensor"),
+    "a source of another width": ("catch", lambda s: HiddenRows(torch.zeros(4, CFG.hidden_size + 2),
+                                                                np.array([0], np.int64)),
+                                  HiddenWidthError, "hidden_in_size"),
+    "propose rows a row short": ("hid", lambda s: HiddenRows(s, np.array([0, 1], np.int64)),
+                                 ProposerError, "picks 2 rows, the call has 3"),
+    "propose row outside": ("hid", lambda s: HiddenRows(s, np.array([0, 1, 9], np.int64)),
+                            ProposerError, "row 2 picks source row 9"),
+    "propose hiddens of another type": ("hid", lambda s: (s, np.arange(3)), ProposerError,
+                                        "tensor .* or HiddenRows, got tuple"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_a_bad_pick_is_refused_with_nothing_changed(what):
+    p, states, _, _ = _pair(3, {})
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    p.propose_batch_on_device([3] * 3, hidden(7, 3), pos, K, states)
+    drafts = p.last_drafts(states)
+    source = hidden(9, 4)
+    args = {"catch": HiddenRows(source, np.array([1], np.int64)),
+            "hid": HiddenRows(source, np.array([0, 2, 3], np.int64))}
+    where, bad, error, words = BAD[what]
+    args[where] = bad(source)
+    before = _snapshot(p, states)
+    with pytest.raises(error, match=words):
+        p.step_batch([1, 0, 0], [[drafts[0][0]], [], []], args["catch"], [3] * 3, args["hid"],
+                     [q + 1 for q in pos], K, states)
+    _unchanged(before, _snapshot(p, states))
+
+
+def test_check_hidden_rows_names_the_call_and_admits_a_good_pick():
+    h = hidden_rows(hidden(1, 3), [2, 0])
+    assert check_hidden_rows(h, 2, CFG.hidden_size, "x") is h
+    assert "source=[3, " in repr(h) and h.part(1, 2).rows.tolist() == [0]
+    with pytest.raises(ProposerError, match="^my call: expected HiddenRows"):
+        check_hidden_rows([hidden(1, 2)], 2, CFG.hidden_size, "my call")
+
+
+class PickedStepLoop(StepLoop):
+    """StepLoop whose step_batch takes both hiddens as HiddenRows of one source made once (the
+    catch-up rows, then the targets), as the engine's device path gives them."""
+
+    def step(self):
+        p, states, n = self.p, self.states, len(self.states)
+        if self.pos is None:
+            self.source = torch.cat([*self.catch, self.hid])
+            self.pos = [p.last_pair_key(s) + 2 for s in states]
+            assert p.propose_batch_on_device([5] * n, self.hid, self.pos, K, states) is not None
+        drafts = p.last_drafts(states)
+        self.drafts.append(drafts)
+        accepted = [self.rng.randint(0, len(d)) for d in drafts]
+        first = [q + 1 for q in self.pos]
+        self.pos = [q + a + 1 for q, a in zip(self.pos, accepted)]
+        rows = np.concatenate([np.arange(K * i, K * i + a, dtype=np.int64)
+                               for i, a in enumerate(accepted)])
+        targets = np.arange(K * n, K * n + n, dtype=np.int64)
+        with _sync_mode(self.no_sync):
+            assert p.step_batch(accepted, [d[:a] for d, a in zip(drafts, accepted)],
+                                HiddenRows(self.source, rows), [5] * n,
+                                HiddenRows(self.source, targets), self.pos, K, states,
+                                catchup_first=first) is not None
+
+
+def _picked_loops_agree(device):
+    opts = dict(num_blocks=400, max_blocks_per_seq=40, device=device)
+    one, host = make("circuit", **opts), make("circuit", **opts)
+    a, b = PickedStepLoop(one, n=4, device=device, seed=3), StepLoop(host, n=4, device=device,
+                                                                      seed=3)
+    for _ in range(5):
+        a.step(), b.step()
+    assert a.drafts == b.drafts
+    assert one.last_drafts(a.states) == host.last_drafts(b.states)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(one.states[name], host.states[name])
+
+
+def test_the_picked_step_loop_is_the_step_loop():
+    _picked_loops_agree("cpu")
+
+
+@cuda
+def test_the_picked_step_loop_is_the_step_loop_on_cuda():
+    """On the GPU the indices travel through the pinned mirror in a non_blocking copy: the
+    gather reads them in stream order (a wrong order would draft from stale rows)."""
+    _picked_loops_agree("cuda")
+
+
+@cuda
+def test_a_picked_cuda_step_allocates_nothing_and_makes_no_host_sync():
+    p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
+    loop = PickedStepLoop(p, n=4, device="cuda")
+    for _ in range(2):
+        loop.step()
+    assert_no_allocation(loop.step, repeats=4)
+    torch.cuda.synchronize()
+    loop.no_sync = True
+    for _ in range(4):
+        loop.step()
