@@ -11,11 +11,14 @@ key moved back as far, so the states are as the catch-up left them and hold noth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from examples.engine.sequence import Sequence
 from examples.engine.speculate import DraftStats
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer import MtpProposer
 from draft_circuit.runners.proposer_state import key_after_verify
 
@@ -38,7 +41,9 @@ class Verified:
     starts: list[int]
     kept: list[list[int]] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
-    before: list[torch.Tensor | None] = field(default_factory=list)  # None only before a prefill
+    # (source, row) as `Sequence.hidden_src` / `hidden_row` held it; source None only before a
+    # prefill
+    before: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
     prefill: list[Rows] = field(default_factory=list)  # prompts merged into the pass (host path)
     _no_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -86,34 +91,62 @@ def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts:
     after the trim, which step_batch makes inside the call, so the key comes from the
     proposer's own rule (`key_after_verify`, beside the trim it mirrors) instead of a read; the
     rows are given their positions explicitly so tokens and RoPE positions agree whatever the
-    key."""
-    kv_exact, refeed = proposer.kv_exact, proposer.refeed
+    key. Both hiddens go as rows of the verify's one tensor picked by index (`HiddenRows`: one
+    gather on the device, no view or stack a sequence on the host), unless a sequence's rows
+    reach back to the hidden before this step's (`before`, another tensor): then tensors."""
+    kv_exact, refeed, source = proposer.kv_exact, proposer.refeed, v.hidden
     # every per-sequence list the call takes, in one pass over the live sequences
     seqs: list[Sequence] = []
-    accepted, first, last, positions, states = [], [], [], [], []
+    accepted, first, last, positions, states, targets = [], [], [], [], [], []
+    keys: list[int | None] = []
     tokens: list[list[int]] = []
-    hiddens: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
+    spans: list[range] = []  # each sequence's catch-up rows in `source`
+    picked = True  # every catch-up row and target a row of `source`
     for i in live:
         a = v.accepted[i]
-        s, ts, hs, f = missing_rows(v, i, key_after_verify(v.proposed[i], len(v.drafts[i]), a,
-                                                           kv_exact=kv_exact, refeed=refeed))
+        s = v.seqs[i]
+        key = key_after_verify(v.proposed[i], len(v.drafts[i]), a, kv_exact=kv_exact,
+                               refeed=refeed)
+        f, lo, hi = _span(v, i, key)
+        keys.append(key)
+        at = v.starts[i]
+        picked = picked and (lo > 0 or hi <= lo) and s.hidden_src is source
+        spans.append(range(at + lo - 1, at + hi - 1) if hi > lo else range(0))
         seqs.append(s)
         accepted.append(a)
-        tokens.append(ts)
-        hiddens.append(hs)
+        tokens.append(s.tokens[f:f + max(hi - lo, 0)])
         first.append(f)
-        assert s.hidden is not None  # a decoding sequence's: what its last token came from
         last.append(s.tokens[-1])
-        targets.append(s.hidden)
+        targets.append(s.hidden_row)
         positions.append(len(s.tokens) - 1)
         states.append(s.draft_state)
-    got = proposer.step_batch(accepted, tokens, hiddens, last, torch.stack(targets), positions,
-                              num_drafts, states, catchup_first=first)
+    if picked:
+        rows = np.fromiter(chain.from_iterable(spans), dtype=np.int64,
+                           count=sum(map(len, spans)))
+        got = proposer.step_batch(accepted, tokens, HiddenRows(source, rows), last,
+                                  HiddenRows(source, np.array(targets, dtype=np.int64)),
+                                  positions, num_drafts, states, catchup_first=first)
+    else:  # a row before this step's: the tensors, as missing_rows builds them
+        hiddens = [missing_rows(v, i, key)[2] for i, key in zip(live, keys)]
+        targets_t = torch.stack([s.hidden for s in seqs])  # type: ignore[misc]
+        got = proposer.step_batch(accepted, tokens, hiddens, last, targets_t, positions,
+                                  num_drafts, states, catchup_first=first)
     if got is None:  # declined (an unserved width): trimmed and caught up, nothing drafted
         return None
     stats.batches[proposer.last_served.kind][len(seqs)] += 1
     return Ahead(seqs, proposer.verify_tokens())
+
+
+def _span(v: Verified, i: int, key: int | None) -> tuple[int, int, int]:
+    """Sequence i's missing drafter rows from its pair key after the trim (`missing_rows`'
+    rule): (first position, lo, hi), rows [lo, hi) of [before, *its verify rows]."""
+    s, known_from = v.seqs[i], v.proposed[i] - 1
+    first, last = (key + 2 if key is not None else 1), s.position - 1
+    lo, hi = first - 1 - known_from, last - known_from
+    if lo < 0:
+        raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "
+                           f"but this step holds target hiddens from {known_from} on")
+    return first, lo, hi
 
 
 def missing_rows(v: Verified, i: int, key: int | None) -> Rows:
@@ -123,22 +156,19 @@ def missing_rows(v: Verified, i: int, key: int | None) -> Rows:
     at p with the target hidden at p - 1. The hiddens known are [before, *its verify rows]
     from `proposed - 1` on; one slice of the pass's hiddens where the rows start past `before`
     (the exact-KV steady state: no copy), the shared empty one where there are none."""
-    s, known_from = v.seqs[i], v.proposed[i] - 1
-    first, last = (key + 2 if key is not None else 1), s.position - 1
-    lo, hi = first - 1 - known_from, last - known_from  # into [before, *rows]
-    if lo < 0:
-        raise RuntimeError(f"sequence {s.id}: the drafter needs rows from position {first}, "
-                           f"but this step holds target hiddens from {known_from} on")
+    s = v.seqs[i]
+    first, lo, hi = _span(v, i, key)  # rows [lo, hi) of [before, *rows]
     at = v.starts[i]
     if hi <= lo:
         hiddens = v.no_rows()
     elif lo:
         hiddens = v.hidden[at + lo - 1:at + hi - 1]
     else:
-        before = v.before[i]
-        assert before is not None  # a decoding sequence has the hidden its last token came from
-        hiddens = torch.cat([before.view(1, -1), v.hidden[at:at + hi - 1]])
-    return (s, s.tokens[first:last + 1], hiddens, first)
+        src, row = v.before[i]
+        assert src is not None  # a decoding sequence has the hidden its last token came from
+        before = src.view(1, -1) if row < 0 else src[row:row + 1]
+        hiddens = torch.cat([before, v.hidden[at:at + hi - 1]])
+    return (s, s.tokens[first:first + max(hi - lo, 0)], hiddens, first)
 
 
 def catch_up(proposer: MtpProposer, rows: list[Rows]) -> None:

@@ -351,8 +351,8 @@ class Engine:
             v.accepted.append(a)
             # the target hiddens this step knows, from position - 1 (the one drafted from) on
             v.proposed.append(s.position)
-            v.before.append(s.hidden)
-            s.hidden = hidden[at + a]
+            v.before.append((s.hidden_src, s.hidden_row))
+            s.hidden_at(hidden, at + a)  # the tensor and the row: no view a sequence
             kept.append(s.append([*d[:a], greedy[a]], eos))
         self.stats.draft_s += t1 - t0
         self.stats.target_s += t2 - t1

@@ -27,12 +27,31 @@ class Sequence:
     blocks: SequenceBlocks                 # the target's KV rows of this sequence
     tokens: list[int] = field(default_factory=list)
     draft_state: Any = None                # the proposer's state (None without speculation)
-    hidden: torch.Tensor | None = None     # [H]: the hidden that produced tokens[-1]
     finished: bool = False
+    # the hidden that produced tokens[-1] ([H], `hidden`): row `hidden_row` of `hidden_src`, a
+    # pass's hiddens [rows, H], kept as the tensor and the row (a view a sequence a step is
+    # host work on CUDA; the draft side picks the rows in one gather), or hidden_src itself
+    # when hidden_row is -1
+    hidden_src: torch.Tensor | None = None
+    hidden_row: int = -1
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.request.prompt)
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[H]: the target hidden that produced tokens[-1] (None before the prefill)."""
+        src = self.hidden_src
+        return src if src is None or self.hidden_row < 0 else src[self.hidden_row]
+
+    @hidden.setter
+    def hidden(self, value: torch.Tensor | None) -> None:
+        self.hidden_src, self.hidden_row = value, -1
+
+    def hidden_at(self, source: torch.Tensor, row: int) -> None:
+        """The hidden is row `row` of `source` [rows, H] (no view made)."""
+        self.hidden_src, self.hidden_row = source, row
 
     @property
     def num_prompt(self) -> int:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
+from draft_circuit.runners.hidden_rows import HiddenRows
 from examples.engine.sequence import Sequence
 
 
@@ -72,8 +74,16 @@ def draft_each(proposer, seqs: list[Sequence], num_drafts: int,
             for s in seqs]
 
 
-def _hiddens(seqs: list[Sequence]) -> torch.Tensor:
-    return torch.stack([s.hidden for s in seqs if s.hidden is not None])  # [n, H]: behind each last token
+def _hiddens(seqs: list[Sequence]) -> torch.Tensor | HiddenRows:
+    """[n, H]: the hidden behind each last token. When every one is a row of one pass's
+    hiddens (a decode step's verify), those rows picked by index (one gather on the device,
+    no view or stack a sequence on the host)."""
+    source = seqs[0].hidden_src if seqs else None
+    if source is not None and source.dim() == 2 and all(s.hidden_src is source and s.hidden_row >= 0
+                                                        for s in seqs):
+        return HiddenRows(source, np.fromiter((s.hidden_row for s in seqs), dtype=np.int64,
+                                              count=len(seqs)))
+    return torch.stack([s.hidden for s in seqs if s.hidden is not None])  # type: ignore[misc]
 
 
 def usable(num_drafted: int, num_accepted: int, room: int, kept: list[int],

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
+import torch
 
 import examples.engine.engine as engine_module
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
+from draft_circuit.runners.hidden_rows import HiddenRows
+from draft_circuit.runners.proposer import MtpProposer
 from draft_circuit.runners.testing import cuda
 from tests.examples.helpers import SMALL, generate, random_requests
 
@@ -140,6 +144,10 @@ def test_catch_up_rows_start_where_the_separate_calls_find_them(small_checkpoint
         p.after_verify_batch(accepted, states)
         assert [key + 2 for key in p.last_pair_keys(states)] == list(catchup_first)
         seqs = {id(s.draft_state): s for s in engine.scheduler.running}
+        if isinstance(hiddens, HiddenRows):  # the engine's pick of the verify's rows: per sequence
+            ends = np.add.accumulate([0, *map(len, tokens)])
+            hiddens = [hiddens.source[torch.from_numpy(hiddens.rows[lo:hi])]
+                       for lo, hi in zip(ends, ends[1:])]
         for ts, hs, first, state in zip(tokens, hiddens, catchup_first, states):
             assert ts == seqs[id(state)].tokens[first:first + len(ts)] and len(hs) == len(ts)
         keep = [i for i, ts in enumerate(tokens) if ts]
@@ -269,3 +277,30 @@ def test_a_draft_side_that_raises_leaves_the_sequences_consistent(small_checkpoi
     for s in engine.scheduler.running:
         assert s.num_cached == len(s.tokens) - 1, s.id
     assert engine.stats.verifies > 0 and engine.stats.generated > 0
+
+
+@pytest.mark.parametrize("case", ["k3", "inexact", "refeed", "edges"])
+def test_the_steady_step_picks_the_verifys_rows(small_checkpoint, monkeypatch, case):
+    """Both hiddens of a steady step_batch are rows of the verify's one tensor picked by index
+    (HiddenRows: one gather on the device, no view or stack a sequence); a step whose catch-up
+    reaches back to the hidden before the verify's rows (the inexact and refeed trim rules
+    re-feed a row from there) hands tensors instead. Either way the run is the separate
+    calls' bit for bit (their catch-up hands tensors)."""
+    requests, config = CASES[case]
+    monkeypatch.setattr(engine_module, "accept", forced_accept)  # rows to catch up every step
+    kinds = Counter[tuple[bool, bool]]()
+    real = MtpProposer.step_batch
+
+    def recorded(self, accepted, tokens, hiddens, last, hid, *args, **kwargs):
+        kinds[isinstance(hiddens, HiddenRows), isinstance(hid, HiddenRows)] += 1
+        if isinstance(hiddens, HiddenRows):  # a pick is exactly the catch-up's rows
+            assert len(hiddens.rows) == sum(map(len, tokens))
+            assert hiddens.source is hid.source  # both from the one verify pass
+        return real(self, accepted, tokens, hiddens, last, hid, *args, **kwargs)
+    monkeypatch.setattr(MtpProposer, "step_batch", recorded)
+    outputs, _, passes = run(small_checkpoint, requests, ahead=True, **config)
+    assert kinds[True, True] > 0, kinds
+    if case in ("inexact", "refeed"):  # both ways within the run
+        assert kinds[False, False] > 0, kinds
+    assert set(kinds) <= {(True, True), (False, False)}, kinds
+    assert (outputs, passes) == run(small_checkpoint, requests, ahead=False, **config)[::2]
