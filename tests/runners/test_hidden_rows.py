@@ -11,12 +11,12 @@ import torch
 from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows, hidden_rows
 from draft_circuit.runners.proposer_inputs import HiddenWidthError
 from draft_circuit.runners.proposer_state import ProposerError
-from draft_circuit.runners.testing import assert_no_allocation, cuda
+from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make
-from tests.runners.test_proposer_device_cuda import _sync_mode
 from tests.runners.test_proposer_staging import ConstructorTrace
 from tests.runners.test_proposer_step import (CASES, IDS, StepLoop, _accepted, _catchup, _pair,
-                                              _same, _snapshot, _unchanged)
+                                              _same, _snapshot, _unchanged, loops_agree,
+                                              steady_cuda_steps)
 
 
 def _packed(parts: list[torch.Tensor], seed: int) -> tuple[torch.Tensor, list[np.ndarray]]:
@@ -189,59 +189,29 @@ class PickedStepLoop(StepLoop):
     """StepLoop whose step_batch takes both hiddens as HiddenRows of one source made once (the
     catch-up rows, then the targets), as the engine's device path gives them."""
 
-    def step(self):
-        p, states, n = self.p, self.states, len(self.states)
-        if self.pos is None:
+    source = None
+
+    def hiddens(self, accepted):
+        n = len(self.states)
+        if self.source is None:
             self.source = torch.cat([*self.catch, self.hid])
-            self.pos = [p.last_pair_key(s) + 2 for s in states]
-            assert p.propose_batch_on_device([5] * n, self.hid, self.pos, K, states) is not None
-        drafts = p.last_drafts(states)
-        self.drafts.append(drafts)
-        accepted = [self.rng.randint(0, len(d)) for d in drafts]
-        first = [q + 1 for q in self.pos]
-        self.pos = [q + a + 1 for q, a in zip(self.pos, accepted)]
         rows = np.concatenate([np.arange(K * i, K * i + a, dtype=np.int64)
                                for i, a in enumerate(accepted)])
-        targets = np.arange(K * n, K * n + n, dtype=np.int64)
-        with _sync_mode(self.no_sync):
-            assert p.step_batch(accepted, [d[:a] for d, a in zip(drafts, accepted)],
-                                HiddenRows(self.source, rows), [5] * n,
-                                HiddenRows(self.source, targets), self.pos, K, states,
-                                catchup_first=first) is not None
+        return (HiddenRows(self.source, rows),
+                HiddenRows(self.source, np.arange(K * n, K * n + n, dtype=np.int64)))
 
 
-def _picked_loops_agree(device):
-    opts = dict(num_blocks=400, max_blocks_per_seq=40, device=device)
-    one, host = make("circuit", **opts), make("circuit", **opts)
-    a, b = PickedStepLoop(one, n=4, device=device, seed=3), StepLoop(host, n=4, device=device,
-                                                                      seed=3)
-    for _ in range(5):
-        a.step(), b.step()
-    assert a.drafts == b.drafts
-    assert one.last_drafts(a.states) == host.last_drafts(b.states)
-    for name in ("k_cache", "v_cache"):
-        assert torch.equal(one.states[name], host.states[name])
-
-
-def test_the_picked_step_loop_is_the_step_loop():
-    _picked_loops_agree("cpu")
+def test_the_picked_step_loop_is_the_host_loop():
+    loops_agree("cpu", PickedStepLoop)
 
 
 @cuda
-def test_the_picked_step_loop_is_the_step_loop_on_cuda():
+def test_the_picked_step_loop_is_the_host_loop_on_cuda():
     """On the GPU the indices travel through the pinned mirror in a non_blocking copy: the
     gather reads them in stream order (a wrong order would draft from stale rows)."""
-    _picked_loops_agree("cuda")
+    loops_agree("cuda", PickedStepLoop)
 
 
 @cuda
 def test_a_picked_cuda_step_allocates_nothing_and_makes_no_host_sync():
-    p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
-    loop = PickedStepLoop(p, n=4, device="cuda")
-    for _ in range(2):
-        loop.step()
-    assert_no_allocation(loop.step, repeats=4)
-    torch.cuda.synchronize()
-    loop.no_sync = True
-    for _ in range(4):
-        loop.step()
+    steady_cuda_steps(PickedStepLoop)

@@ -254,16 +254,24 @@ class StepLoop(DecodeLoop):
         accepted = [self.rng.randint(0, len(d)) for d in drafts]
         first = [q + 1 for q in self.pos]
         self.pos = [q + a + 1 for q, a in zip(self.pos, accepted)]
+        catch, targets = self.hiddens(accepted)
         with _sync_mode(self.no_sync):
-            assert p.step_batch(accepted, [d[:a] for d, a in zip(drafts, accepted)],
-                                [h[:a] for h, a in zip(self.catch, accepted)], [5] * n, self.hid,
-                                self.pos, K, states, catchup_first=first) is not None
+            assert p.step_batch(accepted, [d[:a] for d, a in zip(drafts, accepted)], catch,
+                                [5] * n, targets, self.pos, K, states,
+                                catchup_first=first) is not None
+
+    def hiddens(self, accepted):
+        """The step's catch-up hiddens (each state's accepted rows) and next targets."""
+        return [h[:a] for h, a in zip(self.catch, accepted)], self.hid
 
 
-def _loops_agree(device):
+def loops_agree(device, loop=None):
+    """`loop` (a StepLoop class; default StepLoop) over five steps drafts, trims and catches
+    up as DecodeLoop on the same seeds: drafts, the next drafts and the drafter KV alike."""
     opts = dict(num_blocks=400, max_blocks_per_seq=40, device=device)
     one, host = make("circuit", **opts), make("circuit", **opts)
-    a, b = StepLoop(one, n=4, device=device, seed=3), DecodeLoop(host, n=4, device=device, seed=3)
+    a, b = (loop or StepLoop)(one, n=4, device=device, seed=3), \
+        DecodeLoop(host, n=4, device=device, seed=3)
     for _ in range(5):
         a.step(), b.step()
     assert a.drafts == b.drafts
@@ -277,18 +285,24 @@ def _loops_agree(device):
 
 def test_the_step_loop_is_the_host_loop():
     """On CPU: this file's witness that StepLoop drafts, trims and catches up as DecodeLoop."""
-    _loops_agree("cpu")
+    loops_agree("cpu")
 
 
 @cuda
 def test_the_step_loop_is_the_host_loop_on_cuda():
-    _loops_agree("cuda")
+    loops_agree("cuda")
 
 
 @cuda
 def test_a_cuda_step_allocates_nothing_and_makes_no_host_sync():
+    steady_cuda_steps(StepLoop)
+
+
+def steady_cuda_steps(loop_class):
+    """Warm steps of `loop_class` (a StepLoop) on CUDA allocate no device memory, then run
+    under torch's sync debug mode "error" (no host sync but the drafts' read)."""
     p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
-    loop = StepLoop(p, n=4, device="cuda")
+    loop = loop_class(p, n=4, device="cuda")
     for _ in range(2):  # warm: slots assigned, tables staged
         loop.step()
     assert_no_allocation(loop.step, repeats=4)
