@@ -7,7 +7,13 @@ is timed is what the host does around the programs: checks, staging, the runner'
 handling, the read-back and the states' bookkeeping. `--path host` drafts with propose_batch,
 `--path device` with propose_batch_on_device and one last_drafts read, `--path step` makes the
 step's two host calls: last_drafts, then step_batch (after_verify, catch-up and the next
-device-resident propose in one call; each fresh batch's first propose is untimed). Prints the
+device-resident propose in one call; each fresh batch's first propose is untimed), `--path
+picked` the same with both hiddens given as rows of one tensor picked by index (`HiddenRows`:
+the engine's device path since the fourth session; the indices built per step, as it does),
+`--path sliced` the same step with the hiddens as the engine built them before that: a view of
+the one source a sequence (catch-up rows and target), the targets stacked, per step (`--path
+picked --against . --against-path sliced` is the engine's change, host inputs included; the
+`step` path's views are made once, outside the timing). Prints the
 median per step and per propose, microseconds, and each proposer call's own median (propose,
 last_drafts, after_verify_batch, last_pair_keys, catchup_batch, step_batch: `calls`, those the
 path makes); `--out` writes them as JSON. The step's time is its proposer calls', the host's
@@ -36,13 +42,16 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from draft_circuit.circuit.layers.config import MtpConfig
 from draft_circuit.circuit.layers.mtp import MtpHead
 from draft_circuit.runners.draft import CircuitDraftRunner
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer import MtpProposer
 from draft_circuit.runners.testing import random_mtp_weights
 
@@ -69,7 +78,10 @@ def _proposer() -> MtpProposer:
 #: the proposer calls of a step, timed one by one (`calls` in measure's result)
 CALLS = ("propose", "last_drafts", "after_verify", "pair_keys", "catchup", "step_batch")
 #: the calls each path makes
-PATH_CALLS = {"host": CALLS[:5], "device": CALLS[:5], "step": ("last_drafts", "step_batch")}
+PATH_CALLS = {"host": CALLS[:5], "device": CALLS[:5], "step": ("last_drafts", "step_batch"),
+              "picked": ("last_drafts", "step_batch"), "sliced": ("last_drafts", "step_batch")}
+PATHS = tuple(PATH_CALLS)
+ONE_CALL = ("step", "picked", "sliced")  # the paths that make a step in one step_batch
 
 
 def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | dict[str, float]]:
@@ -92,6 +104,9 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
     hid = torch.randn(n, CFG.hidden_size, generator=g)
     catch = [torch.randn(K, CFG.hidden_size, generator=g) for _ in range(n)]
     views = {a: [c[:a] for c in catch] for a in range(K + 1)}
+    # the picked path's one source: every catch-up row (K a sequence), then the targets
+    source = torch.cat([*catch, hid])
+    targets = HiddenRows(source, np.arange(K * n, K * n + n, dtype=np.int64))
     fixed = {a: [7] * a for a in range(K + 1)}
     step_us: list[float] = []
     propose_us: list[float] = []
@@ -135,8 +150,19 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
         acc = [rng.randint(0, len(d)) for d in drafts]
         pos[:] = [q + a + 1 for q, a in zip(pos, acc)]
         tb = time.perf_counter()
-        p.step_batch(acc, [fixed[a] for a in acc], [views[a][i] for i, a in enumerate(acc)],
-                     [5] * n, hid, pos, K, states)
+        if path == "picked":  # the indices built here, as the engine builds them a step
+            rows = np.fromiter(chain.from_iterable(range(K * i, K * i + a)
+                                                   for i, a in enumerate(acc)),
+                               dtype=np.int64, count=sum(acc))
+            p.step_batch(acc, [fixed[a] for a in acc], HiddenRows(source, rows), [5] * n,
+                         targets, pos, K, states)
+        elif path == "sliced":  # the views and the stack made here, as the engine made them
+            p.step_batch(acc, [fixed[a] for a in acc],
+                         [source[K * i:K * i + a] for i, a in enumerate(acc)], [5] * n,
+                         torch.stack([source[K * n + i] for i in range(n)]), pos, K, states)
+        else:
+            p.step_batch(acc, [fixed[a] for a in acc], [views[a][i] for i, a in enumerate(acc)],
+                         [5] * n, hid, pos, K, states)
         t2 = time.perf_counter()
         step_us.append((t2 - t0 - (tb - t1)) * 1e6)  # the host's own accept work left out
         propose_us.append((t2 - tb) * 1e6)
@@ -146,10 +172,10 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
     def first_propose() -> None:  # a fresh batch's first, untimed (no verify before it)
         pos[:] = [p.last_pair_key(s) + 2 for s in states]
         p.propose_batch_on_device([5] * n, hid, pos, K, states)
-    run = one_call_step if path == "step" else step
+    run = one_call_step if path in ONE_CALL else step
     left = steps
     while left > 0:  # tables hold 40 blocks: fresh states every 60 steps (outside the timing)
-        if path == "step":
+        if path in ONE_CALL:
             first_propose()
         for _ in range(3):
             run()
@@ -223,11 +249,11 @@ def _calls_line(calls: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--path", choices=("host", "device", "step"), default="host")
+    ap.add_argument("--path", choices=PATHS, default="host")
     ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--against", type=Path, help="another checkout to measure side by side")
-    ap.add_argument("--against-path", choices=("host", "device", "step"),
+    ap.add_argument("--against-path", choices=PATHS,
                     help="the --against side's path (default: --path)")
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args(argv)

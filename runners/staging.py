@@ -317,21 +317,24 @@ class ChainStaging:
         place): returns [] when done. A source on another device or of another dtype than the
         buffer (rare: a host that keeps its hiddens elsewhere) is gathered on its own device
         instead and returned as the one segment to copy in."""
-        source, hidden = picked.source, region.hidden
-        if source.device != hidden.device or source.dtype != hidden.dtype:
-            picks = torch.from_numpy(np.ascontiguousarray(picked.rows, dtype=np.int64))
-            return [source.index_select(0, picks.to(source.device))]
-        region.index_np[turn][:n] = picked.rows
-        if region.copies:  # the whole mirror: one copy, no slice of it to make
-            region.index.copy_(region.index_hosts[turn], non_blocking=True)
-        index = region.index_rows.get(n)
-        if index is None:  # views made once a width (a slice is a torch op, microseconds)
-            index = region.index_rows[n] = region.index[:n]
-        rows = region.hidden_rows.get(n)
-        if rows is None:
-            rows = region.hidden_rows[n] = hidden[:n]
-        torch.index_select(source, 0, index, out=rows)
-        return []
+        source = picked.source
+        if source.dtype is region.hidden.dtype:  # (dtypes are singletons: an identity test)
+            region.index_np[turn][:n] = picked.rows
+            if region.copies:  # the whole mirror: one copy, no slice of it to make
+                region.index.copy_(region.index_hosts[turn], non_blocking=True)
+            index = region.index_rows.get(n)
+            if index is None:  # views made once a width (a slice is a torch op, microseconds)
+                index = region.index_rows[n] = region.index[:n]
+            rows = region.hidden_rows.get(n)
+            if rows is None:
+                rows = region.hidden_rows[n] = region.hidden[:n]
+            try:  # it checks devices (and autograd) before it writes: no device compare here
+                torch.index_select(source, 0, index, out=rows)
+                return []
+            except RuntimeError:  # a source on another device, or one autograd tracks
+                pass
+        picks = torch.from_numpy(np.ascontiguousarray(picked.rows, dtype=np.int64))
+        return [source.index_select(0, picks.to(source.device))]
 
     def tokens(self, n: int) -> torch.Tensor:
         """The device tokens of the latest run's n rows (valid until the next run): what a
