@@ -57,7 +57,7 @@ def draft_on_device(proposer, seqs: list[Sequence], num_drafts: int,
     with nothing read back; the drafts reach the host when the proposer is next asked about a
     state (`last_drafts`). None when the proposer declined the batch (nothing ran): draft each
     sequence alone (`draft_each`)."""
-    got = proposer.propose_batch_on_device([s.last_token for s in seqs], _hiddens(seqs),
+    got = proposer.propose_batch_on_device([s.last_token for s in seqs], _picked(seqs),
                                            [s.position for s in seqs], num_drafts,
                                            [s.draft_state for s in seqs])
     if got is None:
@@ -74,16 +74,22 @@ def draft_each(proposer, seqs: list[Sequence], num_drafts: int,
             for s in seqs]
 
 
-def _hiddens(seqs: list[Sequence]) -> torch.Tensor | HiddenRows:
-    """[n, H]: the hidden behind each last token. When every one is a row of one pass's
-    hiddens (a decode step's verify), those rows picked by index (one gather on the device,
-    no view or stack a sequence on the host)."""
+def _hiddens(seqs: list[Sequence]) -> torch.Tensor:
+    """[n, H]: the hidden behind each last token (the contract's `propose_batch` takes a
+    tensor)."""
+    return torch.stack([s.hidden for s in seqs if s.hidden is not None])  # type: ignore[misc]
+
+
+def _picked(seqs: list[Sequence]) -> torch.Tensor | HiddenRows:
+    """`_hiddens` for `MtpProposer.propose_batch_on_device` (the device path's own call, which
+    takes picked rows): when every hidden is a row of one pass's hiddens (a decode step's
+    verify), those rows by index, one gather on the device, no view or stack a sequence."""
     source = seqs[0].hidden_src if seqs else None
     if source is not None and source.dim() == 2 and all(s.hidden_src is source and s.hidden_row >= 0
                                                         for s in seqs):
         return HiddenRows(source, np.fromiter((s.hidden_row for s in seqs), dtype=np.int64,
                                               count=len(seqs)))
-    return torch.stack([s.hidden for s in seqs if s.hidden is not None])  # type: ignore[misc]
+    return _hiddens(seqs)
 
 
 def usable(num_drafted: int, num_accepted: int, room: int, kept: list[int],
