@@ -92,21 +92,28 @@ class TargetRunner:
 
     def _rows(self, seqs: list[Sequence], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Each row's RoPE position (its live rows too) and block table for sequence i's
-        counts[i] rows from its num_cached on, as numpy arrays (a sequence's table made once,
-        repeated over its rows; the target stages them through numpy views, no Python list a
-        row). Refuses a sequence whose rows would exceed the rows reserved for it."""
+        counts[i] rows from its num_cached on, as numpy arrays: a sequence's padded table row
+        copied once (`PaddedBlocks.row`, kept by its table) and repeated over its rows, the
+        positions one array expression (per-step host work: ~2 us a sequence, no list a row).
+        Refuses a sequence whose rows would exceed the rows reserved for it."""
         tables = np.empty((len(seqs), self.model.kv.max_blocks_per_seq), dtype=np.int32)
-        positions = np.empty(sum(counts), dtype=np.int32)
-        at = 0
+        bases: list[int] = []
         for i, (seq, c) in enumerate(zip(seqs, counts)):
-            base = seq.num_cached
-            if base + c > seq.blocks.capacity_rows:
+            blocks = seq.blocks
+            base = blocks.num_rows  # num_cached
+            if base + c > blocks.capacity_rows:
                 raise RuntimeError(f"sequence {seq.id}: {base + c} rows exceed the "
-                                   f"{seq.blocks.capacity_rows} reserved for it")
-            tables[i] = seq.blocks.table_row(SCRATCH_BLOCK)
-            positions[at:at + c] = np.arange(base, base + c, dtype=np.int32)
-            at += c
-        return positions, np.repeat(tables, counts, axis=0)
+                                   f"{blocks.capacity_rows} reserved for it")
+            tables[i] = blocks.row
+            bases.append(base)
+        # sequence i's rows are bases[i] .. bases[i] + counts[i] - 1: its base less its first
+        # row's index, repeated over its rows, plus the row's index
+        per_seq = np.asarray(counts, dtype=np.int64)
+        ends = np.add.accumulate(per_seq)
+        total = int(ends[-1]) if len(ends) else 0
+        positions = np.subtract(bases, ends - per_seq).repeat(per_seq)
+        positions += np.arange(total, dtype=np.int64)
+        return positions.astype(np.int32), np.repeat(tables, per_seq, axis=0)
 
     def verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor,
                          num_drafts: int) -> PassOut:

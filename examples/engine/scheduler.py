@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 
 from examples.engine.sequence import Request, Sequence
-from draft_circuit.runners.kv_cache import BlockPool, SequenceBlocks
+from draft_circuit.runners.kv_cache import BlockPool, PaddedBlocks
+from examples.engine.runner import SCRATCH_BLOCK  # the target pool's reserved block
 
 
 def worst_rows(request: Request, num_drafts: int) -> int:
@@ -32,8 +33,9 @@ class Scheduler:
         return -(-worst_rows(request, self.num_drafts) // self.block_size)
 
     def add(self, request: Request) -> Sequence:
-        seq = Sequence(self._next_id, request, SequenceBlocks(self.pool, self.block_size,
-                                                              self.max_blocks))
+        # the table keeps its padded row as an array: the target stages it with one copy a step
+        seq = Sequence(self._next_id, request, PaddedBlocks(self.pool, self.block_size,
+                                                            self.max_blocks, SCRATCH_BLOCK))
         self._next_id += 1
         self.waiting.append(seq)
         return seq

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from draft_circuit.runners.kv_cache import SequenceBlocks
+from draft_circuit.runners.kv_cache import PaddedBlocks
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Request:
 class Sequence:
     id: int
     request: Request
-    blocks: SequenceBlocks                 # the target's KV rows of this sequence
+    blocks: PaddedBlocks                   # the target's KV rows of this sequence
     tokens: list[int] = field(default_factory=list)
     draft_state: Any = None                # the proposer's state (None without speculation)
     finished: bool = False

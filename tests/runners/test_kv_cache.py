@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from draft_circuit.runners.kv_cache import (
-    BlockInUse, BlockOutOfRange, BlockPool, DoubleFree, ForeignBlock, KVCacheError, PoolExhausted,
-    RowOutOfRange, SequenceBlocks, TableTooLong,
+    BlockInUse, BlockOutOfRange, BlockPool, DoubleFree, ForeignBlock, KVCacheError, PaddedBlocks,
+    PoolExhausted, RowOutOfRange, SequenceBlocks, TableTooLong,
 )
 
 
@@ -27,12 +27,16 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(1, 20), reserved=st.integers(0, 2),
                 block_size=st.integers(1, 4), max_blocks=st.integers(1, 6),
-                num_seqs=st.integers(1, 3))
+                num_seqs=st.integers(1, 3), padded=st.booleans())
     def setup(self, num_blocks: int, reserved: int, block_size: int, max_blocks: int,
-              num_seqs: int) -> None:
+              num_seqs: int, padded: bool) -> None:
         reserved = min(reserved, num_blocks)
         self.pool = BlockPool(num_blocks, reserved=reserved)
-        self.seqs = [SequenceBlocks(self.pool, block_size, max_blocks) for _ in range(num_seqs)]
+        # PaddedBlocks (a reserved pad needed) keep their row through every rule: the invariant
+        # below holds it equal to table_row after each
+        self.seqs = [PaddedBlocks(self.pool, block_size, max_blocks, 0) if padded and reserved
+                     else SequenceBlocks(self.pool, block_size, max_blocks)
+                     for _ in range(num_seqs)]
         self.loose: list[list[int]] = []
         self.freed_once: set[int] = set()  # handed out at some point and free now
         self.initial_free = self.pool.num_free
@@ -228,6 +232,8 @@ class PoolMachine(RuleBasedStateMachine):
                 assert len(row) == seq.max_blocks
                 assert all(0 <= b < self.pool.num_blocks for b in row)
                 assert row[len(seq.blocks):] == [0] * (seq.max_blocks - len(seq.blocks))
+                if isinstance(seq, PaddedBlocks):
+                    assert seq.row.tolist() == row, (seq.row, row)
 
     def teardown(self) -> None:
         if hasattr(self, "pool"):
@@ -406,6 +412,15 @@ def test_set_rows_keeps_storage_until_release_unused() -> None:
         seq.slot(8)
     with pytest.raises(RowOutOfRange):
         seq.slot(-1)
+
+
+def test_padded_blocks_pad_only_with_a_reserved_block() -> None:
+    pool = BlockPool(6, reserved=1)
+    with pytest.raises(ForeignBlock, match="PaddedBlocks: pad block 3 is not a reserved"):
+        PaddedBlocks(pool, 2, 4, 3)
+    t = PaddedBlocks(pool, 2, 4, 0)
+    t.ensure_rows(3)
+    assert t.row.dtype.name == "int32" and t.row.tolist() == t.table_row(0) == [1, 2, 0, 0]
 
 
 def test_table_row_pads_only_with_a_reserved_block() -> None:
