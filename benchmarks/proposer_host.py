@@ -106,7 +106,6 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
     views = {a: [c[:a] for c in catch] for a in range(K + 1)}
     # the picked path's one source: every catch-up row (K a sequence), then the targets
     source = torch.cat([*catch, hid])
-    targets = HiddenRows(source, np.arange(K * n, K * n + n, dtype=np.int64))
     fixed = {a: [7] * a for a in range(K + 1)}
     step_us: list[float] = []
     propose_us: list[float] = []
@@ -154,8 +153,9 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
             rows = np.fromiter(chain.from_iterable(range(K * i, K * i + a)
                                                    for i, a in enumerate(acc)),
                                dtype=np.int64, count=sum(acc))
+            targets = np.arange(K * n, K * n + n, dtype=np.int64)  # each sequence's, a step
             p.step_batch(acc, [fixed[a] for a in acc], HiddenRows(source, rows), [5] * n,
-                         targets, pos, K, states)
+                         HiddenRows(source, targets), pos, K, states)
         elif path == "sliced":  # the views and the stack made here, as the engine made them
             p.step_batch(acc, [fixed[a] for a in acc],
                          [source[K * i:K * i + a] for i, a in enumerate(acc)], [5] * n,

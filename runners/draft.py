@@ -89,7 +89,7 @@ class CircuitDraftRunner:
     def __init__(self, compiled: CompiledDraft, states: Mapping[str, torch.Tensor], *,
                  scratch_block: int = 0, policy: WidthPolicy = WidthPolicy(),
                  backend: Backend | None = None) -> None:
-        self.compiled, self.scratch_block = compiled, scratch_block
+        self.compiled, self.scratch_block, self.policy = compiled, scratch_block, policy
         if backend is None:
             if torch.device(compiled.device).type == "cuda":
                 from draft_circuit.runners.cudagraph import GraphRunner
@@ -123,16 +123,18 @@ class CircuitDraftRunner:
         #: stager fills): a stager that sees this change must not trust its record of the rows
         self.unstaged_runs = 0
 
-    def uncaptured_fallback(self, policy: WidthPolicy = WidthPolicy()) -> CircuitDraftRunner | None:
+    def uncaptured_fallback(self, policy: WidthPolicy | None = None) -> CircuitDraftRunner | None:
         """A runner over this one's own program, launched from the host, for the widths whose CUDA
         graph capture failed (the graph runner serves the rest); None when nothing failed or the
-        backend captures nothing. It shares the arena and the compiled program: no second copy."""
+        backend captures nothing. It shares the arena and the compiled program: no second copy.
+        `policy`: its width policy (None: this runner's)."""
         from draft_circuit.runners.cudagraph import GraphRunner  # importable on a CPU build
         backend = self.backend
         if not isinstance(backend, GraphRunner) or not backend.stats.failures:
             return None
         return CircuitDraftRunner(backend.compiled, self.states, scratch_block=self.scratch_block,
-                                  policy=policy, backend=backend.program)
+                                  policy=self.policy if policy is None else policy,
+                                  backend=backend.program)
 
     @property
     def widths(self) -> tuple[int, ...]:

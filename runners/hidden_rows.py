@@ -41,8 +41,12 @@ class HiddenRows:
 
 
 def hidden_rows(source: torch.Tensor, rows: Sequence[int] | np.ndarray) -> HiddenRows:
-    """A `HiddenRows` from any integer sequence (made an int64 array once, here)."""
-    return HiddenRows(source, np.asarray(rows, dtype=np.int64))
+    """A `HiddenRows` from any integer sequence (made an int64 array once, here; a float or
+    other non-integer sequence is refused, never truncated to rows)."""
+    picks = np.asarray(rows)
+    if len(picks) and picks.dtype.kind not in "iu":
+        raise ProposerError(f"hidden_rows: rows must be integers, got a {picks.dtype} array")
+    return HiddenRows(source, picks.astype(np.int64, copy=False))
 
 
 def check_hidden_rows(h: object, expect: int, hidden_size: int, what: str) -> HiddenRows:
@@ -52,10 +56,11 @@ def check_hidden_rows(h: object, expect: int, hidden_size: int, what: str) -> Hi
     if not isinstance(h, HiddenRows):
         raise ProposerError(f"{what}: expected HiddenRows(source, rows), got {type(h).__name__}")
     source, rows = h.source, h.rows
-    if type(source) is not torch.Tensor or source.dim() != 2:
-        shape = list(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
-        raise ProposerError(f"{what}: HiddenRows' source must be a tensor [rows, {hidden_size}], "
-                            f"got {shape}")
+    if not isinstance(source, torch.Tensor) or source.dim() != 2:
+        got = f"a {source.dim()}-D tensor {list(source.shape)}" \
+            if isinstance(source, torch.Tensor) else type(source).__name__
+        raise ProposerError(f"{what}: HiddenRows' source must be a 2-D tensor [rows, "
+                            f"{hidden_size}], got {got}")
     if source.shape[1] != hidden_size:
         from draft_circuit.runners.proposer_inputs import HiddenWidthError  # imports this module
         raise HiddenWidthError(f"{what}: HiddenRows' source is {list(source.shape)}: target hiddens "

@@ -311,7 +311,7 @@ class SequenceBlocks:
         return self._blocks + [pad] * (self.max_blocks - len(self._blocks))
 
     def __repr__(self) -> str:
-        return (f"SequenceBlocks(rows={self._num_rows}, blocks={self._blocks}, "
+        return (f"{type(self).__name__}(rows={self._num_rows}, blocks={self._blocks}, "
                 f"block_size={self.block_size}, max_blocks={self.max_blocks})")
 
     def _check_rows(self, rows: int, limit: int, action: str, error: type[KVCacheError]) -> None:
@@ -328,15 +328,18 @@ class PaddedBlocks(SequenceBlocks):
     `pad_block` (a reserved scratch block, checked once here) up to max_blocks; `table_row`'s
     values, rewritten only when the blocks change (a growth writes only its new entries). A host
     stages a sequence's table with one array copy a step instead of `table_row`'s list and its
-    conversion (~3.5 us a sequence). Every rule is `SequenceBlocks`'; `row` is read-only to
-    callers."""
+    conversion (~3.5 us a sequence). Every rule is `SequenceBlocks`'; `row` is a read-only view
+    (a write raises)."""
 
     _list: list[int]
 
     def __init__(self, pool: BlockPool, block_size: int, max_blocks: int, pad_block: int) -> None:
         self._pad = _reserved_pad(pool, pad_block, "PaddedBlocks")
-        self.row = np.full(max_blocks, self._pad, dtype=np.int32)
-        super().__init__(pool, block_size, max_blocks)
+        self._row = np.empty(0, dtype=np.int32)  # the setter's, until max_blocks is checked
+        super().__init__(pool, block_size, max_blocks)  # checks the sizes, empties the table
+        self._row = np.full(self.max_blocks, self._pad, dtype=np.int32)
+        self.row = self._row.view()
+        self.row.flags.writeable = False
 
     @property
     def _blocks(self) -> list[int]:
@@ -348,14 +351,14 @@ class PaddedBlocks(SequenceBlocks):
         # is rewritten whole
         self._list = blocks
         m = len(blocks)
-        self.row[:m] = blocks
-        self.row[m:] = self._pad
+        self._row[:m] = blocks
+        self._row[m:] = self._pad
 
     def _extend(self, blocks: list[int]) -> None:
         have = self._list
         had = len(have)
         have += blocks
-        self.row[had:len(have)] = blocks
+        self._row[had:len(have)] = blocks
 
 
 def _reserved_pad(pool: BlockPool, pad_block: int, action: str) -> int:

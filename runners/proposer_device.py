@@ -219,7 +219,8 @@ def propose_on_device(p: "MtpProposer", last_tokens: Sequence[int],
     mine = cast("list[MtpProposerState]", list(states))  # _batch_refusal found (and settled) each
     mask = check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, bitmask,
                          num_drafts_max=p.num_drafts, config=p.head.config, device=p.device,
-                         hidden_size=p.head.hidden_in_size, distinct=p.slots.distinct(slots))
+                         hidden_size=p.head.hidden_in_size, distinct=p.slots.distinct(slots),
+                         what="propose_batch_on_device target_hiddens")
     return draft_on_device(p, last_tokens, target_hiddens, positions, num_drafts, mine, slots,
                            mask)
 

@@ -93,17 +93,18 @@ def check_propose(tokens: Sequence[int], hiddens: torch.Tensor | HiddenRows,
                   states: Sequence[MtpProposerState], bitmask: torch.Tensor | None, *,
                   num_drafts_max: int, config: MtpConfig,
                   device: str | torch.device, hidden_size: int | None = None,
-                  distinct: bool = False) -> torch.Tensor | None:
+                  distinct: bool = False, what: str = "propose_batch target_hiddens"
+                  ) -> torch.Tensor | None:
     """Every check a propose makes before anything changes; returns the checked bitmask on the
     proposer's device. `hiddens`: [n, hidden_size], or n rows picked from one tensor
-    (runners/hidden_rows.py). `hidden_size`: the head's `hidden_in_size` (None:
-    config.hidden_size); `distinct`: the states are known distinct (`SlotTable.distinct`),
-    else counted here."""
+    (runners/hidden_rows.py; a bad pick's error names `what`). `hidden_size`: the head's
+    `hidden_in_size` (None: config.hidden_size); `distinct`: the states are known distinct
+    (`SlotTable.distinct`), else counted here."""
     n, c = len(tokens), config
     width = c.hidden_size if hidden_size is None else hidden_size
     check_num_drafts(k, num_drafts_max)
     if isinstance(hiddens, HiddenRows):
-        check_hidden_rows(hiddens, n, width, f"a batch propose of {n} rows")
+        check_hidden_rows(hiddens, n, width, what)
         shape: tuple[int, ...] = (n, width)
     else:
         if not isinstance(hiddens, torch.Tensor):
@@ -197,7 +198,7 @@ def _check_picked(tokens: Sequence[Sequence[int]], hiddens: HiddenRows,
         raise ProposerError(f"{what}: a state appears twice (its rows would be written twice "
                             "at the same row)")
     flat = list(chain.from_iterable(tokens))
-    check_hidden_rows(hiddens, len(flat), hidden_size, what)
+    check_hidden_rows(hiddens, len(flat), hidden_size, f"{what} hiddens")
     if first_pos is not None and not (plain_ints(first_pos) and (not first_pos
                                                                  or min(first_pos) >= 1)):
         for i, p in enumerate(first_pos):  # only to name the bad sequence

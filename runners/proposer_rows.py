@@ -55,9 +55,10 @@ def write_rows(execute: Execute, table: SlotTable, width: int, tokens: Sequence[
     """Append sequence i's rows (states[i], at slots[i]), tokens[i][k] with hiddens[i][k] at
     RoPE first_pos[i] + k, as one-step runs of at most `width` rows in row order (a row attends
     to the rows before it); the newest key is then first_pos[i] + len - 2 for every sequence
-    that wrote a row. hiddens[i] has exactly len(tokens[i]) rows (both callers' checks make
-    sure); `ids`: the token ids flattened, when the caller's check made them. Returns the
-    rows written."""
+    that wrote a row. hiddens[i] has exactly len(tokens[i]) rows, or `hiddens` is one
+    HiddenRows picking every sequence's rows in row order, as many as all the tokens (the
+    callers' checks make sure); `ids`: the token ids flattened, when the caller's check made
+    them. Returns the rows written."""
     if len(slots) <= SMALL_BATCH:
         return _write_few(execute, table, width, tokens, hiddens, first_pos, states, slots)
     bases = table.rows[slots]  # a copy (fancy indexing): the rows before

@@ -73,7 +73,7 @@ def step_all(p: "MtpProposer", num_accepted: Sequence[int],
     if reason is None:
         check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, None,
                       num_drafts_max=p.num_drafts, config=config, device=p.device,
-                      hidden_size=width, distinct=True)
+                      hidden_size=width, distinct=True, what="step_batch target_hiddens")
     trim_after_verify_batch(t, slots, num_accepted, mine, kv_exact=p.kv_exact, refeed=p.refeed)
     # a sequence with no rows to catch up writes none (as one left out of catchup_batch)
     if any(map(len, catchup_tokens)):

@@ -133,6 +133,8 @@ class ChainStaging:
         if self.device.type == "cuda" and index is None:  # "cuda" resolves, as buffers' devices do
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda = self.device.type == "cuda"
+        #: HiddenRows whose source was not of the buffer's dtype and device (`_gather`)
+        self.gather_fallbacks = 0
         self.width, self.max_blocks, self.scratch, self.max_drafts = \
             max_width, max_blocks, scratch_block, max(max_drafts, 1)
         w, m = max_width, max_blocks
@@ -231,9 +233,12 @@ class ChainStaging:
         region.mirrors[turn].fill(n, (tokens, positions, live), tables, slots, region.neutral)
         if region.copies:
             region.flat.copy_(region.hosts[turn], non_blocking=True)
-        self._stage_hiddens(region, hiddens, n, turn)
-        if region.stream is not None:  # after every copy that read this turn's mirrors
-            region.stream.record(region.copied[turn])
+        try:
+            self._stage_hiddens(region, hiddens, n, turn)
+        finally:  # after every copy that read this turn's mirrors (a raise included: a copy
+            # enqueued before it still reads them, and the turn after next waits on this)
+            if region.stream is not None:
+                region.stream.record(region.copied[turn])
         if staged is not None:
             self._fill_tau(region, log_tau, n)
             out = staged
@@ -287,14 +292,17 @@ class ChainStaging:
         if rows is None:  # a view made once a width (a slice is a torch op, microseconds)
             rows = region.hidden_rows[n] = hidden[:n]
         if len(hiddens) == 1:
-            rows.copy_(hiddens[0], non_blocking=True)
+            # (a copy from a tensor autograd tracks would make the buffer one: the drafter
+            # needs the values only)
+            one = hiddens[0]
+            rows.copy_(one.detach() if one.requires_grad else one, non_blocking=True)
         else:
             try:  # cat converts dtypes as a copy does; it checks devices before it writes
                 torch.cat(list(hiddens), out=rows)  # the buffer's device is resolved
             except RuntimeError:  # a segment on another device (or one autograd tracks)
                 start = 0
                 for h in hiddens:
-                    hidden[start:start + h.shape[0]].copy_(h, non_blocking=True)
+                    hidden[start:start + h.shape[0]].copy_(h.detach(), non_blocking=True)
                     start += h.shape[0]
         self._neutral_past(region, n, dirty)
 
@@ -310,29 +318,42 @@ class ChainStaging:
                     region.hidden[n:dirty].fill_(region.neutral["hidden"])
             region.hidden_dirty = n
 
-    @staticmethod
-    def _gather(region: _Region, picked: HiddenRows, n: int, turn: int) -> list[torch.Tensor]:
+    def _gather(self, region: _Region, picked: HiddenRows, n: int,
+                turn: int) -> list[torch.Tensor]:
         """`picked`'s n rows into the buffer's rows [:n] in one `index_select`, the indices
         through this turn's host mirror (one small non_blocking copy on CUDA; on CPU written in
-        place): returns [] when done. A source on another device or of another dtype than the
-        buffer (rare: a host that keeps its hiddens elsewhere) is gathered on its own device
-        instead and returned as the one segment to copy in."""
+        place): returns [] when done. A source of another dtype than the buffer is gathered on
+        the device by the staged indices and converted in a copy; one on another device (a host
+        that keeps its hiddens elsewhere) is gathered there and returned as the one segment to
+        copy in. Both are counted (`gather_fallbacks`) and logged once. A source autograd
+        tracks is read detached: the drafter needs its values only."""
         source = picked.source
+        if source.requires_grad:
+            source = source.detach()
+        region.index_np[turn][:n] = picked.rows
+        if region.copies:  # the whole mirror: one copy, no slice of it to make
+            region.index.copy_(region.index_hosts[turn], non_blocking=True)
+        index = region.index_rows.get(n)
+        if index is None:  # views made once a width (a slice is a torch op, microseconds)
+            index = region.index_rows[n] = region.index[:n]
+        rows = region.hidden_rows.get(n)
+        if rows is None:
+            rows = region.hidden_rows[n] = region.hidden[:n]
         if source.dtype is region.hidden.dtype:  # (dtypes are singletons: an identity test)
-            region.index_np[turn][:n] = picked.rows
-            if region.copies:  # the whole mirror: one copy, no slice of it to make
-                region.index.copy_(region.index_hosts[turn], non_blocking=True)
-            index = region.index_rows.get(n)
-            if index is None:  # views made once a width (a slice is a torch op, microseconds)
-                index = region.index_rows[n] = region.index[:n]
-            rows = region.hidden_rows.get(n)
-            if rows is None:
-                rows = region.hidden_rows[n] = region.hidden[:n]
-            try:  # it checks devices (and autograd) before it writes: no device compare here
+            try:  # it checks devices before it writes: no device compare a call here
                 torch.index_select(source, 0, index, out=rows)
                 return []
-            except RuntimeError:  # a source on another device, or one autograd tracks
+            except RuntimeError:  # a source on another device
                 pass
+        self.gather_fallbacks += 1
+        from draft_circuit.runners.proposer_batch import warn_once  # (imports this module)
+        warn_once("gather", f"HiddenRows: a source of {source.dtype} on {source.device} is "
+                            f"gathered apart and copied into the chain's {region.hidden.dtype} "
+                            f"buffer on {region.hidden.device} (an extra copy a call; give the "
+                            "buffer's dtype and device to skip it)")
+        if source.device == index.device:  # another dtype: the staged indices, a converting copy
+            rows.copy_(source.index_select(0, index))
+            return []
         picks = torch.from_numpy(np.ascontiguousarray(picked.rows, dtype=np.int64))
         return [source.index_select(0, picks.to(source.device))]
 

@@ -65,7 +65,7 @@ class TargetPasses:
         self._small_max = max(small, default=0)
         # a bucket whose capture failed (GraphRunner serves the rest) runs uncaptured on the graph
         # runner's own program: the same arena and launches, no second copy of either
-        self.uncaptured = (self.graphs.uncaptured_fallback(policy)
+        self.uncaptured = (self.graphs.uncaptured_fallback()  # the graphs' policy
                            if self.graphs is not None else None)
 
     @property

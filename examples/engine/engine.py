@@ -22,7 +22,7 @@ import torch
 from examples.engine.checkpoints import Checkpoint, EngineError
 from examples.engine.draft_side import Ahead, Rows, Verified, catch_up, end_step, withdraw
 from examples.engine.glm_target import target_for  # GLM-4.5's target, else DeepSeek-V3's or Llama's
-from examples.engine.runner import RowsOut, TargetRunner
+from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
@@ -110,7 +110,8 @@ class Engine:
         self.target = TargetRunner(model)
         self.proposer = self._proposer(checkpoint, kv) if config.speculate else None
         self.scheduler = Scheduler(self.pool, config.block_size, max_blocks,
-                                   max_batch=config.max_batch, num_drafts=self.k)
+                                   max_batch=config.max_batch, num_drafts=self.k,
+                                   pad_block=SCRATCH_BLOCK)
         self.stats = Stats()
         self._cuda = torch.device(config.device).type == "cuda"  # read twice a step
         self._ahead: Ahead | None = None  # the next step's drafts, proposed at this one's end

@@ -11,7 +11,6 @@ from collections import deque
 
 from examples.engine.sequence import Request, Sequence
 from draft_circuit.runners.kv_cache import BlockPool, PaddedBlocks
-from examples.engine.runner import SCRATCH_BLOCK  # the target pool's reserved block
 
 
 def worst_rows(request: Request, num_drafts: int) -> int:
@@ -22,8 +21,9 @@ def worst_rows(request: Request, num_drafts: int) -> int:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_blocks_per_seq: int, *,
-                 max_batch: int, num_drafts: int) -> None:
+                 max_batch: int, num_drafts: int, pad_block: int) -> None:
         self.pool, self.block_size, self.max_blocks = pool, block_size, max_blocks_per_seq
+        self.pad_block = pad_block  # a reserved block of `pool`: what a table's tail points at
         self.max_batch, self.num_drafts = max_batch, num_drafts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -35,7 +35,7 @@ class Scheduler:
     def add(self, request: Request) -> Sequence:
         # the table keeps its padded row as an array: the target stages it with one copy a step
         seq = Sequence(self._next_id, request, PaddedBlocks(self.pool, self.block_size,
-                                                            self.max_blocks, SCRATCH_BLOCK))
+                                                            self.max_blocks, self.pad_block))
         self._next_id += 1
         self.waiting.append(seq)
         return seq

@@ -77,7 +77,7 @@ def draft_each(proposer, seqs: list[Sequence], num_drafts: int,
 def _hiddens(seqs: list[Sequence]) -> torch.Tensor:
     """[n, H]: the hidden behind each last token (the contract's `propose_batch` takes a
     tensor)."""
-    return torch.stack([s.hidden for s in seqs if s.hidden is not None])  # type: ignore[misc]
+    return torch.stack([h for s in seqs if (h := s.hidden) is not None])  # one view each
 
 
 def _picked(seqs: list[Sequence]) -> torch.Tensor | HiddenRows:

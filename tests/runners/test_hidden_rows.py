@@ -112,19 +112,22 @@ def test_a_picked_step_gathers_once_and_builds_no_tensor(monkeypatch):
     real = torch.index_select
 
     def counted(*args, **kwargs):
+        got = real(*args, **kwargs)  # counted once it has written (a refused one raises)
         gathers.append(kwargs.get("out") is not None)
-        return real(*args, **kwargs)
+        return got
     monkeypatch.setattr(torch, "index_select", counted)
     for i in range(2, 5):
         assert step(i) is not None
     assert trace.calls == []
     assert gathers and all(gathers)  # every gather wrote into the staging's buffer
     assert len(gathers) <= 2 * 3  # one a run: at most a catch-up and a propose a step
+    assert p.staging.gather_fallbacks == 0
 
 
 def test_a_source_on_another_dtype_is_gathered_then_copied():
     """A source whose dtype differs from the chain's hidden buffer (a host keeping fp64
-    hiddens, say) still drafts what the tensors draft: gathered on its own, then copied in."""
+    hiddens, say) still drafts what the tensors draft: gathered apart, converted in a copy,
+    counted as a fallback."""
     n = 3
     a, sa, b, sb = _pair(n, {})
     pos = [a.last_pair_key(s) + 2 for s in sa]
@@ -132,6 +135,29 @@ def test_a_source_on_another_dtype_is_gathered_then_copied():
     got_a = a.propose_batch_on_device([3] * n, hidden(7, n), pos, K, sa)
     got_b = b.propose_batch_on_device([3] * n, HiddenRows(source.double(), pick), pos, K, sb)
     assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
+    assert b.staging.gather_fallbacks == 1 and a.staging.gather_fallbacks == 0
+
+
+@pytest.mark.parametrize("picked", [False, True], ids=["tensors", "picked"])
+def test_hiddens_autograd_tracks_are_read_detached(picked):
+    """Hiddens that require grad (a host that forgot no_grad) draft what plain ones draft, and
+    the chain's buffer never joins their graph: the next call, a plain one, still runs (before,
+    the copy made the buffer require grad and every later call died in the read-back)."""
+    n = 3
+    a, sa, b, sb = _pair(n, {})
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    source, (pick,) = _packed([hidden(7, n)], 2)
+    tracked = source.clone().requires_grad_(True)
+    plain = a.propose_batch([3] * n, source[torch.from_numpy(pick)], pos, K, sa)
+    grad_in = HiddenRows(tracked, pick) if picked else tracked[torch.from_numpy(pick)]
+    assert b.propose_batch([3] * n, grad_in, pos, K, sb) == plain
+    for p, states in ((a, sa), (b, sb)):
+        for s in states:
+            p.after_verify(0, s)
+    pos = [q + 1 for q in pos]
+    assert b.propose_batch([4] * n, hidden(8, n), pos, K, sb) == \
+        a.propose_batch([4] * n, hidden(8, n), pos, K, sa)
+    assert not b.chain_runner(K).backend.static_inputs["hidden"].requires_grad
 
 
 BAD = {  # what is wrong -> (which argument, the bad value, the error type, words it names)
@@ -142,18 +168,19 @@ BAD = {  # what is wrong -> (which argument, the bad value, the error type, word
     "a row too many": ("catch", lambda s: HiddenRows(s, np.array([0, 1], np.int64)),
                        ProposerError, "picks 2 rows, the call has 1"),
     "float rows": ("catch", lambda s: HiddenRows(s, np.array([0.0])), ProposerError,
-                   "1-D integer numpy array"),
+                   "step_batch hiddens: HiddenRows' rows must be a 1-D integer numpy array"),
     "rows as a list": ("catch", lambda s: HiddenRows(s, [0]), ProposerError,  # type: ignore[arg-type]
                        "1-D integer numpy array, got list"),
     "a 1-D source": ("catch", lambda s: HiddenRows(s[0], np.array([0], np.int64)), ProposerError,
-                     "source must be a tensor"),
+                     r"source must be a 2-D tensor \[rows, 32\], got a 1-D tensor \[32\]"),
     "a source of another width": ("catch", lambda s: HiddenRows(torch.zeros(4, CFG.hidden_size + 2),
                                                                 np.array([0], np.int64)),
                                   HiddenWidthError, "hidden_in_size"),
     "propose rows a row short": ("hid", lambda s: HiddenRows(s, np.array([0, 1], np.int64)),
                                  ProposerError, "picks 2 rows, the call has 3"),
     "propose row outside": ("hid", lambda s: HiddenRows(s, np.array([0, 1, 9], np.int64)),
-                            ProposerError, "row 2 picks source row 9"),
+                            ProposerError, "^step_batch target_hiddens: HiddenRows' row 2 picks "
+                            "source row 9"),
     "propose hiddens of another type": ("hid", lambda s: (s, np.arange(3)), ProposerError,
                                         "tensor .* or HiddenRows, got tuple"),
 }
@@ -178,6 +205,8 @@ def test_a_bad_pick_is_refused_with_nothing_changed(what):
 
 
 def test_check_hidden_rows_names_the_call_and_admits_a_good_pick():
+    with pytest.raises(ProposerError, match="rows must be integers, got a float64 array"):
+        hidden_rows(hidden(1, 3), [0.7, 2.9])  # never truncated to rows 0 and 2
     h = hidden_rows(hidden(1, 3), [2, 0])
     assert check_hidden_rows(h, 2, CFG.hidden_size, "x") is h
     assert "source=[3, " in repr(h) and h.part(1, 2).rows.tolist() == [0]

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from draft_circuit.runners.kv_cache import (
     BlockInUse, BlockOutOfRange, BlockPool, DoubleFree, ForeignBlock, KVCacheError, PaddedBlocks,
-    PoolExhausted, RowOutOfRange, SequenceBlocks, TableTooLong,
+    PoolExhausted, RowOutOfRange, SequenceBlocks, TableTooLong, ensure_rows_all,
 )
 
 
@@ -418,9 +418,17 @@ def test_padded_blocks_pad_only_with_a_reserved_block() -> None:
     pool = BlockPool(6, reserved=1)
     with pytest.raises(ForeignBlock, match="PaddedBlocks: pad block 3 is not a reserved"):
         PaddedBlocks(pool, 2, 4, 3)
+    with pytest.raises(ValueError, match="max_blocks must be an int >= 1"):
+        PaddedBlocks(pool, 2, -1, 0)
     t = PaddedBlocks(pool, 2, 4, 0)
     t.ensure_rows(3)
     assert t.row.dtype.name == "int32" and t.row.tolist() == t.table_row(0) == [1, 2, 0, 0]
+    with pytest.raises(ValueError, match="read-only"):
+        t.row[0] = 5  # a caller cannot make it disagree with the table
+    other = PaddedBlocks(pool, 2, 4, 0)  # ensure_rows_all's one draw extends each table
+    ensure_rows_all([t, other], [7, 2])
+    assert t.row.tolist() == t.table_row(0) == [1, 2, 3, 4] and other.row.tolist() == [5, 0, 0, 0]
+    assert repr(t).startswith("PaddedBlocks(")
 
 
 def test_table_row_pads_only_with_a_reserved_block() -> None:

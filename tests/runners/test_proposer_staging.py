@@ -18,6 +18,7 @@ import draft_circuit.runners as runners_pkg
 import draft_circuit.runners.draft as draft_mod
 from draft_circuit.circuit.binding import BindingError
 from draft_circuit.runners.draft import CircuitDraftRunner
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.input_values import RunnerInputError
 from draft_circuit.runners.staging import INTS, ChainStaging
 from draft_circuit.runners.testing import assert_no_allocation, cuda
@@ -291,10 +292,12 @@ def test_a_compiled_runner_runs_the_staged_buffers_without_checking_them(monkeyp
     assert checks
 
 
-def test_rows_past_n_stay_neutral_through_shrinking_and_unstaged_runs():
+@pytest.mark.parametrize("picked", [False, True], ids=["tensors", "picked"])
+def test_rows_past_n_stay_neutral_through_shrinking_and_unstaged_runs(picked):
     """A padded program reads the rows past n of the runner's buffers: the staging keeps them at
     their neutral values when n shrinks and after a run the proposer did not stage (which wrote
-    them), and the drafts and KV stay the oracle's."""
+    them), and the drafts and KV stay the oracle's; also when the hiddens are rows picked from
+    one tensor (HiddenRows: gathered, not copied, into the buffer)."""
     mine, oracle = make("circuit", num_blocks=120, max_blocks_per_seq=12), \
         make("eager", num_blocks=120, max_blocks_per_seq=12)
     runner = mine.chain_runner(K)
@@ -307,9 +310,13 @@ def test_rows_past_n_stay_neutral_through_shrinking_and_unstaged_runs():
             theirs["active"].zero_()
             runner.run(4, theirs)
         got = []
-        for p, states in ((mine, [a for a, _ in pairs[:n]]), (oracle, [b for _, b in pairs[:n]])):
+        source = hidden(80 + step, n + 3)
+        rows = np.arange(n + 2, -1, -1, dtype=np.int64)[:n]  # reversed, past the first rows
+        mine_h = HiddenRows(source, rows) if picked else source[torch.from_numpy(rows)]
+        for p, states, h in ((mine, [a for a, _ in pairs[:n]], mine_h),
+                             (oracle, [b for _, b in pairs[:n]], source[torch.from_numpy(rows)])):
             pos = [p.last_pair_key(s) + 2 for s in states]
-            got.append(p.propose_batch([7] * n, hidden(80 + step, n), pos, K, states))
+            got.append(p.propose_batch([7] * n, h, pos, K, states))
             for s in states:
                 p.after_verify(1, s)
         assert got[0] == got[1]
