@@ -63,9 +63,9 @@ def check_hidden_rows(h: object, expect: int, hidden_size: int, what: str) -> Hi
                             f"{hidden_size}], got {got}")
     if source.shape[1] != hidden_size:
         from draft_circuit.runners.proposer_inputs import HiddenWidthError  # imports this module
-        raise HiddenWidthError(f"{what}: HiddenRows' source is {list(source.shape)}: target hiddens "
-                               f"{source.shape[1]} wide, the head reads {hidden_size} (its "
-                               "hidden_in_size)")
+        raise HiddenWidthError(f"{what}: HiddenRows' source is {list(source.shape)}: target "
+                               f"hiddens {source.shape[1]} wide, the head reads {hidden_size} "
+                               "(its hidden_in_size)")
     if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
         desc = f"{rows.dtype} array of rank {rows.ndim}" if isinstance(rows, np.ndarray) \
             else type(rows).__name__

@@ -330,8 +330,8 @@ class MtpProposer:
         if slots is None:
             slots = np.fromiter((s.slot for s in states), dtype=np.intp, count=len(states))
         return run_chain(self._execute, self.slots,
-                         ChainRows(tokens, hiddens if isinstance(hiddens, HiddenRows) else (hiddens,),
-                                   positions, slots, None, states), k, bitmask)
+                         ChainRows(tokens, hiddens if isinstance(hiddens, HiddenRows)
+                                   else (hiddens,), positions, slots, None, states), k, bitmask)
 
     def read_deferred_draft_token(self) -> int:
         """The last kept draft of the latest deferred propose (this is where the host syncs)."""
@@ -365,7 +365,8 @@ class MtpProposer:
                           np.array([mine.slot], dtype=np.intp))
 
     def catchup_batch(self, tokens: Sequence[Sequence[int]],
-                      hiddens: Sequence[torch.Tensor] | HiddenRows, first_pos: Sequence[int], states: Sequence[object]) -> int:
+                      hiddens: Sequence[torch.Tensor] | HiddenRows, first_pos: Sequence[int],
+                      states: Sequence[object]) -> int:
         """tokens[i][k] with hiddens[i][k] at RoPE first_pos[i] + k, appended at each state's row
         count; every count is checked before anything runs (0 when a state is not this
         proposer's). `hiddens` may be one `HiddenRows` picking every sequence's rows in order."""

@@ -206,7 +206,8 @@ class ChainStaging:
                runner: object | None = None, *, tables: np.ndarray) -> Mapping[str, torch.Tensor]:
         """The runner inputs of n rows: row i's block table is `tables[slots[i]]` (the states'
         host tables, runners/proposer_slots.py), hiddens are the rows' segments in order (their
-        rows add up to n) or the n rows picked from one tensor (`HiddenRows`). With `runner` a `CircuitDraftRunner` whose plan for n is one
+        rows add up to n) or the n rows picked from one tensor (`HiddenRows`). With `runner` a
+        `CircuitDraftRunner` whose plan for n is one
         program, its own `staged_inputs(n)`, filled in place (give it back to that runner's
         `run` unchanged); otherwise read-only views of the staging's own buffers. Valid until
         the next call. log_tau None: a chain without the confidence stop. Array writes only:

@@ -169,8 +169,8 @@ BAD = {  # what is wrong -> (which argument, the bad value, the error type, word
                        ProposerError, "picks 2 rows, the call has 1"),
     "float rows": ("catch", lambda s: HiddenRows(s, np.array([0.0])), ProposerError,
                    "step_batch hiddens: HiddenRows' rows must be a 1-D integer numpy array"),
-    "rows as a list": ("catch", lambda s: HiddenRows(s, [0]), ProposerError,  # type: ignore[arg-type]
-                       "1-D integer numpy array, got list"),
+    "rows as a list": ("catch", lambda s: HiddenRows(s, [0]),  # type: ignore[arg-type]
+                       ProposerError, "1-D integer numpy array, got list"),
     "a 1-D source": ("catch", lambda s: HiddenRows(s[0], np.array([0], np.int64)), ProposerError,
                      r"source must be a 2-D tensor \[rows, 32\], got a 1-D tensor \[32\]"),
     "a source of another width": ("catch", lambda s: HiddenRows(torch.zeros(4, CFG.hidden_size + 2),
@@ -244,3 +244,18 @@ def test_the_picked_step_loop_is_the_host_loop_on_cuda():
 @cuda
 def test_a_picked_cuda_step_allocates_nothing_and_makes_no_host_sync():
     steady_cuda_steps(PickedStepLoop)
+
+
+@cuda
+def test_a_host_source_for_a_cuda_chain_drafts_what_the_tensors_draft():
+    """HiddenRows of a CPU tensor for a CUDA proposer: index_select refuses the devices, the
+    rows are gathered on the host and copied in (counted); the drafts are the tensors'."""
+    n = 3
+    opts = {"device": "cuda"}
+    a, sa, b, sb = _pair(n, opts)
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    source, (pick,) = _packed([hidden(7, n)], 2)
+    got_a = a.propose_batch_on_device([3] * n, hidden(7, n).cuda(), pos, K, sa)
+    got_b = b.propose_batch_on_device([3] * n, HiddenRows(source, pick), pos, K, sb)
+    assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
+    assert b.staging.gather_fallbacks == 1
