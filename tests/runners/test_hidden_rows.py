@@ -14,8 +14,8 @@ from draft_circuit.runners.proposer_state import ProposerError
 from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make
 from tests.runners.test_proposer_staging import ConstructorTrace
-from tests.runners.test_proposer_step import (CASES, IDS, StepLoop, _accepted, _catchup, _pair,
-                                              _same, _snapshot, _unchanged, loops_agree,
+from tests.runners.test_proposer_step import (CASES, IDS, StepLoop, _accepted, _pair, _same,
+                                              _snapshot, _unchanged, loops_agree, read_alike,
                                               steady_cuda_steps)
 
 
@@ -47,12 +47,7 @@ def test_step_batch_with_picked_rows_is_step_batch_with_tensors(n, opts):
     got_a = a.propose_batch_on_device(last, hidden(7, n), pos, K, sa)
     got_b = b.propose_batch_on_device(last, HiddenRows(source, pick), pos, K, sb)
     for step in range(5):
-        assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
-        assert torch.equal(a.verify_tokens(), b.verify_tokens())
-        drafts = a.last_drafts(sa)
-        assert b.last_drafts(sb) == drafts
-        accepted = _accepted(drafts, step)
-        tokens, hiddens = _catchup(drafts, accepted, step)
+        accepted, tokens, hiddens = read_alike(a, sa, got_a, b, sb, got_b, step)
         last = [(7 * i + step) % CFG.vocab_size for i in range(n)]
         hid = hidden(200 + step, n)
         pos = [p + c + 1 for p, c in zip(pos, accepted)]

@@ -69,6 +69,18 @@ def _same(a, sa, b, sb):
     assert {k: dict(v) for k, v in a.stats.items()} == {k: dict(v) for k, v in b.stats.items()}
 
 
+def read_alike(a, sa, got_a, b, sb, got_b, step):
+    """Both proposers' latest device batches alike (drafts, confidences, verify input, how
+    served, the drafts read back); then the step's accept counts and catch-up rows."""
+    assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
+    assert torch.equal(a.verify_tokens(), b.verify_tokens())
+    assert a.last_served == b.last_served
+    drafts = a.last_drafts(sa)
+    assert b.last_drafts(sb) == drafts
+    accepted = _accepted(drafts, step)
+    return (accepted, *_catchup(drafts, accepted, step))
+
+
 def _catchup(drafts, accepted, step):
     """Each state's catch-up: its accepted drafts with a target hidden each ([] and [0, H]
     for a state that accepted none)."""
@@ -92,13 +104,7 @@ def test_a_step_is_the_calls_it_stands_for(n, opts, explicit_first):
     got_a = a.propose_batch_on_device(last, hidden(7, n), pos, K, sa)
     got_b = b.propose_batch_on_device(last, hidden(7, n), pos, K, sb)
     for step in range(5):
-        assert torch.equal(got_a[0], got_b[0]) and torch.equal(got_a[1], got_b[1])
-        assert torch.equal(a.verify_tokens(), b.verify_tokens())
-        assert a.last_served == b.last_served
-        drafts = a.last_drafts(sa)
-        assert b.last_drafts(sb) == drafts
-        accepted = _accepted(drafts, step)
-        tokens, hiddens = _catchup(drafts, accepted, step)
+        accepted, tokens, hiddens = read_alike(a, sa, got_a, b, sb, got_b, step)
         # the next propose: each row's new last token, one past its accepted drafts
         last = [(7 * i + step) % CFG.vocab_size for i in range(n)]
         hid = hidden(200 + step, n)
