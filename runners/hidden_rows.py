@@ -44,6 +44,9 @@ def hidden_rows(source: torch.Tensor, rows: Sequence[int] | np.ndarray) -> Hidde
     """A `HiddenRows` from any integer sequence (made an int64 array once, here; a float or
     other non-integer sequence is refused, never truncated to rows)."""
     picks = np.asarray(rows)
+    if picks.ndim != 1:
+        raise ProposerError(f"hidden_rows: rows must be a 1-D sequence of row indices, got "
+                            f"{picks.ndim}-D {type(rows).__name__}")
     if len(picks) and picks.dtype.kind not in "iu":
         raise ProposerError(f"hidden_rows: rows must be integers, got a {picks.dtype} array")
     return HiddenRows(source, picks.astype(np.int64, copy=False))

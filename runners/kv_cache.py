@@ -329,7 +329,8 @@ class PaddedBlocks(SequenceBlocks):
     values, rewritten only when the blocks change (a growth writes only its new entries). A host
     stages a sequence's table with one array copy a step instead of `table_row`'s list and its
     conversion (~3.5 us a sequence). Every rule is `SequenceBlocks`'; `row` is a read-only view
-    (a write raises)."""
+    of the kept row (a write through it raises; it follows every change, a copied table's
+    too)."""
 
     _list: list[int]
 
@@ -338,8 +339,20 @@ class PaddedBlocks(SequenceBlocks):
         self._row = np.empty(0, dtype=np.int32)  # the setter's, until max_blocks is checked
         super().__init__(pool, block_size, max_blocks)  # checks the sizes, empties the table
         self._row = np.full(self.max_blocks, self._pad, dtype=np.int32)
-        self.row = self._row.view()
-        self.row.flags.writeable = False
+        self._view = self._read_only()
+
+    def _read_only(self) -> np.ndarray:
+        view = self._row.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def row(self) -> np.ndarray:
+        """The padded table row (int32 [max_blocks]), read-only."""
+        view = self._view
+        if view.base is not self._row:  # a copied table (deepcopy, pickle): its own row's view
+            view = self._view = self._read_only()
+        return view
 
     @property
     def _blocks(self) -> list[int]:

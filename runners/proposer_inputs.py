@@ -108,13 +108,13 @@ def check_propose(tokens: Sequence[int], hiddens: torch.Tensor | HiddenRows,
         shape: tuple[int, ...] = (n, width)
     else:
         if not isinstance(hiddens, torch.Tensor):
-            raise ProposerError(f"hiddens must be a tensor [{n}, {width}] or HiddenRows, got "
-                                f"{type(hiddens).__name__}")
+            raise ProposerError(f"{what}: hiddens must be a tensor [{n}, {width}] or HiddenRows, "
+                                f"got {type(hiddens).__name__}")
         shape = tuple(hiddens.shape)
         if hiddens.dim() == 2 and hiddens.shape[1] != width:
-            raise HiddenWidthError(f"hiddens must be [{n}, {width}], got {list(shape)}: target "
-                                   f"hiddens {hiddens.shape[1]} wide, the head reads {width} (its "
-                                   "hidden_in_size)")
+            raise HiddenWidthError(f"{what}: hiddens must be [{n}, {width}], got {list(shape)}: "
+                                   f"target hiddens {hiddens.shape[1]} wide, the head reads "
+                                   f"{width} (its hidden_in_size)")
     if len(states) != n or (not distinct and len(set(map(id, states))) != n) \
             or len(positions) != n or shape != (n, width):
         raise ProposerError(f"a batch of {n} needs {n} distinct states, positions and hiddens "
@@ -150,7 +150,7 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]],
                          hiddens: Sequence[torch.Tensor] | HiddenRows,
                          first_pos: Sequence[int] | None, states: Sequence[object], *,
                          hidden_size: int, vocab: int, distinct: bool = False,
-                         what: str = "catchup_batch") -> list[int] | None:
+                         what: str = "catchup_batch", arg: str = "hiddens") -> list[int] | None:
     """catchup_batch's counts, all before anything runs: one token list, hidden list, first
     position and state per sequence, as many hiddens as tokens in each (or one HiddenRows
     picking every sequence's rows in order, as many as their tokens: runners/hidden_rows.py),
@@ -158,10 +158,11 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]],
     ids. Each error names the call (`what`), the sequence and the counts. `first_pos` None:
     the positions are the proposer's own (step_batch's, from each state's key), nothing to
     check. Returns the token ids in row order when the check made that list (past SMALL_BATCH
-    sequences: the catch-up's rows are built from it)."""
+    sequences: the catch-up's rows are built from it). `arg`: the hiddens' argument name, which
+    a bad pick's error gives after the call's."""
     if isinstance(hiddens, HiddenRows):
         return _check_picked(tokens, hiddens, first_pos, states, hidden_size=hidden_size,
-                             vocab=vocab, distinct=distinct, what=what)
+                             vocab=vocab, distinct=distinct, what=what, arg=arg)
     counts = (len(tokens), len(hiddens), len(states if first_pos is None else first_pos),
               len(states))
     if len(set(counts)) != 1:
@@ -187,7 +188,8 @@ def check_catchup_counts(tokens: Sequence[Sequence[int]],
 
 def _check_picked(tokens: Sequence[Sequence[int]], hiddens: HiddenRows,
                   first_pos: Sequence[int] | None, states: Sequence[object], *,
-                  hidden_size: int, vocab: int, distinct: bool, what: str) -> list[int]:
+                  hidden_size: int, vocab: int, distinct: bool, what: str,
+                  arg: str) -> list[int]:
     """`check_catchup_counts` of a catch-up whose hiddens are one HiddenRows: the same counts,
     the pick's rows as many as the tokens; returns the token ids in row order."""
     counts = (len(tokens), len(states if first_pos is None else first_pos), len(states))
@@ -198,7 +200,7 @@ def _check_picked(tokens: Sequence[Sequence[int]], hiddens: HiddenRows,
         raise ProposerError(f"{what}: a state appears twice (its rows would be written twice "
                             "at the same row)")
     flat = list(chain.from_iterable(tokens))
-    check_hidden_rows(hiddens, len(flat), hidden_size, f"{what} hiddens")
+    check_hidden_rows(hiddens, len(flat), hidden_size, f"{what} {arg}")
     if first_pos is not None and not (plain_ints(first_pos) and (not first_pos
                                                                  or min(first_pos) >= 1)):
         for i, p in enumerate(first_pos):  # only to name the bad sequence

@@ -68,7 +68,7 @@ def step_all(p: "MtpProposer", num_accepted: Sequence[int],
     config, width = head.config, head.hidden_in_size
     ids = check_catchup_counts(catchup_tokens, catchup_hiddens, catchup_first, states,
                                hidden_size=width, vocab=config.vocab_size, distinct=True,
-                               what="step_batch")
+                               what="step_batch", arg="catchup_hiddens")
     reason = width_refusal(p, n, num_drafts, False) if n else "an empty batch (width 0)"
     if reason is None:
         check_propose(last_tokens, target_hiddens, positions, num_drafts, mine, None,

@@ -133,7 +133,8 @@ class ChainStaging:
         if self.device.type == "cuda" and index is None:  # "cuda" resolves, as buffers' devices do
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cuda = self.device.type == "cuda"
-        #: HiddenRows whose source was not of the buffer's dtype and device (`_gather`)
+        #: gathers (runs; a chunked catch-up counts a chunk each) of HiddenRows whose source
+        #: could not be gathered straight into the buffer (`_gather`; logged once a process)
         self.gather_fallbacks = 0
         self.width, self.max_blocks, self.scratch, self.max_drafts = \
             max_width, max_blocks, scratch_block, max(max_drafts, 1)
@@ -207,8 +208,8 @@ class ChainStaging:
         """The runner inputs of n rows: row i's block table is `tables[slots[i]]` (the states'
         host tables, runners/proposer_slots.py), hiddens are the rows' segments in order (their
         rows add up to n) or the n rows picked from one tensor (`HiddenRows`). With `runner` a
-        `CircuitDraftRunner` whose plan for n is one
-        program, its own `staged_inputs(n)`, filled in place (give it back to that runner's
+        `CircuitDraftRunner` whose plan for n is one program, its own `staged_inputs(n)`,
+        filled in place (give it back to that runner's
         `run` unchanged); otherwise read-only views of the staging's own buffers. Valid until
         the next call. log_tau None: a chain without the confidence stop. Array writes only:
         nothing here runs once a row."""
@@ -267,7 +268,8 @@ class ChainStaging:
         (`HiddenRows`) in one `index_select` (`_gather`). A runner's own buffer keeps its
         rows past n neutral (a padded program reads them): zeroed when n shrank, or when an
         unstaged run wrote them. Where a numpy view cannot zero them (CUDA, bfloat16), the zeros
-        travel in the rows' own `cat`: one launch whatever the segments."""
+        travel in the rows' own `cat`: one launch whatever the segments. Hiddens autograd
+        tracks are read detached (the buffer never joins their graph)."""
         hidden = region.hidden
         dirty = region.hidden_dirty if region.runner is not None else 0
         if isinstance(hiddens, HiddenRows):
@@ -341,10 +343,10 @@ class ChainStaging:
         if rows is None:
             rows = region.hidden_rows[n] = region.hidden[:n]
         if source.dtype is region.hidden.dtype:  # (dtypes are singletons: an identity test)
-            try:  # it checks devices before it writes: no device compare a call here
+            try:  # it checks devices (and overlap) before it writes: no device compare a call
                 torch.index_select(source, 0, index, out=rows)
                 return []
-            except RuntimeError:  # a source on another device
+            except RuntimeError:  # any refusal: another device, a source overlapping the buffer
                 pass
         self.gather_fallbacks += 1
         from draft_circuit.runners.proposer_batch import warn_once  # (imports this module)
@@ -352,7 +354,7 @@ class ChainStaging:
                             f"gathered apart and copied into the chain's {region.hidden.dtype} "
                             f"buffer on {region.hidden.device} (an extra copy a call; give the "
                             "buffer's dtype and device to skip it)")
-        if source.device == index.device:  # another dtype: the staged indices, a converting copy
+        if source.device == index.device:  # the staged indices, then a (converting) copy
             rows.copy_(source.index_select(0, index))
             return []
         picks = torch.from_numpy(np.ascontiguousarray(picked.rows, dtype=np.int64))

@@ -390,4 +390,5 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         if self.proposer is not None and seq.draft_state is not None:
             self.proposer.free_state(seq.draft_state)
+        seq.hidden = None  # its pass's hidden tensor (device memory) is not kept for it
         self.scheduler.finish(seq)

@@ -304,3 +304,19 @@ def test_the_steady_step_picks_the_verifys_rows(small_checkpoint, monkeypatch, c
         assert kinds[False, False] > 0, kinds
     assert set(kinds) <= {(True, True), (False, False)}, kinds
     assert (outputs, passes) == run(small_checkpoint, requests, ahead=False, **config)[::2]
+
+
+def test_a_finished_sequence_lets_go_of_its_pass_hiddens(small_checkpoint, monkeypatch):
+    """A sequence keeps its pass's whole hidden tensor (hidden_src) while it decodes; once
+    finished it holds none, so a long batch does not keep every finished request's pass alive."""
+    requests, config = CASES["k3"]
+    finished = []
+    real = Engine._finish
+
+    def recorded(self, seq):
+        assert seq.hidden_src is not None  # it decoded from one
+        real(self, seq)
+        finished.append((seq.hidden_src, seq.hidden))
+    monkeypatch.setattr(Engine, "_finish", recorded)
+    Engine(load_checkpoint(small_checkpoint), EngineConfig(**config)).generate(requests)
+    assert finished and all(src is None and h is None for src, h in finished)

@@ -163,7 +163,8 @@ BAD = {  # what is wrong -> (which argument, the bad value, the error type, word
     "a row too many": ("catch", lambda s: HiddenRows(s, np.array([0, 1], np.int64)),
                        ProposerError, "picks 2 rows, the call has 1"),
     "float rows": ("catch", lambda s: HiddenRows(s, np.array([0.0])), ProposerError,
-                   "step_batch hiddens: HiddenRows' rows must be a 1-D integer numpy array"),
+                   "step_batch catchup_hiddens: HiddenRows' rows must be a 1-D integer numpy "
+                   "array"),
     "rows as a list": ("catch", lambda s: HiddenRows(s, [0]),  # type: ignore[arg-type]
                        ProposerError, "1-D integer numpy array, got list"),
     "a 1-D source": ("catch", lambda s: HiddenRows(s[0], np.array([0], np.int64)), ProposerError,
@@ -177,7 +178,8 @@ BAD = {  # what is wrong -> (which argument, the bad value, the error type, word
                             ProposerError, "^step_batch target_hiddens: HiddenRows' row 2 picks "
                             "source row 9"),
     "propose hiddens of another type": ("hid", lambda s: (s, np.arange(3)), ProposerError,
-                                        "tensor .* or HiddenRows, got tuple"),
+                                        "^step_batch target_hiddens: hiddens must be a tensor .* "
+                                        "or HiddenRows, got tuple"),
 }
 
 
@@ -202,6 +204,8 @@ def test_a_bad_pick_is_refused_with_nothing_changed(what):
 def test_check_hidden_rows_names_the_call_and_admits_a_good_pick():
     with pytest.raises(ProposerError, match="rows must be integers, got a float64 array"):
         hidden_rows(hidden(1, 3), [0.7, 2.9])  # never truncated to rows 0 and 2
+    with pytest.raises(ProposerError, match="rows must be a 1-D sequence of row indices, got 0-D"):
+        hidden_rows(hidden(1, 3), 2)  # type: ignore[arg-type]
     h = hidden_rows(hidden(1, 3), [2, 0])
     assert check_hidden_rows(h, 2, CFG.hidden_size, "x") is h
     assert "source=[3, " in repr(h) and h.part(1, 2).rows.tolist() == [0]

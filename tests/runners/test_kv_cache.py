@@ -3,6 +3,8 @@
 (FAULTS.md 17-20)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -429,6 +431,11 @@ def test_padded_blocks_pad_only_with_a_reserved_block() -> None:
     ensure_rows_all([t, other], [7, 2])
     assert t.row.tolist() == t.table_row(0) == [1, 2, 3, 4] and other.row.tolist() == [5, 0, 0, 0]
     assert repr(t).startswith("PaddedBlocks(")
+    twin = copy.deepcopy(t)  # a copied table's row follows the copy, read-only still
+    twin.release_unused()
+    assert twin.row.tolist() == twin.table_row(0) == [0, 0, 0, 0] and t.row.tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="read-only"):
+        twin.row[0] = 5
 
 
 def test_table_row_pads_only_with_a_reserved_block() -> None:
