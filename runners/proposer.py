@@ -28,9 +28,10 @@ from draft_circuit.runners.input_guard import check_runner_faults
 from draft_circuit.runners.kv_cache import BlockPool
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.protocol import DraftRunner
-from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, ChainRows,
-                                                   check_drafter_pairs, check_propose,
-                                                   confidence_log_tau, drafter_pools)
+from draft_circuit.runners.proposer_chunks import ChainRows
+from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, check_drafter_pairs,
+                                                   check_propose, confidence_log_tau,
+                                                   drafter_pools)
 from draft_circuit.runners.proposer_args import check_proposer_args
 from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal, catchup_all,
                                                   last_drafts_of, last_pair_keys_of,

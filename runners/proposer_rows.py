@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from draft_circuit.runners.hidden_rows import HiddenRows
-from draft_circuit.runners.proposer_inputs import ChainRows, catchup_chunks, grow_all
+from draft_circuit.runners.proposer_chunks import ChainRows, catchup_chunks
 from draft_circuit.runners.kv_cache import ensure_rows_all
 from draft_circuit.runners.proposer_slots import FEW, KEY, ROWS, SMALL_BATCH, SlotTable
 from draft_circuit.runners.proposer_state import MtpProposerState
@@ -23,6 +23,20 @@ Execute = Callable[[int, ChainRows, "torch.Tensor | None"], dict[str, torch.Tens
 def _release(states: Sequence[MtpProposerState]) -> None:
     for s in states:
         s.blocks.release_unused()
+
+
+def grow_all(table: SlotTable, slots: np.ndarray, states: Sequence[MtpProposerState],
+             rows: np.ndarray) -> None:
+    """Give every state (states[i] at slots[i]) storage for rows[i] rows, or none of them any
+    more than before: a table that would overflow or a pool that runs dry raises with nothing
+    half-allocated. Steady state: one array comparison, no table lacks room."""
+    if len(slots) <= SMALL_BATCH:
+        short = [i for i, (r, c) in enumerate(zip(rows.tolist(), table.capacity[slots].tolist()))
+                 if r > c]
+    else:
+        short = (rows > table.capacity[slots]).nonzero()[0].tolist()
+    if short:  # one pool draw for them all (kv_cache.ensure_rows_all: the same ids and errors)
+        ensure_rows_all([states[i].blocks for i in short], rows[short].tolist())
 
 
 def run_chain(execute: Execute, table: SlotTable, rows: ChainRows, k: int,

@@ -473,7 +473,7 @@ def test_catch_up_chunks_are_the_rows_in_order_cut_at_the_width(width):
     """catchup_chunks (its whole-sequence fast path and its split path) gives, chunk by chunk,
     exactly the rows a row-by-row construction gives: token, position, live row, owner and
     hidden, cut every `width` rows."""
-    from draft_circuit.runners.proposer_inputs import catchup_chunks
+    from draft_circuit.runners.proposer_chunks import catchup_chunks
     rng = random.Random(width)
     lengths = [rng.randint(0, 5) for _ in range(9)]
     tokens = [[rng.randrange(90) for _ in range(m)] for m in lengths]
