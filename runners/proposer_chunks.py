@@ -3,7 +3,7 @@ chain's width (`catchup_chunks`), from inputs the caller has checked (runners/pr
 Per-step host work: array operations over all rows, O(chunks) Python; run by proposer_rows.py."""
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, repeat
 from operator import methodcaller
 from typing import NamedTuple, Sequence
 
@@ -40,9 +40,9 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
                  exact: bool) -> list[ChainRows] | None:
     """`catchup_chunks` of at most SMALL_BATCH sequences whose rows fit one run, as Python
     lists (None when they do not fit: the array path splits them)."""
+    # one pick of every row in order (HiddenRows): no segment a sequence to collect
     picked = hiddens if isinstance(hiddens, HiddenRows) else None
-    # one pick of every row in order: the segments loop below reads none
-    segments = [_NO_ROWS] * len(tokens) if isinstance(hiddens, HiddenRows) else hiddens
+    segments = repeat(None) if isinstance(hiddens, HiddenRows) else hiddens
     toks: list[int] = []
     pos: list[int] = []
     live: list[int] = []
@@ -58,7 +58,8 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
             pos += range(p, p + m)
             live += range(b, b + m)
             owners += [s] * m
-            segs.append(h if exact or h.shape[0] == m else h[:m])
+            if h is not None:
+                segs.append(h if exact or h.shape[0] == m else h[:m])
     if len(toks) > width:
         return None
     if not toks:
@@ -66,9 +67,6 @@ def _small_chunk(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor
     return [ChainRows(toks, segs if picked is None else picked, pos,
                       np.array(owners, dtype=np.intp), live, kv_only=True)]
 
-
-#: what _small_chunk's loop reads for a sequence when the hiddens are one HiddenRows (unused)
-_NO_ROWS = torch.zeros(0, 0)
 
 
 def _arange(total: int) -> np.ndarray:
@@ -85,6 +83,19 @@ def _arange(total: int) -> np.ndarray:
 
 
 _ARANGE = np.zeros(0, dtype=np.int64)
+
+
+def consecutive(bases: Sequence[int] | np.ndarray, counts: np.ndarray,
+                starts: np.ndarray | None = None) -> np.ndarray:
+    """bases[i], bases[i] + 1, ..., bases[i] + counts[i] - 1 for every i, concatenated (int64):
+    each base less its first row's index (`starts`, the counts' exclusive running sum, when the
+    caller has it), repeated over its rows, plus the row's index. A catch-up's positions and
+    rows, and a target pass's positions (examples/engine/runner.py), are built so."""
+    if starts is None:
+        starts = np.add.accumulate(counts) - counts
+    out: np.ndarray = np.subtract(bases, starts).repeat(counts)
+    out += _arange(len(out))
+    return out
 
 
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor] | HiddenRows,
@@ -118,14 +129,11 @@ def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tens
     if total == 0:
         return []
     starts = ends - counts
-    row = _arange(total)  # row j of the run; sequence i's k-th row is starts[i] + k
     # from a flat list when the check made one (half a chain's time)
     toks = np.fromiter(chain.from_iterable(tokens) if ids is None else ids, dtype=np.int64,
                        count=total)
-    pos = np.subtract(first_pos, starts).repeat(counts)
-    pos += row
-    live = np.subtract(bases, starts).repeat(counts)
-    live += row
+    pos = consecutive(first_pos, counts, starts)
+    live = consecutive(bases, counts, starts)
     owners = np.asarray(slots).repeat(counts)
     if isinstance(hiddens, HiddenRows):  # one pick, row order: a chunk is its span [lo, hi)
         return [ChainRows(toks[lo:lo + width], hiddens.part(lo, lo + width), pos[lo:lo + width],

@@ -103,6 +103,12 @@ class DeviceDrafts:
                 self.verify[:n * (k + 1)], rows[:, 0], rows[:, 1:])
         return views
 
+    def outputs(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts, confidences) of an (n, k) batch: the views `drafts` and `confidences` give,
+        in one lookup."""
+        views = self._views(n, k)
+        return views[0], views[1]
+
     def drafts(self, n: int, k: int) -> torch.Tensor:
         return self._views(n, k)[0]
 
@@ -234,7 +240,7 @@ def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int],
     (`mine`: `p`'s states, settled and distinct, at `slots`; the inputs `check_propose`'s,
     `mask` the bitmask it returned): the chain, the buffers' fill and the pending batch."""
     n, dev = len(last_tokens), p.device_drafts
-    drafts, confs = dev._views(n, num_drafts)[:2]
+    drafts, confs = dev.outputs(n, num_drafts)
     if num_drafts == 0:  # every row drafts nothing
         p.slots.record(slots, np.zeros((n, 0), np.int64), p.slots.rows[slots],
                        np.fromiter(positions, dtype=np.int64, count=n))
@@ -248,10 +254,7 @@ def draft_on_device(p: "MtpProposer", last_tokens: Sequence[int],
     batch = PendingBatch(drafts, rows, list(positions), mine, slots, p.slots, read=dev.read,
                          check=dev.check_faults)
     # every state settles with the batch (each held none before: the caller settled them)
-    if n == 1:  # a scalar write: a fraction of a fancy assignment's cost
-        p.slots.pending[slots[0]] = batch
-    else:
-        p.slots.pending[slots] = batch
+    p.slots.set_pending(slots, batch)
     p.slots.num_pending += n
     dev.batch = batch
     p.last_served = served(p, chain.plan(n).kind, n)

@@ -165,6 +165,14 @@ class SlotTable:
                 return True
         return False
 
+    def set_pending(self, slots: np.ndarray, value: object) -> None:
+        """`pending[slots] = value` (a batch, or None when it settles); one slot as a scalar
+        write, a fraction of a fancy assignment's cost (the n = 1 decode step's)."""
+        if len(slots) == 1:
+            self.pending[slots[0]] = value
+        else:
+            self.pending[slots] = value
+
     def pending_at(self, slots: np.ndarray) -> np.ndarray:
         """Which of `slots` hold deferred drafts (bool per slot)."""
         held: np.ndarray = self.pending[slots] != None  # noqa: E711  (elementwise, object array)

@@ -163,10 +163,7 @@ class PendingBatch:
             mine = np.asarray(t.pending[self.slots] == self, dtype=np.bool_)  # identity
             slots, drafts, rows = self.slots[mine], drafts[mine], np.asarray(self.rows)[mine]
             positions = np.asarray(self.positions)[mine]
-        if len(slots) == 1:  # a scalar write: a fraction of a fancy assignment's cost
-            t.pending[slots[0]] = None
-        else:
-            t.pending[slots] = None
+        t.set_pending(slots, None)
         t.num_pending -= len(slots)
         kept = t.record(slots, drafts, rows, positions)
         if self.check is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from draft_circuit.runners.proposer_chunks import consecutive
 from examples.engine.model import TargetModel, TargetRows
 from examples.engine.sequence import Sequence
 
@@ -106,14 +107,8 @@ class TargetRunner:
                                    f"{blocks.capacity_rows} reserved for it")
             tables[i] = blocks.row
             bases.append(base)
-        # sequence i's rows are bases[i] .. bases[i] + counts[i] - 1: its base less its first
-        # row's index, repeated over its rows, plus the row's index
-        per_seq = np.asarray(counts, dtype=np.int64)
-        ends = np.add.accumulate(per_seq)
-        total = int(ends[-1]) if len(ends) else 0
-        positions = np.subtract(bases, ends - per_seq).repeat(per_seq)
-        positions += np.arange(total, dtype=np.int64)
-        return positions.astype(np.int32), np.repeat(tables, per_seq, axis=0)
+        per_seq = np.asarray(counts, dtype=np.int64)  # sequence i's rows: bases[i] on
+        return consecutive(bases, per_seq).astype(np.int32), np.repeat(tables, per_seq, axis=0)
 
     def verify_on_device(self, seqs: list[Sequence], tokens: torch.Tensor,
                          num_drafts: int) -> PassOut:
