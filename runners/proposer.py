@@ -40,6 +40,7 @@ from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_devic
 from draft_circuit.runners.proposer_rows import run_chain, write_rows
 from draft_circuit.runners.proposer_slots import SlotTable
 from draft_circuit.runners.proposer_step import step_all
+from draft_circuit.runners.proposer_ahead import step_all_ahead
 from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
 from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError,
@@ -52,7 +53,7 @@ __all__ = ["DraftBinding", "MtpProposer", "SCRATCH_BLOCK", "Served"]
 # single-caller (FAULTS 29): a second thread entering while one is inside raises ConcurrentCallError
 @single_caller("propose", "propose_batch", "propose_batch_on_device", "verify_tokens",
                "last_drafts", "prefill_drafter", "catchup_drafter", "catchup_batch", "after_verify",
-               "after_verify_batch", "last_pair_keys", "step_batch",
+               "after_verify_batch", "last_pair_keys", "step_batch", "step_ahead",
                "alloc_state", "free_state", "take_drafter_kv", "install_drafter_kv",
                "free_drafter_kv", "read_deferred_draft_token", "set_circuit_draft")
 class MtpProposer:
@@ -170,7 +171,8 @@ class MtpProposer:
         # the runner's own input buffers, filled in place (it then skips its checks and copies)
         assert rows.live is not None  # run_chain read it
         inputs = self.staging.inputs(rows.tokens, rows.positions, rows.live, rows.slots,
-                                     rows.hiddens, log_tau, runner, tables=self.slots.tables)
+                                     rows.hiddens, log_tau, runner, tables=self.slots.tables,
+                                     advance=rows.advance)
         if bitmask is not None:  # a masked chain stages in the staging's own (read-only) views
             inputs = {**inputs, "bitmask": bitmask}
         return runner.run(n, inputs)
@@ -304,6 +306,19 @@ class MtpProposer:
         every sequence's rows in order, as many as its tokens."""
         return step_all(self, num_accepted, catchup_tokens, catchup_hiddens, last_tokens,
                         target_hiddens, positions, num_drafts, states, catchup_first)
+
+    def step_ahead(self, greedy: torch.Tensor, hiddens: torch.Tensor, num_drafts: int,
+                   states: Sequence[object]) -> tuple[list[list[int]], torch.Tensor] | None:
+        """The draft side of the step whose verify was just launched, launched before the host
+        reads it (runners/proposer_ahead.py): `states` are the latest device-resident batch's,
+        in order, `greedy` the verify's int32 greedy tokens [n * (k + 1)] and `hiddens` its
+        hiddens (row i * (k + 1) + j after row i's j-th token), both on the device, unread.
+        The accepted counts are found on the device; the trims, the catch-up of every kept
+        draft's row and the next k-draft propose are enqueued; the states settle from the
+        counts when next touched. Returns (the verified drafts, which the batch's read
+        brought, and the next verify input, as `verify_tokens`), or None with nothing
+        changed but that read (`last_served` says why): read the verify, then `step_batch`."""
+        return step_all_ahead(self, greedy, hiddens, num_drafts, states)
 
     def verify_tokens(self) -> torch.Tensor:
         """The latest device-resident batch's verify input on the device: i32[n * (k + 1)], row

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 from operator import methodcaller
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -13,6 +13,9 @@ import torch
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer_slots import SMALL_BATCH
 from draft_circuit.runners.proposer_state import MtpProposerState
+
+if TYPE_CHECKING:  # (it imports this module)
+    from draft_circuit.runners.proposer_ahead import Advance
 
 
 class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen dataclass's time
@@ -29,6 +32,9 @@ class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen datac
     live: Sequence[int] | np.ndarray | None  # a propose's: None, run_chain reads it
     states: Sequence[MtpProposerState] = ()
     kv_only: bool = False   # catch-up rows: only their K/V is wanted (the KV-only chain)
+    #: device counts that shift the staged rows before the run (a propose drafted ahead of
+    #: its verify's read: runners/proposer_ahead.py `Advance`); None: the rows as given
+    advance: "Advance | None" = None
 
 
 _ROWS = methodcaller("size", 0)

@@ -36,6 +36,7 @@ import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.hidden_rows import HiddenRows
+from draft_circuit.runners.proposer_ahead import AcceptCounts
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults
@@ -75,6 +76,7 @@ class DeviceDrafts:
         self._records = 0  # how many of them have a record (all: a fault check reads numpy)
         self._all_recorded = False
         self.batch: PendingBatch | None = None
+        self.counts = AcceptCounts(max_width, self.device)  # step_ahead's accepted counts
         self._rows = (0, 0)  # (n, k) of the latest batch
         self._shapes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._host_rows: dict[tuple[int, int], np.ndarray] = {}  # the host copy's [n, k], per shape

@@ -173,6 +173,14 @@ class SlotTable:
         else:
             self.pending[slots] = value
 
+    def set_caught_up(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Each slot's rows are `rows` (int64 [n]), its newest key the row before: the rows a
+        catch-up drafted ahead of its verify's read keeps once the accepted counts are known
+        (runners/proposer_ahead.py; with none accepted, the row the last propose kept)."""
+        self.rows[slots] = rows
+        self.pair_key[slots] = rows - 1
+        self.has_key[slots] = 1
+
     def pending_at(self, slots: np.ndarray) -> np.ndarray:
         """Which of `slots` hold deferred drafts (bool per slot)."""
         held: np.ndarray = self.pending[slots] != None  # noqa: E711  (elementwise, object array)

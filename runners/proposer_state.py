@@ -136,7 +136,7 @@ class PendingBatch:
 
     drafts: torch.Tensor
     rows: Sequence[int] | np.ndarray  # a few rows: the run's list as it came (no array made)
-    positions: Sequence[int]
+    positions: Sequence[int] | np.ndarray
     states: list[MtpProposerState]  # kept alive (their slots stay theirs) until settled
     slots: np.ndarray
     table: SlotTable
@@ -147,6 +147,10 @@ class PendingBatch:
     check: Callable[[], None] | None = None
     #: states whose pending was cleared (freed, handed over) before this batch settled
     dropped: int = 0
+    #: a batch drafted ahead of its verify's read (runners/proposer_ahead.py): each row's
+    #: accepted count a, read at settle; `rows` and `positions` then hold each row's position
+    #: before the verify, p, and the run had p + a rows before it at position p + a + 1
+    counts: Callable[[], np.ndarray] | None = None
 
     def settle(self) -> list[list[int]] | None:
         """Record every state still waiting on this batch (nothing when done already). Returns
@@ -156,13 +160,20 @@ class PendingBatch:
             return None
         self.done = True
         t, drafts = self.table, self.read(self.drafts)
-        positions: Sequence[int] | np.ndarray
+        rows, positions, ahead = self.rows, self.positions, self.counts is not None
+        if self.counts is not None:  # drafted ahead: from p + a rows, at p + a + 1 (kept as
+            # the batch's own from now on: what a later step_ahead reads back)
+            rows = np.add(rows, self.counts())
+            positions = rows + 1
+            self.rows, self.positions, self.counts = rows, positions, None
         if self.dropped == 0:  # the common case: every state still waits on this batch
-            slots, rows, positions = self.slots, self.rows, self.positions
+            slots = self.slots
         else:  # a state freed or handed over since has nothing to record
             mine = np.asarray(t.pending[self.slots] == self, dtype=np.bool_)  # identity
-            slots, drafts, rows = self.slots[mine], drafts[mine], np.asarray(self.rows)[mine]
-            positions = np.asarray(self.positions)[mine]
+            slots, drafts, rows = self.slots[mine], drafts[mine], np.asarray(rows)[mine]
+            positions = np.asarray(positions)[mine]
+        if ahead:  # the catch-up's rows that are the target's
+            t.set_caught_up(slots, np.asarray(rows))
         t.set_pending(slots, None)
         t.num_pending -= len(slots)
         kept = t.record(slots, drafts, rows, positions)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import weakref
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.int_region import INTS, ROWS, IntMirror, int_region
 from draft_circuit.runners.proposer_readback import ReadBack
+
+if TYPE_CHECKING:
+    from draft_circuit.runners.proposer_ahead import Advance
 
 class _Region:
     """Where one runner's inputs are staged: its int32 region (device), the host mirror(s) of it,
@@ -91,8 +94,22 @@ class _Region:
         self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
         # the staging's own region: views handed out per (n, with log_tau), made once
         self.views: dict[tuple[int, bool], Mapping[str, torch.Tensor]] = {}
+        # an advanced run's device views, per n: (tokens [n, 1], positions, live rows)
+        self.shifted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._devs = {**devs, "block_tables": flat[offsets["block_tables"]:
                                                    offsets["block_tables"] + w * m].view(w, m)}
+
+    def advance(self, n: int, advance: Advance) -> None:
+        """Rows [:n] as staged for no accepted draft, moved by each row's count on the device:
+        token greedy[i, a_i], position and live rows + a_i (three launches, after the copy)."""
+        views = self.shifted.get(n)
+        if views is None:
+            views = self.shifted[n] = (self.tokens[:n].view(n, 1), self._devs["positions"][:n],
+                                       self._devs["live_rows"][:n])
+        tokens, positions, live = views
+        torch.gather(advance.greedy, 1, advance.column, out=tokens)
+        positions.add_(advance.counts)
+        live.add_(advance.counts)
 
     def own_views(self, n: int, tau: bool) -> Mapping[str, torch.Tensor]:
         key = (n, tau)
@@ -204,7 +221,8 @@ class ChainStaging:
     def inputs(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                live: Sequence[int] | np.ndarray, slots: np.ndarray,
                hiddens: Sequence[torch.Tensor] | HiddenRows, log_tau: float | None,
-               runner: object | None = None, *, tables: np.ndarray) -> Mapping[str, torch.Tensor]:
+               runner: object | None = None, *, tables: np.ndarray,
+               advance: Advance | None = None) -> Mapping[str, torch.Tensor]:
         """The runner inputs of n rows: row i's block table is `tables[slots[i]]` (the states'
         host tables, runners/proposer_slots.py), hiddens are the rows' segments in order (their
         rows add up to n) or the n rows picked from one tensor (`HiddenRows`). With `runner` a
@@ -212,7 +230,10 @@ class ChainStaging:
         filled in place (give it back to that runner's
         `run` unchanged); otherwise read-only views of the staging's own buffers. Valid until
         the next call. log_tau None: a chain without the confidence stop. Array writes only:
-        nothing here runs once a row."""
+        nothing here runs once a row. `advance` (a propose drafted ahead of its verify's read,
+        runners/proposer_ahead.py; `hiddens` then a HiddenRows): once staged, row i's token
+        becomes greedy[i, a_i] and its position, live rows and hidden row move a_i further,
+        a_i = advance.counts[i], all on the device."""
         n = len(tokens)
         region = self._region(runner)
         staged: Mapping[str, torch.Tensor] | None = None
@@ -236,7 +257,14 @@ class ChainStaging:
         if region.copies:
             region.flat.copy_(region.hosts[turn], non_blocking=True)
         try:
-            self._stage_hiddens(region, hiddens, n, turn)
+            if advance is not None:
+                if not isinstance(hiddens, HiddenRows):
+                    raise TypeError("an advanced run picks its hiddens (HiddenRows)")
+                self._gather(region, hiddens, n, turn, advance.counts)
+                self._neutral_past(region, n, region.hidden_dirty if region.runner is not None else 0)
+                region.advance(n, advance)
+            else:
+                self._stage_hiddens(region, hiddens, n, turn)
         finally:  # after every copy that read this turn's mirrors (a raise included: a copy
             # enqueued before it still reads them, and the turn after next waits on this)
             if region.stream is not None:
@@ -322,14 +350,16 @@ class ChainStaging:
             region.hidden_dirty = n
 
     def _gather(self, region: _Region, picked: HiddenRows, n: int,
-                turn: int) -> list[torch.Tensor]:
+                turn: int, shift: torch.Tensor | None = None) -> list[torch.Tensor]:
         """`picked`'s n rows into the buffer's rows [:n] in one `index_select`, the indices
         through this turn's host mirror (one small non_blocking copy on CUDA; on CPU written in
         place): returns [] when done. A source of another dtype than the buffer is gathered on
         the device by the staged indices and converted in a copy; one on another device (a host
         that keeps its hiddens elsewhere) is gathered there and returned as the one segment to
         copy in. Both are counted (`gather_fallbacks`) and logged once. A source autograd
-        tracks is read detached: the drafter needs its values only."""
+        tracks is read detached: the drafter needs its values only. `shift` (device [n]) is
+        added to the staged indices first (an advanced run, whose source is the buffer's
+        dtype and device: `step_ahead` checks it; anything else raises here)."""
         source = picked.source
         if source.requires_grad:
             source = source.detach()
@@ -342,6 +372,10 @@ class ChainStaging:
         rows = region.hidden_rows.get(n)
         if rows is None:
             rows = region.hidden_rows[n] = region.hidden[:n]
+        if shift is not None:
+            index.add_(shift)
+            torch.index_select(source, 0, index, out=rows)
+            return []
         if source.dtype is region.hidden.dtype:  # (dtypes are singletons: an identity test)
             try:  # it checks devices (and overlap) before it writes: no device compare a call
                 torch.index_select(source, 0, index, out=rows)
@@ -359,6 +393,11 @@ class ChainStaging:
             return []
         picks = torch.from_numpy(np.ascontiguousarray(picked.rows, dtype=np.int64))
         return [source.index_select(0, picks.to(source.device))]
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The dtype of the chains' hidden buffers (a gather into them does not convert)."""
+        return self._own.hidden.dtype
 
     def tokens(self, n: int) -> torch.Tensor:
         """The device tokens of the latest run's n rows (valid until the next run): what a

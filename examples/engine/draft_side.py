@@ -45,6 +45,9 @@ class Verified:
     # prefill
     before: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
     prefill: list[Rows] = field(default_factory=list)  # prompts merged into the pass (host path)
+    # the draft side launched before the verify's read (`MtpProposer.step_ahead`): trims and
+    # catch-up done, the next step's drafts proposed for every sequence of this step
+    ahead: "Ahead | None" = None
     _no_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def no_rows(self) -> torch.Tensor:
@@ -61,6 +64,7 @@ class Ahead:
     next propose overwrites it, so it is verified before the proposer drafts again)."""
     seqs: list[Sequence]
     tokens: torch.Tensor
+    kind: str = ""  # how the proposer served the batch (`Served.kind`: a withdrawal's count)
 
 
 def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftStats, *,
@@ -133,8 +137,9 @@ def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts:
                                   num_drafts, states, catchup_first=first)
     if got is None:  # declined (an unserved width): trimmed and caught up, nothing drafted
         return None
-    stats.batches[proposer.last_served.kind][len(seqs)] += 1
-    return Ahead(seqs, proposer.verify_tokens())
+    kind = proposer.last_served.kind
+    stats.batches[kind][len(seqs)] += 1
+    return Ahead(seqs, proposer.verify_tokens(), kind)
 
 
 def _span(v: Verified, i: int, key: int | None) -> tuple[int, int, int]:
@@ -177,13 +182,16 @@ def catch_up(proposer: MtpProposer, rows: list[Rows]) -> None:
                            [r[0].draft_state for r in rows])
 
 
-def withdraw(proposer: MtpProposer, ahead: Ahead) -> None:
+def withdraw(proposer: MtpProposer, ahead: Ahead, stats: DraftStats | None = None) -> None:
     """Undo `ahead`'s propose for its sequences still running (a finished one's state was
     freed, which drops its part of the batch): settle the drafts (their one read), then hand
     each state's drafter KV out and back in with the d rows its propose wrote dropped and the
     pair key moved back as far (the contract's KV hand-over), so each state is as the catch-up
     left it: no pending drafts, not awaiting a verify, and the next propose writes those rows
-    again. No block is freed or leaked: the blocks go back to the same state."""
+    again. No block is freed or leaked: the blocks go back to the same state. `stats`
+    counts the batch as withdrawn (`DraftStats.withdrawn`)."""
+    if stats is not None:
+        stats.withdrawn[ahead.kind][len(ahead.seqs)] += 1
     seqs = [s for s in ahead.seqs if not s.finished and s.draft_state is not None]
     states = [s.draft_state for s in seqs]
     for s, state, drafts in zip(seqs, states, proposer.last_drafts(states)):

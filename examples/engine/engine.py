@@ -22,7 +22,7 @@ import torch
 from examples.engine.checkpoints import Checkpoint, EngineError
 from examples.engine.draft_side import Ahead, Rows, Verified, catch_up, end_step, withdraw
 from examples.engine.glm_target import target_for  # GLM-4.5's target, else DeepSeek-V3's or Llama's
-from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
+from examples.engine.runner import SCRATCH_BLOCK, Launched, RowsOut, TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
@@ -244,6 +244,12 @@ class Engine:
                  and len(running) == len(live) and all(a is b for a, b in zip(running, live))
                  and not self.scheduler.can_admit())
         assert self.proposer is not None
+        if v.ahead is not None:  # drafted before the read: trims and catch-up are done
+            keep = known and len(live) == len(v.seqs)
+            self._ahead = v.ahead if keep else None
+            if not keep:  # a sequence finished, or one waits to be admitted
+                withdraw(self.proposer, v.ahead, self.stats.draft_batches)
+            return
         self._ahead = end_step(self.proposer, v, self.k, self.stats.draft_batches, ahead=known)
 
     def _take_ahead(self, seqs: list[Sequence], on_device: bool) -> torch.Tensor | None:
@@ -257,7 +263,7 @@ class Engine:
                 and all(a is b for a, b in zip(ahead.seqs, seqs)):
             return ahead.tokens
         assert self.proposer is not None
-        withdraw(self.proposer, ahead)
+        withdraw(self.proposer, ahead, self.stats.draft_batches)
         return None
 
     #: prefill admitted sequences in the running batch's decode pass (row-wise ops give every row
@@ -337,13 +343,19 @@ class Engine:
                                        [[s.last_token, *d] for s, d in zip(seqs, drafts)]
                                        + [s.request.prompt for s in prefill])
             prefilled = [out.rows_out(i) for i in range(len(seqs), len(seqs) + len(prefill))]
-        else:
+        ahead = None
+        if tokens is not None:
             t1 = time.perf_counter()
-            out = self.target.verify_on_device(seqs, tokens, self.k)
-            drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
+            launched = self.target.launch_verify(seqs, tokens, self.k)
+            got = self._step_ahead(launched) if self._ahead_of_read(seqs) else None
+            if got is not None:
+                drafts, ahead = got
+            out = self.target.read_verify(launched)
+            if ahead is None:
+                drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()
         v = Verified(seqs, drafts, [], out.hidden, out.starts,
-                     prefill=self._prefilled(prefill, prefilled))
+                     prefill=self._prefilled(prefill, prefilled), ahead=ahead)
         eos, hidden, kept = self.checkpoint.eos_token_id, out.hidden, v.kept
         # only what the draft side's next launch reads (tokens, hiddens, finishes): the rest of
         # the step's bookkeeping waits until it is launched (`_account`)
@@ -358,6 +370,31 @@ class Engine:
         self.stats.draft_s += t1 - t0
         self.stats.target_s += t2 - t1
         return v
+
+    #: on the device path, launch the draft side right behind the verify, before the host
+    #: reads it (`MtpProposer.step_ahead`: accepted counts on the device); False: read first
+    #: (a test and benchmarks/engine_step_host.py set it to compare)
+    draft_before_read: bool = True
+
+    def _ahead_of_read(self, seqs: list[Sequence]) -> bool:
+        """Whether to draft the next step before this one's verify is read: the next batch will
+        be these sequences unless one finishes (then the drafts are withdrawn, `_end_step`),
+        so not while the scheduler could admit one or runs others."""
+        return (self.draft_before_read and self.propose_ahead
+                and len(self.scheduler.running) == len(seqs) and not self.scheduler.can_admit())
+
+    def _step_ahead(self, launched: Launched) -> tuple[list[list[int]], Ahead] | None:
+        """`MtpProposer.step_ahead` on the launched verify: (the verified drafts, the next
+        step's drafts), or None when the proposer declined (read first, then `end_step`)."""
+        assert self.proposer is not None
+        seqs = launched.seqs
+        got = self.proposer.step_ahead(launched.greedy, launched.hidden, self.k,
+                                       [s.draft_state for s in seqs])
+        if got is None:
+            return None
+        kind = self.proposer.last_served.kind
+        self.stats.draft_batches.batches[kind][len(seqs)] += 1
+        return got[0], Ahead(seqs, got[1], kind)
 
     def _account(self, v: Verified) -> None:
         """The step's bookkeeping no launch waits for, after the draft side launched: the

@@ -237,6 +237,13 @@ class TargetModel:
     def forward(self, rows: TargetRows) -> tuple[list[int], torch.Tensor]:
         """Greedy tokens (host ints) and the drafter's hiddens of every row (on the device, the
         caller's to keep): final-norm hiddens [n, H], or with tap_layers the taps [n, taps * H]."""
+        greedy, hidden = self.launch(rows)
+        return greedy.tolist(), hidden
+
+    def launch(self, rows: TargetRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with nothing read: the greedy tokens as the runner's int32 output on the
+        device (its buffer: valid until the next pass, so read or copy it before) and the
+        hiddens (a copy, the caller's)."""
         n = rows.tokens.shape[0]
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"a target pass takes 1..{self.max_rows} rows, got {n}")
@@ -245,4 +252,4 @@ class TargetModel:
         # the pass's GPU time, not in the idle gap after the read
         out = self.runner.run(n, self.stage_inputs(rows))
         hidden = out[self.hidden_output].clone()
-        return out["token"].tolist(), hidden
+        return out["token"], hidden

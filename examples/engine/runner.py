@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
+from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.proposer_chunks import consecutive
 from examples.engine.model import TargetModel, TargetRows
 from examples.engine.sequence import Sequence
@@ -119,17 +121,79 @@ class TargetRunner:
         all non-finite raises as there (FAULTS 27). Per sequence only its greedy tokens (a list
         slice); its hiddens stay rows of the pass's one tensor (no view a sequence: on CUDA
         each is host dispatch in the step's bubble)."""
+        return self.read_verify(self.launch_verify(seqs, tokens, num_drafts))
+
+    def launch_verify(self, seqs: list[Sequence], tokens: torch.Tensor,
+                      num_drafts: int) -> Launched:
+        """`verify_on_device` with nothing read yet: the pass enqueued, its greedy tokens'
+        copy to pinned host memory enqueued right behind it (an event after), so work the host
+        enqueues next (the draft side, `MtpProposer.step_ahead`) runs on the GPU while the
+        host waits only for the verify (`read_verify`)."""
         k1 = num_drafts + 1
         positions, row_tables = self._rows(seqs, [k1] * len(seqs))
         pos = torch.from_numpy(positions)
-        greedy, hidden = self.model.forward(
+        greedy, hidden = self.model.launch(
             TargetRows(tokens=tokens, positions=pos, block_tables=torch.from_numpy(row_tables),
                        live_rows=pos))
+        return Launched(seqs, k1, greedy, hidden, self._copy_out.enqueue(greedy))
+
+    def read_verify(self, launched: Launched) -> PassOut:
+        """The launched verify's `PassOut` (waits for its greedy tokens' copy; -1 raises)."""
+        greedy, k1, seqs = launched.read(), launched.k1, launched.seqs
         if -1 in greedy:  # one scan of the pass; the sequence and row named as `run` names them
             i = greedy.index(-1) // k1
             _check_finite(seqs[i], greedy[i * k1:(i + 1) * k1])
-        return PassOut([greedy[i:i + k1] for i in range(0, len(greedy), k1)], hidden,
+        return PassOut([greedy[i:i + k1] for i in range(0, len(greedy), k1)], launched.hidden,
                        list(range(0, len(greedy), k1)))
+
+    @property
+    def _copy_out(self) -> TokensToHost:
+        got = self.__dict__.get("_tokens_to_host")
+        if got is None:
+            got = self.__dict__["_tokens_to_host"] = TokensToHost(self.model.max_rows,
+                                                                  self.model.device)
+        return got
+
+
+class TokensToHost:
+    """Greedy tokens copied to pinned host memory behind their pass (CUDA: one non_blocking
+    copy and an event; CPU: read when asked). One launched pass at a time: the next enqueue
+    reuses the buffer, so a host reads each before launching the next."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(max_rows, dtype=torch.int32, pin_memory=True) if self.cuda \
+            else None
+        self.event = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self.stream = CurrentStream(device) if self.cuda else None
+
+    def enqueue(self, greedy: torch.Tensor) -> Callable[[], list[int]]:
+        """Enqueue the copy of `greedy` (int32 [n], on the device); returns its read."""
+        if self.host is None:
+            return greedy.tolist
+        n = greedy.shape[0]
+        host = self.host[:n]
+        host.copy_(greedy, non_blocking=True)
+        assert self.event is not None and self.stream is not None
+        self.stream.record(self.event)
+
+        def read() -> list[int]:
+            assert self.event is not None
+            self.event.synchronize()  # type: ignore[no-untyped-call]
+            return host.tolist()
+        return read
+
+
+@dataclass
+class Launched:
+    """A verify launched and not read: its sequences, rows a sequence, the greedy tokens on
+    the device (the runner's buffer: valid until the next pass), the hiddens, and the read."""
+
+    seqs: list[Sequence]
+    k1: int
+    greedy: torch.Tensor
+    hidden: torch.Tensor
+    read: Callable[[], list[int]]
 
 
 def _check_finite(seq: Sequence, tokens: list[int]) -> None:

@@ -26,10 +26,12 @@ def accept(drafts: list[int], target_tokens: list[int]) -> int:
 
 class DraftStats:
     """Per width: how the drafting batches were served (the proposer's plan kind, or
-    per_sequence when propose_batch declined)."""
+    per_sequence when propose_batch declined), and of them the batches drafted ahead and then
+    withdrawn unused (a sequence finished or one was admitted after they were proposed)."""
 
     def __init__(self) -> None:
         self.batches: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.withdrawn: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     def table(self) -> dict[int, dict[str, int]]:
         widths = sorted({n for per in self.batches.values() for n in per})

@@ -35,15 +35,17 @@ def generate(path, requests, **config) -> tuple[list[list[int]], Engine]:
 
 
 def nan_at_first_verify(engine: Engine, monkeypatch) -> list[int]:
-    """Patch the engine's target so its second forward (the first verify, after the prefill)
-    returns -1 (no finite logit) for its last row; returns the list of each forward's row count."""
-    forward, calls = engine.target.model.forward, []
+    """Patch the engine's target so its second pass (the first verify, after the prefill)
+    returns -1 (no finite logit) for its last row; returns the list of each pass's row count.
+    (`launch` is the pass; `forward`, which the host path calls, reads what it returns.)"""
+    launch, calls = engine.target.model.launch, []
 
     def later_nan(rows):
-        tokens, hidden = forward(rows)
+        tokens, hidden = launch(rows)
         calls.append(len(tokens))
         if len(calls) == 2:  # the first verify: its last row has no finite logit
-            tokens = [*tokens[:-1], -1]
+            tokens = tokens.clone()
+            tokens[-1] = -1
         return tokens, hidden
-    monkeypatch.setattr(engine.target.model, "forward", later_nan)
+    monkeypatch.setattr(engine.target.model, "launch", later_nan)
     return calls

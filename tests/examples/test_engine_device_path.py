@@ -14,6 +14,7 @@ import pytest
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from examples.engine.speculate import usable
+from examples.engine import engine as engine_module
 from tests.examples.helpers import SMALL, generate, nan_at_first_verify, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
@@ -56,25 +57,44 @@ def test_device_path_with_the_compiled_target_equals_greedy(small_checkpoint, gr
 
 def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy, monkeypatch):
     """The verify input is the proposer's device buffer itself (no host list of drafts), and
-    the drafts are read after the verify, once per step."""
+    the drafts are read after the verify is launched, once per step (by `last_drafts`, or by
+    `step_ahead`, which reads them before it enqueues the draft side)."""
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
     engine.device_drafts = True
     p, model = engine.proposer, engine.target.model
     order: list[str] = []
-    real_forward, real_last = model.forward, p.last_drafts
+    real_launch, real_last, real_ahead = model.launch, p.last_drafts, p.step_ahead
 
-    def forward(rows):
+    def launch(rows):
         if rows.tokens.shape[0] % 4 == 0 and rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
             order.append("verify")
-        return real_forward(rows)
+        return real_launch(rows)
+
+    withdrawing = []
 
     def last_drafts(states):
-        order.append("read")
+        if not withdrawing:  # a withdrawal's read (a sequence finished) is not the step's
+            order.append("read")
         return real_last(states)
-    monkeypatch.setattr(model, "forward", forward)
+
+    def step_ahead(*args):
+        order.append("read")
+        return real_ahead(*args)
+
+    def withdraw(proposer, ahead):
+        withdrawing.append(1)
+        try:
+            return real_withdraw(proposer, ahead)
+        finally:
+            withdrawing.pop()
+    real_withdraw = engine_module.withdraw
+    monkeypatch.setattr(engine_module, "withdraw", withdraw)
+    monkeypatch.setattr(model, "launch", launch)
     monkeypatch.setattr(p, "last_drafts", last_drafts)
+    monkeypatch.setattr(p, "step_ahead", step_ahead)
     assert engine.generate(REQUESTS).outputs == greedy
+    assert engine.stats.draft_batches.batches  # some steps drafted ahead of their read
     assert order and order[::2] == ["verify"] * (len(order) // 2)
     assert order[1::2] == ["read"] * (len(order) // 2)
     assert len(order) // 2 == engine.stats.steps  # every decode step took the device path

@@ -37,20 +37,22 @@ REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
 EDGES = [Request([5], 1), Request([7, 9, 11], 2), Request([3], 3), Request([1, 2], 9),
          Request([4, 4, 4, 4], 1), Request([8], 12)]
 CALLS = ("propose_batch", "propose_batch_on_device", "last_drafts", "after_verify_batch",
-         "last_pair_keys", "catchup_batch", "step_batch")
+         "last_pair_keys", "catchup_batch", "step_batch", "step_ahead")
 
 
-def run(path, requests, *, ahead: bool, **config):
-    """(outputs, engine, every target pass's input tokens) of one generate on the device path."""
+def run(path, requests, *, ahead: bool, before_read: bool = True, **config):
+    """(outputs, engine, every target pass's input tokens) of one generate on the device path.
+    `before_read`: draft ahead before the verify's read (`step_ahead`) where the proposer can."""
     engine = Engine(load_checkpoint(path), EngineConfig(**config))
     engine.device_drafts, engine.propose_ahead = True, ahead
+    engine.draft_before_read = before_read
     passes: list[list[int]] = []
-    forward = engine.target.model.forward
+    launch = engine.target.model.launch  # every pass (forward reads what it launches)
 
     def recorded(rows):
         passes.append(rows.tokens.tolist())
-        return forward(rows)
-    engine.target.model.forward = recorded
+        return launch(rows)
+    engine.target.model.launch = recorded
     outputs = engine.generate(requests).outputs
     assert engine._ahead is None  # nothing proposed ahead outlives the run
     assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
@@ -89,10 +91,20 @@ def greedy(path, requests):
     return _GREEDY[id(requests)]
 
 
+def used(stats) -> dict[int, dict[str, int]]:
+    """The draft batches a run used: those served, less those drafted ahead and withdrawn."""
+    d = stats.draft_batches
+    return {n: {kind: c - d.withdrawn[kind][n] for kind, c in per.items()
+                if c - d.withdrawn[kind][n]} for n, per in d.table().items()}
+
+
+@pytest.mark.parametrize("before_read", [True, False])
 @pytest.mark.parametrize("case", list(CASES))
-def test_drafting_ahead_equals_greedy_and_the_separate_calls(small_checkpoint, monkeypatch, case):
+def test_drafting_ahead_equals_greedy_and_the_separate_calls(small_checkpoint, monkeypatch, case,
+                                                             before_read):
     requests, config = CASES[case]
-    outputs, engine, passes = run(small_checkpoint, requests, ahead=True, **config)
+    outputs, engine, passes = run(small_checkpoint, requests, ahead=True, before_read=before_read,
+                                  **config)
     assert outputs == greedy(small_checkpoint, requests)
     base_out, base, base_passes = run(small_checkpoint, requests, ahead=False, **config)
     assert outputs == base_out
@@ -100,13 +112,14 @@ def test_drafting_ahead_equals_greedy_and_the_separate_calls(small_checkpoint, m
     a, b = engine.stats, base.stats
     assert (a.steps, a.verifies, a.drafted, a.accepted, a.widths) == \
         (b.steps, b.verifies, b.drafted, b.accepted, b.widths)
-    assert a.draft_batches.table() == b.draft_batches.table()
+    assert used(a) == b.draft_batches.table() and not b.draft_batches.withdrawn
     # the path was taken (counted on a third run)
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
-    engine.device_drafts = True
+    engine.device_drafts, engine.draft_before_read = True, before_read
     calls = count_calls(engine, monkeypatch)
     assert engine.generate(requests).outputs == outputs
-    assert calls["step_batch"] > 0
+    exact = config.get("kv_exact", True) and not config.get("refeed", False)
+    assert calls["step_ahead" if before_read and exact else "step_batch"] > 0
 
 
 def forced_accept(drafts: list[int], target_tokens: list[int]) -> int:
@@ -119,9 +132,13 @@ def forced_accept(drafts: list[int], target_tokens: list[int]) -> int:
 
 @pytest.mark.parametrize("case", ["k3", "stops", "inexact", "refeed", "edges"])
 def test_forced_acceptance_ahead_equals_the_separate_calls(small_checkpoint, monkeypatch, case):
+    """(Read first: a forced count is the host's alone; drafting before the read counts on the
+    device by the real rule, tests/runners/test_proposer_ahead.py holds it to a spread of
+    counts.)"""
     monkeypatch.setattr(engine_module, "accept", forced_accept)
     requests, config = CASES[case]
-    outputs, engine, passes = run(small_checkpoint, requests, ahead=True, **config)
+    outputs, engine, passes = run(small_checkpoint, requests, ahead=True, before_read=False,
+                                  **config)
     assert engine.stats.accepted > engine.stats.verifies // 2
     assert (outputs, passes) == run(small_checkpoint, requests, ahead=False, **config)[::2]
 
@@ -137,7 +154,7 @@ def test_catch_up_rows_start_where_the_separate_calls_find_them(small_checkpoint
     if force:
         monkeypatch.setattr(engine_module, "accept", forced_accept)
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
-    engine.device_drafts = True
+    engine.device_drafts, engine.draft_before_read = True, False  # step_batch's rows
     p, checked = engine.proposer, []
 
     def separately(accepted, tokens, hiddens, last, hid, positions, k, states, *, catchup_first):
@@ -162,22 +179,26 @@ def test_catch_up_rows_start_where_the_separate_calls_find_them(small_checkpoint
     assert checked
 
 
-@pytest.mark.parametrize("ahead,steady,last", [
-    (True, {"last_drafts": 1, "step_batch": 1}, {"last_drafts": 1}),
-    (False, {"propose_batch_on_device": 1, "last_drafts": 1, "after_verify_batch": 1,
-             "last_pair_keys": 1}, {"propose_batch_on_device": 1, "last_drafts": 1}),
+@pytest.mark.parametrize("ahead,before_read,steady,last", [
+    (True, True, {"step_ahead": 1}, {"step_ahead": 1, "last_drafts": 1}),
+    (True, False, {"last_drafts": 1, "step_batch": 1}, {"last_drafts": 1}),
+    (False, False, {"propose_batch_on_device": 1, "last_drafts": 1, "after_verify_batch": 1,
+                    "last_pair_keys": 1}, {"propose_batch_on_device": 1, "last_drafts": 1}),
 ])
 def test_a_steady_step_is_one_step_batch_and_one_read(small_checkpoint, monkeypatch, ahead,
-                                                      steady, last):
+                                                      before_read, steady, last):
     """Three requests, three slots: after the first step (its prefill's catch-up and its own
     propose) every step but the last is the steady one; the last (every sequence done) reads
-    the drafts and has nothing left to trim or draft. The separate calls' steps, for contrast
-    (their catchup_batch runs only on a step that accepted a draft: with exact KV no row is
-    missing otherwise)."""
+    the drafts and has nothing left to trim or draft. Drafting before the read, a steady step
+    is one `step_ahead` (the drafts' read is inside it), and the last one's drafts, proposed
+    before the step knew every sequence would finish, are withdrawn (a `last_drafts` read).
+    The separate calls' steps, for contrast (their catchup_batch runs only on a step that
+    accepted a draft: with exact KV no row is missing otherwise)."""
     requests = [Request(r.prompt, 12 + 3 * i) for i, r in enumerate(REQUESTS[:3])]
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
     engine.device_drafts, engine.propose_ahead = True, ahead
+    engine.draft_before_read = before_read
     calls = count_calls(engine, monkeypatch)
     per_step: list[dict[str, int]] = []
 
@@ -188,12 +209,20 @@ def test_a_steady_step_is_one_step_batch_and_one_read(small_checkpoint, monkeypa
     first, *middle, final = per_step
     if not ahead:
         middle = [{k: v for k, v in step.items() if k != "catchup_batch"} for step in middle]
+    if before_read:  # a step whose sequence finishes withdraws the drafts made before its
+        # read (a last_drafts), and the next step drafts for itself first
+        finishes = [i for i, step in enumerate(middle) if step != steady]
+        assert [middle[i] for i in finishes] == [
+            {"step_ahead": 1, "last_drafts": 1}, {"propose_batch_on_device": 1, "step_ahead": 1}
+        ] * (len(finishes) // 2) and len(finishes) == 4, middle
+        middle = [step for i, step in enumerate(middle) if i not in finishes]
     assert middle and all(step == steady for step in middle), middle
     assert first["catchup_batch"] >= 1 and first["propose_batch_on_device"] == 1
     assert final == last
 
 
-def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeypatch):
+@pytest.mark.parametrize("before_read", [False, True])
+def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeypatch, before_read):
     """A request added between two steps (outside `generate`) joins the next batch, so the
     drafts proposed ahead for the old one are withdrawn: the states hold nothing pending and
     await no verify after it, no block leaks, and every later draft is the separate calls'
@@ -201,11 +230,12 @@ def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeyp
     config = dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=4)
     late = Request(REQUESTS[5].prompt, 9)
 
-    def drive(ahead: bool):
+    def drive(ahead: bool, before_read: bool):
         engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
         engine.device_drafts, engine.propose_ahead = True, ahead
-        passes, forward = [], engine.target.model.forward
-        engine.target.model.forward = lambda rows: passes.append(rows.tokens.tolist()) or forward(rows)
+        engine.draft_before_read = before_read
+        passes, launch = [], engine.target.model.launch
+        engine.target.model.launch = lambda rows: passes.append(rows.tokens.tolist()) or launch(rows)
         seqs = [engine.scheduler.add(r) for r in REQUESTS[:2]]
         for step in range(40):
             if step == 3:
@@ -220,18 +250,19 @@ def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeyp
 
     withdrawn, real = [], engine_module.withdraw
 
-    def spy(proposer, ahead):
-        real(proposer, ahead)
-        states = [s.draft_state for s in ahead.seqs]
+    def spy(proposer, ahead, stats=None):
+        real(proposer, ahead, stats)
+        states = [s.draft_state for s in ahead.seqs if not s.finished]
         assert proposer.slots.num_pending == 0
         assert not any(s.awaiting_verify for s in states)
-        withdrawn.append(len(states))
+        withdrawn.append(len(ahead.seqs))
     monkeypatch.setattr(engine_module, "withdraw", spy)
-    outputs, passes = drive(True)
-    assert withdrawn == [2]
+    outputs, passes = drive(True, before_read)
+    # before the read, a step whose sequence finishes withdraws its drafts too
+    assert withdrawn == [2] if not before_read else 2 in withdrawn
     requests = [*REQUESTS[:2], late]
     assert outputs == generate(small_checkpoint, requests, speculate=False, max_batch=3)[0]
-    assert (outputs, passes) == drive(False)
+    assert (outputs, passes) == drive(False, False)
 
 
 @cuda
@@ -242,25 +273,32 @@ def test_drafting_ahead_on_the_gpu_equals_the_separate_calls(small_checkpoint, m
     calls' target-pass inputs bit for bit, step_batch taken, nothing leaked."""
     config = dict(device="cuda", max_rows=64, forward="circuit", num_drafts=3,
                   widths=(1, 2, 4), max_batch=3)
-    if force:
+    if force:  # a forced count is the host's: read first (step_batch)
         monkeypatch.setattr(engine_module, "accept", forced_accept)
-    outputs, engine, passes = run(small_checkpoint, REQUESTS, ahead=True, **config)
+    outputs, engine, passes = run(small_checkpoint, REQUESTS, ahead=True, before_read=not force,
+                                  **config)
     assert (outputs, passes) == run(small_checkpoint, REQUESTS, ahead=False, **config)[::2]
     if not force:
         assert outputs == generate(small_checkpoint, REQUESTS, speculate=False, max_batch=3,
                                    device="cuda", max_rows=64)[0]
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
     assert engine.device_drafts is None and engine._on_device(3)  # CUDA's default
+    engine.draft_before_read = not force
     calls = count_calls(engine, monkeypatch)
-    assert engine.generate(REQUESTS).outputs == outputs and calls["step_batch"] > 0
+    assert engine.generate(REQUESTS).outputs == outputs
+    assert calls["step_batch" if force else "step_ahead"] > 0
 
 
-def test_a_draft_side_that_raises_leaves_the_sequences_consistent(small_checkpoint, monkeypatch):
+@pytest.mark.parametrize("before_read", [False, True])
+def test_a_draft_side_that_raises_leaves_the_sequences_consistent(small_checkpoint, monkeypatch,
+                                                                   before_read):
     """Review regression: the step's target KV rows and statistics are accounted after the draft
     side's launch; when the draft side raises they are still accounted, so every running
-    sequence keeps the engine's invariant (the target's KV holds every token but the last)."""
+    sequence keeps the engine's invariant (the target's KV holds every token but the last).
+    Drafting before the read, the draft side raises before anything is appended: the verify's
+    KV rows lie past every sequence's cached rows (dead, as a rejected row's)."""
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(max_batch=3, num_drafts=3))
-    engine.device_drafts = True
+    engine.device_drafts, engine.draft_before_read = True, before_read
     for r in REQUESTS[:3]:
         engine.scheduler.add(r)
     engine.step()  # the prefill and a first step
@@ -269,14 +307,17 @@ def test_a_draft_side_that_raises_leaves_the_sequences_consistent(small_checkpoi
     def broken(*args, **kwargs):
         calls["n"] += 1
         raise RuntimeError("draft side down")
-    monkeypatch.setattr(engine_module, "end_step", broken)
+    if before_read:
+        monkeypatch.setattr(engine.proposer, "step_ahead", broken)
+    else:
+        monkeypatch.setattr(engine_module, "end_step", broken)
     with pytest.raises(RuntimeError, match="draft side down"):
         while engine.scheduler.has_work:
             engine.step()
     assert calls["n"] == 1
     for s in engine.scheduler.running:
         assert s.num_cached == len(s.tokens) - 1, s.id
-    assert engine.stats.verifies > 0 and engine.stats.generated > 0
+    assert engine.stats.generated > 0 and engine.stats.verifies > 0 or before_read
 
 
 @pytest.mark.parametrize("case", ["k3", "inexact", "refeed", "edges"])
@@ -298,7 +339,7 @@ def test_the_steady_step_picks_the_verifys_rows(small_checkpoint, monkeypatch, c
             assert hiddens.source is hid.source  # both from the one verify pass
         return real(self, accepted, tokens, hiddens, last, hid, *args, **kwargs)
     monkeypatch.setattr(MtpProposer, "step_batch", recorded)
-    outputs, _, passes = run(small_checkpoint, requests, ahead=True, **config)
+    outputs, _, passes = run(small_checkpoint, requests, ahead=True, before_read=False, **config)
     assert kinds[True, True] > 0, kinds
     if case in ("inexact", "refeed"):  # both ways within the run
         assert kinds[False, False] > 0, kinds

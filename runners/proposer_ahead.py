@@ -1,0 +1,213 @@
+"""The draft side of a decode step launched before the host reads its verify (issues 20, 14):
+`MtpProposer.step_ahead`.
+
+Until now a decode step on the device path went: verify -> the host reads the target's greedy
+tokens (a sync) -> accept on the host -> `step_batch` (trims, catch-up, next propose) launched.
+Everything between the read and the first draft launch was host time with the GPU idle (the
+H100 timeline: ~600 us a step). `step_ahead` launches the draft side right behind the verify,
+before anything is read, and leaves the one unknown, each row's accepted count, to the device:
+
+- **Accept on the device.** a_i = the leading drafts equal to the target's argmax at the row
+  before them (`accept_counts`: the engine's `speculate.accept` as tensor ops; a stopped row's
+  -1 never matches). The counts are copied to pinned host memory right away (an event after),
+  so the proposer's host state settles from them later without a sync of its own.
+- **A catch-up that does not depend on a.** Under the exact-KV trim rule (`kv_exact`, not
+  `refeed`) the trim is d - 1 rows whatever a is, and the catch-up writes the rows of the
+  accepted drafts at positions p + 1 .. p + a. This call writes the rows of every kept draft,
+  p + 1 .. p + d (their tokens and target hiddens are known before the verify's read: the
+  drafts, the verify's rows). The rows past p + a hold the rejected drafts' K/V: they lie past
+  the state's rows once it settles (p + a), no attention reads a row at or past its own
+  position, and the next propose (at p + a + 1) writes them again in order before anything
+  could read them. The drafter's valid rows are bitwise what the read-first path writes.
+- **A propose whose inputs come from the device.** Row i drafts from the target's token after
+  its a_i-th draft (greedy[i, a_i]), the verify hidden at its row a_i, at position
+  p_i + 1 + a_i with p_i + a_i rows before it: the staging stages the a = 0 values and then
+  shifts them by the device counts (`Advance`, runners/staging.py) before the chain runs.
+  Every table is grown for the worst case (a = d) before anything changes.
+
+The batch settles as a device-resident batch does (`PendingBatch`): on the first call that
+touches one of its states, which reads the drafts and the counts (pinned copies, long done by
+then) and records rows p + a, key p + a - 1, then the propose's drafts from there.
+
+It serves only what it can do exactly: the latest device-resident batch's states, in order,
+each with at least one kept draft, the exact-KV rule, a served width, tables with room for
+p + d + k rows. Anything else is refused before any change (`last_served` says why; the host
+reads its verify and uses `step_batch`). Bad tensors raise `ProposerError` naming the argument.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence, cast
+
+import numpy as np
+import torch
+
+from draft_circuit.runners.contract import Served
+from draft_circuit.runners.device import CurrentStream
+from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows
+from draft_circuit.runners.proposer_batch import last_drafts_of, served, width_refusal
+from draft_circuit.runners.proposer_chunks import ChainRows, consecutive
+from draft_circuit.runners.proposer_rows import grow_all, write_rows
+from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
+                                                  trim_after_verify_batch)
+
+if TYPE_CHECKING:  # the proposer imports this module
+    from draft_circuit.runners.proposer import MtpProposer
+
+
+class Advance(NamedTuple):
+    """What shifts a propose's staged rows once the accepted counts are known on the device:
+    row i takes token greedy[i, counts[i]], and its position, live rows and hidden row move
+    counts[i] further (runners/staging.py `ChainStaging.inputs`)."""
+
+    counts: torch.Tensor  # [n] int64, on the staging's device
+    column: torch.Tensor  # counts as [n, 1] (the gather's index)
+    greedy: torch.Tensor  # [n, k + 1] the verify's greedy tokens (int32)
+
+
+def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = how many leading drafts[i] equal greedy[i] at the row before them (drafts
+    [n, k], -1 after a stop, never accepted; greedy [n, k + 1]): `speculate.accept` per row, as
+    device ops with no read."""
+    k = drafts.shape[1]
+    match = drafts == greedy[:, :k]
+    match &= drafts >= 0  # a stop's -1 is no draft, whatever the target's row holds
+    return torch.sum(match.cumprod(1), 1, out=out)
+
+
+class AcceptCounts:
+    """The device counts of the latest `step_ahead` and their pinned host copy (widths up to
+    `width`): computed behind the verify, copied right away (an event after), read by the
+    batch's settle (after the host's verify read, the copy has long landed: no sync)."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.dev = torch.zeros(width, dtype=torch.int64, device=device)
+        self.host = torch.zeros(width, dtype=torch.int64, pin_memory=True) if self.cuda \
+            else self.dev
+        self.host_np = self.host.numpy() if self.host.device.type == "cpu" else None
+        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._stream = CurrentStream(device) if self.cuda else None
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def compute(self, drafts: torch.Tensor, greedy: torch.Tensor) -> Advance:
+        """The counts of drafts [n, k] against greedy [n, k + 1], enqueued with their copy to
+        the host; returns the `Advance` the propose's staging applies."""
+        n = drafts.shape[0]
+        views = self._views.get(n)
+        if views is None:
+            dev = self.dev[:n]
+            views = self._views[n] = (dev, dev.view(n, 1), self.host[:n])
+        counts, column, host = views
+        accept_counts(drafts, greedy, counts)
+        if self.cuda:
+            host.copy_(counts, non_blocking=True)
+            assert self._copied is not None and self._stream is not None
+            self._stream.record(self._copied)
+        return Advance(counts, column, greedy)
+
+    def read(self, n: int) -> np.ndarray:
+        """The latest counts as a fresh host array [n] (waits on their copy if it has not landed)."""
+        if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
+            self._copied.synchronize()
+        if self.host_np is None:  # a meta-device proposer: no values
+            return np.zeros(n, dtype=np.int64)
+        return self.host_np[:n].copy()
+
+
+def _refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object]) -> str | None:
+    """Why `step_ahead` cannot serve these states before anything is read (None: it may)."""
+    if not p.kv_exact or p.refeed:
+        return "the drafter's trim depends on the accepted count (kv_exact off or refeed on)"
+    batch = p.device_drafts.batch
+    if batch is None or batch.dropped or len(batch.states) != n \
+            or any(a is not b for a, b in zip(batch.states, states)):
+        return "the states are not the latest device-resident batch's, in its order"
+    if batch.drafts.shape[1] != k:
+        return f"the batch drafted {batch.drafts.shape[1]} a row, not {k}"
+    return width_refusal(p, n, k, False)
+
+
+def _check_tensors(p: "MtpProposer", greedy: object, hiddens: object, n: int, k: int) -> None:
+    """Raise ProposerError naming the argument for a greedy or hiddens tensor of the wrong
+    kind, shape or device (nothing read or changed)."""
+    rows = n * (k + 1)
+    if not isinstance(greedy, torch.Tensor) or greedy.dim() != 1 or greedy.numel() != rows \
+            or greedy.dtype is not torch.int32:
+        got = f"{greedy.dtype} {list(greedy.shape)}" if isinstance(greedy, torch.Tensor) \
+            else type(greedy).__name__
+        raise ProposerError(f"step_ahead greedy: expected the verify's int32 greedy tokens "
+                            f"[{rows}] ({n} rows x {k + 1}), got {got}")
+    if not isinstance(hiddens, torch.Tensor) or hiddens.dim() != 2 or hiddens.shape[0] < rows:
+        got = f"{list(hiddens.shape)}" if isinstance(hiddens, torch.Tensor) \
+            else type(hiddens).__name__
+        raise ProposerError(f"step_ahead hiddens: expected the verify's hiddens [>= {rows}, H], "
+                            f"got {got}")
+    for name, t in (("greedy", greedy), ("hiddens", hiddens)):
+        if t.device != p.device_drafts.device:
+            raise ProposerError(f"step_ahead {name}: on {t.device}, the proposer's device is "
+                                f"{p.device_drafts.device} (the counts and the gather run there)")
+    if hiddens.dtype is not p.staging.hidden_dtype:
+        raise ProposerError(f"step_ahead hiddens: {hiddens.dtype}, the chain's hidden buffer is "
+                            f"{p.staging.hidden_dtype} (the device gather does not convert)")
+
+
+def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor,
+                   num_drafts: int, states: Sequence[object]
+                   ) -> tuple[list[list[int]], torch.Tensor] | None:
+    """`MtpProposer.step_ahead` (its docstring states the contract)."""
+    n, k = len(states), num_drafts
+    if k < 1 or n < 1:
+        p.last_served = Served("refused", n, "nothing to draft ahead (no row or no draft)")
+        return None
+    reason = _refusal(p, n, k, states)
+    if reason is not None:
+        p.last_served = Served("refused", n, reason)
+        return None
+    _check_tensors(p, greedy, hiddens, n, k)
+    t, dev = p.slots, p.device_drafts
+    batch = dev.batch
+    assert batch is not None
+    slots = batch.slots
+    drafts = last_drafts_of(p, states)  # the batch's one read (its copy landed behind the chain)
+    base_list = batch.positions  # read after the settle (a batch drafted ahead knows them then)
+    mine = cast("list[MtpProposerState]", list(states))
+    counts = np.fromiter(map(len, drafts), dtype=np.int64, count=n)
+    base = np.asarray(base_list, dtype=np.int64)  # each row's position before the verify: p
+    limit = p.kv.max_blocks_per_seq * p.kv.block_size
+    if not counts.all() or not t.awaiting[slots].all() or int((base + counts).max()) + k > limit:
+        p.last_served = Served("refused", n, "a row kept no draft, was verified already, or "
+                                             "lacks room for the worst case")
+        return None
+    k1 = k + 1
+    starts = np.arange(0, n * k1, k1, dtype=np.int64)
+    picked = check_hidden_rows(HiddenRows(hiddens, consecutive(starts, counts)), int(counts.sum()),
+                               p.head.hidden_in_size, "step_ahead hiddens")
+    # room for the worst case (every draft accepted) in every table first, all or nothing:
+    # the catch-up's p + d rows, then the propose's k more
+    grow_all(t, slots, mine, base + counts + k)
+    # the accepted counts, on the device, from the drafts the verify checked (still in the
+    # device buffers: this batch's fill comes after), first: their copy lands right behind
+    # the verify's
+    advance = dev.counts.compute(dev.drafts(n, k), greedy.view(n, k1))
+    d_list = counts.tolist()
+    trim_after_verify_batch(t, slots, d_list, mine, kv_exact=True, refeed=False)
+    write_rows(p._execute, t, p.chains.kv_only()[0].max_width, drafts, picked, base + 1, mine,
+               slots)
+    rows = ChainRows(np.zeros(n, dtype=np.int64), HiddenRows(hiddens, starts), base + 1, slots,
+                     base, mine, advance=advance)
+    try:
+        out = p._execute(k, rows, None)
+    except Exception:  # the catch-up stands; its rows past each count are not the target's
+        t.set_caught_up(slots, base + dev.counts.read(n))
+        raise
+    chain = p.chains.get(k, False)
+    drafts_dev = dev.outputs(n, k)[0]
+    dev.fill(out, p.staging.tokens(n), n, k, (chain, p.chains.kv_only()[0]))
+    pending = PendingBatch(drafts_dev, base, base, mine, slots, t, read=dev.read,
+                           check=dev.check_faults, counts=lambda: dev.counts.read(n))
+    t.set_pending(slots, pending)
+    t.num_pending += n
+    dev.batch = pending
+    p.last_served = served(p, chain.plan(n).kind, n)
+    return drafts, dev.verify_tokens()
+

@@ -1,0 +1,176 @@
+"""`step_ahead`, the draft side launched before the host reads its verify (issues 20, 14),
+against the read-first path it stands for (read the verify, accept on the host, `step_batch`):
+over several decode steps at exact, padded and split widths, n = 1 and past SMALL_BATCH, the
+same next verify input, the same drafts and confidences, the same rows and keys once settled,
+and the same drafter K/V at every row a state holds (rows past them may differ: the rejected
+drafts' catch-up rows, never read). Its refusals change nothing; bad tensors are named."""
+import numpy as np
+import pytest
+import torch
+
+from draft_circuit.runners.proposer_ahead import accept_counts
+from draft_circuit.runners.proposer_state import ProposerError
+from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
+from tests.runners.test_proposer_step import CASES, IDS
+
+
+def _pair(n, opts, **kw):
+    a, b = make("circuit", **opts, **kw), make("circuit", **opts, **kw)
+    return (a, [prefilled(a, 40 + i, length=6 + i % 5)[0] for i in range(n)],
+            b, [prefilled(b, 40 + i, length=6 + i % 5)[0] for i in range(n)])
+
+
+def _kv(p, s, name):
+    """A state's drafter cache rows [rows, ...] in row order, through its own table."""
+    return torch.stack([p.states[name][b, o] for b, o in (s.blocks.slot(r) for r in range(s.rows))])
+
+
+def _same_valid(a, sa, b, sb):
+    """Rows, keys, drafts and the K/V of every row each state holds alike (block ids and the
+    pool's use may differ: step_ahead grows for the worst case)."""
+    assert [a.drafter_rows(s) for s in sa] == [b.drafter_rows(s) for s in sb]
+    assert a.last_pair_keys(sa) == b.last_pair_keys(sb)
+    assert a.last_drafts(sa) == b.last_drafts(sb)
+    for x, y in zip(sa, sb):
+        for name in ("k_cache", "v_cache"):
+            assert torch.equal(_kv(a, x, name), _kv(b, y, name)), name
+
+
+def _greedy(drafts, step, n):
+    """A verify's greedy tokens [n * (K + 1)] accepting a spread of counts: row i's first a_i
+    drafts, then a token that differs from its next draft (the bonus), then anything."""
+    g = torch.Generator().manual_seed(500 + step)
+    out = torch.randint(0, CFG.vocab_size, (n, K + 1), generator=g, dtype=torch.int32)
+    accepted = []
+    for i, d in enumerate(drafts):
+        a = min((3 * i + step) % (K + 1), len(d))
+        out[i, :a] = torch.tensor(d[:a], dtype=torch.int32)
+        if a < len(d) and out[i, a] == d[a]:
+            out[i, a] = (d[a] + 1) % CFG.vocab_size
+        accepted.append(a)
+    return out.view(-1), accepted
+
+
+def _loop(n, opts, steps=5, **kw):
+    """`a` reads each verify and steps with step_batch; `b` steps ahead. Yields after each step."""
+    a, sa, b, sb = _pair(n, opts, **kw)
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    last = [(5 + i) % CFG.vocab_size for i in range(n)]
+    a.propose_batch_on_device(last, hidden(7, n), pos, K, sa)
+    b.propose_batch_on_device(last, hidden(7, n), pos, K, sb)
+    k1 = K + 1
+    for step in range(steps):
+        assert torch.equal(a.verify_tokens(), b.verify_tokens())
+        verify_hidden = hidden(300 + step, n * k1)
+        # the target's verify of the drafts, synthesized: greedy and hiddens on the device
+        drafts = a.last_drafts(sa)
+        greedy, accepted = _greedy(drafts, step, n)
+        got = b.step_ahead(greedy, verify_hidden, K, sb)
+        assert got is not None, b.last_served
+        assert got[0] == drafts and got[1] is b.verify_tokens()
+        # the read-first path: accept on the host, then one step_batch
+        starts = [i * k1 for i in range(n)]
+        rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
+                        dtype=np.int64)
+        from draft_circuit.runners.hidden_rows import HiddenRows
+        greedy2 = greedy.view(n, k1).tolist()
+        last = [greedy2[i][c] for i, c in enumerate(accepted)]
+        first = [p + 1 for p in pos]
+        pos = [p + c + 1 for p, c in zip(pos, accepted)]
+        assert a.step_batch(accepted, [d[:c] for d, c in zip(drafts, accepted)],
+                            HiddenRows(verify_hidden, rows), last,
+                            HiddenRows(verify_hidden, np.array([s + c for s, c in zip(starts, accepted)])),
+                            pos, K, sa, catchup_first=first) is not None
+        assert a.last_served == b.last_served
+        # before either reads: the next verify input alike (tokens from the device counts)
+        assert torch.equal(a.verify_tokens(), b.verify_tokens())
+        assert torch.equal(a.device_drafts.drafts(n, K), b.device_drafts.drafts(n, K))
+        assert torch.equal(a.device_drafts.confidences(n, K), b.device_drafts.confidences(n, K))
+        yield a, sa, b, sb
+        _same_valid(a, sa, b, sb)
+
+
+@pytest.mark.parametrize("n,opts", CASES, ids=IDS)
+def test_ahead_is_the_read_first_step(n, opts):
+    for _ in _loop(n, opts):
+        pass
+
+
+def test_ahead_with_a_confidence_stop():
+    """Rows that stop early (fewer kept drafts; -1 after the stop is never accepted, whatever
+    the verify's row holds): still the read-first path's rows, keys and K/V."""
+    for _ in _loop(5, {}, draft_confidence_stop=0.02):
+        pass
+
+
+def test_a_state_settles_from_the_counts_whichever_call_touches_it():
+    """After a step ahead, a single-state call (last_pair_key) settles the whole batch from the
+    device counts, as a batch read would; a freed state drops out of it."""
+    for a, sa, b, sb in _loop(4, {}, steps=2):
+        b.free_state(sb[3])
+        a.free_state(sa[3])
+        del sa[3], sb[3]
+        assert b.last_pair_key(sb[0]) == a.last_pair_key(sa[0])
+        break
+    _same_valid(a, sa, b, sb)
+
+
+def test_accept_counts_is_the_host_rule():
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [4, -1, -1], [-1, -1, -1]], dtype=torch.int32)
+    greedy = torch.tensor([[1, 2, 3, 9], [1, 5, 3, 9], [4, -1, 0, 0], [-1, 0, 0, 0]],
+                          dtype=torch.int32)
+    out = torch.zeros(4, dtype=torch.int64)
+    assert accept_counts(drafts, greedy, out).tolist() == [3, 1, 1, 0]
+
+
+def _ready(n=3, **kw):
+    """A proposer with a device-resident batch of n states awaiting its verify."""
+    p = make("circuit", **kw)
+    states = [prefilled(p, 40 + i, length=7)[0] for i in range(n)]
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    p.propose_batch_on_device([3] * n, hidden(7, n), pos, K, states)
+    return p, states
+
+
+def _snapshot(p, states):
+    return ([p.drafter_rows(s) for s in states], p.last_pair_keys(states),
+            [list(s.blocks.blocks) for s in states], p.pool.num_used,
+            p.states["k_cache"].clone())
+
+
+@pytest.mark.parametrize("case", ["not_the_batch", "reordered", "kv_inexact", "other_k"])
+def test_refusals_change_nothing(case):
+    kw = {"kv_exact": False} if case == "kv_inexact" else {}
+    p, states = _ready(**kw)
+    before = _snapshot(p, states)
+    n = len(states)
+    greedy = torch.zeros(n * (K + 1), dtype=torch.int32)
+    hid = hidden(9, n * (K + 1))
+    if case == "not_the_batch":
+        got = p.step_ahead(greedy[:2 * (K + 1)], hid, K, states[:2])
+    elif case == "reordered":
+        got = p.step_ahead(greedy, hid, K, states[::-1])
+    elif case == "other_k":
+        got = p.step_ahead(greedy[:n * K], hid, K - 1, states)
+    else:
+        got = p.step_ahead(greedy, hid, K, states)
+    assert got is None and p.last_served.kind == "refused"
+    after = _snapshot(p, states)
+    assert after[:4] == before[:4] and torch.equal(after[4], before[4])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda g, h: (g.long(), h), "step_ahead greedy: expected the verify's int32"),
+    (lambda g, h: (g[:-1], h), r"step_ahead greedy: .*\[16\]"),
+    (lambda g, h: (g, h[:3]), r"step_ahead hiddens: expected the verify's hiddens"),
+    (lambda g, h: (g, h.double()), "step_ahead hiddens: torch.float64"),
+    (lambda g, h: (g, h[:, :5]), "head reads"),
+])
+def test_bad_tensors_are_named_and_change_nothing(bad, match):
+    p, states = _ready(n=4)
+    before = _snapshot(p, states)
+    greedy, hid = bad(torch.zeros(16, dtype=torch.int32), hidden(9, 16))
+    with pytest.raises(ProposerError, match=match):
+        p.step_ahead(greedy, hid, K, states)
+    after = _snapshot(p, states)
+    assert after[:4] == before[:4] and torch.equal(after[4], before[4])
