@@ -29,15 +29,15 @@ from draft_circuit.runners.kv_cache import BlockPool
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.protocol import DraftRunner
 from draft_circuit.runners.proposer_chunks import ChainRows
-from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK, check_drafter_pairs,
+from draft_circuit.runners.proposer_inputs import (SCRATCH_BLOCK,
                                                    check_propose, confidence_log_tau,
                                                    drafter_pools)
 from draft_circuit.runners.proposer_args import check_proposer_args
 from draft_circuit.runners.proposer_batch import (after_verify_all, batch_refusal, catchup_all,
-                                                  last_drafts_of, last_pair_keys_of,
+                                                  catchup_one, last_drafts_of, last_pair_keys_of,
                                                   propose_all, settled_slots, warn_once)
 from draft_circuit.runners.proposer_device import DeviceDrafts, propose_on_device
-from draft_circuit.runners.proposer_rows import run_chain, write_rows
+from draft_circuit.runners.proposer_rows import run_chain
 from draft_circuit.runners.proposer_slots import SlotTable
 from draft_circuit.runners.proposer_step import step_all
 from draft_circuit.runners.proposer_ahead import step_all_ahead
@@ -294,30 +294,22 @@ class MtpProposer:
                    states: Sequence[object], *, catchup_first: Sequence[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The draft side of a decode step in one call: `after_verify_batch(num_accepted,
-        states)`, then the catch-up of `catchup_tokens[i]` with `catchup_hiddens[i]` (one a
-        token, [] for none) appended to each state's rows at `catchup_first[i]` (None: at
-        each state's `last_pair_key` + 2 after the trim, 1 with no key), then
-        `propose_batch_on_device(last_tokens, target_hiddens, positions, num_drafts, states)`,
-        leaving bitwise what those calls leave and returning what the propose returns; None:
-        the trims and catch-up are done, the propose was refused (`last_served` says why:
-        propose each alone). Every input is checked before anything changes (runners/
-        proposer_step.py). Either hiddens may be a `HiddenRows` (rows of one tensor, such as
-        the verify pass's, picked by index: runners/hidden_rows.py); the catch-up's then picks
-        every sequence's rows in order, as many as its tokens."""
+        states)`, the catch-up of `catchup_tokens[i]` with `catchup_hiddens[i]` (one a token)
+        at `catchup_first[i]` (None: `last_pair_key` + 2 after the trim, 1 with no key), then
+        `propose_batch_on_device(last_tokens, target_hiddens, positions, num_drafts, states)`:
+        bitwise what those calls leave, the propose's return; None: trimmed and caught up, the
+        propose refused (`last_served` says why). Every input is checked before anything
+        changes (runners/proposer_step.py). Either hiddens may be a `HiddenRows` (the catch-up's
+        picks every sequence's rows in order)."""
         return step_all(self, num_accepted, catchup_tokens, catchup_hiddens, last_tokens,
                         target_hiddens, positions, num_drafts, states, catchup_first)
 
     def step_ahead(self, greedy: torch.Tensor, hiddens: torch.Tensor, num_drafts: int,
                    states: Sequence[object]) -> tuple[list[list[int]], torch.Tensor] | None:
-        """The draft side of the step whose verify was just launched, launched before the host
-        reads it (runners/proposer_ahead.py): `states` are the latest device-resident batch's,
-        in order, `greedy` the verify's int32 greedy tokens [n * (k + 1)] and `hiddens` its
-        hiddens (row i * (k + 1) + j after row i's j-th token), both on the device, unread.
-        The accepted counts are found on the device; the trims, the catch-up of every kept
-        draft's row and the next k-draft propose are enqueued; the states settle from the
-        counts when next touched. Returns (the verified drafts, which the batch's read
-        brought, and the next verify input, as `verify_tokens`), or None with nothing
-        changed but that read (`last_served` says why): read the verify, then `step_batch`."""
+        """`step_batch` launched before the host reads the verify of the latest device-resident
+        batch (`states`, in order; its greedy tokens and hiddens unread on the device): the
+        contract is runners/proposer_ahead.py's. Returns (the verified drafts, the next verify
+        input) or None, nothing changed but the drafts' read (`last_served` says why)."""
         return step_all_ahead(self, greedy, hiddens, num_drafts, states)
 
     def verify_tokens(self) -> torch.Tensor:
@@ -368,17 +360,7 @@ class MtpProposer:
                         pos_base: int, state: MtpProposerState) -> int:
         """Row r pairs tokens[r + 1] with hiddens[r] at RoPE pos_base + r: len(tokens) - 1 rows,
         written only when row_base is the state's row count (else 0, nothing written)."""
-        mine = self._mine(state)
-        if mine is None:
-            return 0
-        c = self.head.config
-        check_drafter_pairs(tokens, hiddens, pos_base, hidden_size=self.head.hidden_in_size,
-                            vocab=c.vocab_size, what="catchup_drafter")
-        if row_base != mine.rows or len(tokens) < 2:
-            return 0
-        return write_rows(self._execute, self.slots, self.chains.kv_only()[0].max_width,
-                          [list(tokens[1:])], [hiddens[:len(tokens) - 1]], [pos_base], [mine],
-                          np.array([mine.slot], dtype=np.intp))
+        return catchup_one(self, tokens, hiddens, row_base, pos_base, state)
 
     def catchup_batch(self, tokens: Sequence[Sequence[int]],
                       hiddens: Sequence[torch.Tensor] | HiddenRows, first_pos: Sequence[int],

@@ -18,8 +18,8 @@ import torch
 
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.contract import Served, ServedKind
-from draft_circuit.runners.proposer_inputs import (check_catchup_counts, check_num_drafts,
-                                                   check_propose)
+from draft_circuit.runners.proposer_inputs import (check_catchup_counts, check_drafter_pairs,
+                                                   check_num_drafts, check_propose)
 from draft_circuit.runners.proposer_rows import record_batch, write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
                                                   settle, trim_after_verify_batch)
@@ -163,6 +163,21 @@ def after_verify_all(p: "MtpProposer", num_accepted: Sequence[int],
     trim_after_verify_batch(p.slots, slots, num_accepted,
                             cast("Sequence[MtpProposerState]", states),
                             kv_exact=p.kv_exact, refeed=p.refeed)
+
+
+def catchup_one(p: "MtpProposer", tokens: Sequence[int], hiddens: torch.Tensor, row_base: int,
+                pos_base: int, state: object) -> int:
+    """`MtpProposer.catchup_drafter` (its docstring states the contract)."""
+    mine = p._mine(state)
+    if mine is None:
+        return 0
+    check_drafter_pairs(tokens, hiddens, pos_base, hidden_size=p.head.hidden_in_size,
+                        vocab=p.head.config.vocab_size, what="catchup_drafter")
+    if row_base != mine.rows or len(tokens) < 2:
+        return 0
+    return write_rows(p._execute, p.slots, p.chains.kv_only()[0].max_width, [list(tokens[1:])],
+                      [hiddens[:len(tokens) - 1]], [pos_base], [mine],
+                      np.array([mine.slot], dtype=np.intp))
 
 
 def catchup_all(p: "MtpProposer", tokens: Sequence[Sequence[int]],
