@@ -14,22 +14,27 @@ programs (host_ops.OpCounter; deterministic where the times are not; on CUDA a n
 a launch or a copy, several us of host time each).
 
 Modes, interleaved repeat by repeat so a shared CPU's moments fall on both alike:
-  ahead     `Engine.propose_ahead = True`: trims, catch-up and the next propose in one
-            `step_batch` at each step's end (when the next batch is known)
+  before_read  `Engine.draft_before_read = True` (CUDA's default): `step_ahead` right after
+            the verify's launch, before its read (accepted counts on the device)
+  ahead     `Engine.propose_ahead = True`, read first: trims, catch-up and the next propose
+            in one `step_batch` at each step's end (when the next batch is known)
   separate  `Engine.propose_ahead = False`: propose_batch_on_device, last_drafts,
             after_verify_batch, last_pair_keys, catchup_batch
-An engine from before issue 14 item 4 ignores `propose_ahead`: run this file from a worktree
-of it (`--modes separate`) for a before column.
+An engine from before issue 14 item 4 ignores `propose_ahead` (one before `step_ahead`,
+`draft_before_read`): run this file from a worktree of it (`--modes separate`) for a before column.
 
 `--accept forced` replaces the acceptance rule with a count that varies step to step up to every
 draft (tests/examples/test_engine_step_batch.py's `forced_accept`): random heads accept almost
 nothing, so without it no step has rows to catch up, unlike a trained drafter's (the output is
-then not greedy's; the host's work is a trained drafter's). Per mode and width: the median over
+then not greedy's; the host's work is a trained drafter's). It is the host's count alone, so
+`before_read`, which counts on the device by the real rule, runs only with `--accept greedy`.
+Per mode and width: the median over
 repeats of each repeat's median host us per steady step (not the first step, its prefill's,
 nor the last), the range, ops and proposer calls per step, and the bubble: the median host time
-from a verify's read returning (`TargetModel.forward`) to the next program launch (on the
-device path step_batch's first replay; on a GPU the time it idles between the two, the
-window issue 20 shrinks).
+from a verify's read returning to the next launch, a drafter program's or a target pass's (read
+first, step_batch's first replay: on a GPU it idles all that window, the one issue 20
+shrinks; before the read, the next verify's: the GPU drafts through it and idles only for
+what outlasts the drafter's work).
 
     python3 -m benchmarks.engine_step_host --widths 1,4,8 --repeats 5 --accept forced
 """
@@ -58,15 +63,15 @@ CONFIG = dataclasses.replace(DEFAULT_CONFIG, hidden_size=96, intermediate_size=1
                              num_attention_heads=6, num_key_value_heads=2, head_dim=24,
                              num_hidden_layers=2)
 CALLS = ("propose_batch_on_device", "last_drafts", "after_verify_batch", "last_pair_keys",
-         "catchup_batch", "step_batch")
-MODES = {"ahead": True, "separate": False}
+         "catchup_batch", "step_batch", "step_ahead")
+MODES = {"before_read": (True, True), "ahead": (True, False), "separate": (False, False)}
 
 
 def forced_accept(drafts: list[int], target_tokens: list[int]) -> int:
     return (sum(drafts) + 7 * len(target_tokens)) % (len(drafts) + 1)
 
 
-def one_run(path: Path, width: int, ahead: bool, k: int, new_tokens: int,
+def one_run(path: Path, width: int, mode: tuple[bool, bool], k: int, new_tokens: int,
             count_ops: bool = False) -> dict[str, Any]:
     """One generate of `width` requests in `width` slots: the median host us per steady step,
     proposer calls per step, and with `count_ops` the torch ops dispatched a steady step
@@ -76,31 +81,41 @@ def one_run(path: Path, width: int, ahead: bool, k: int, new_tokens: int,
                     EngineConfig(forward="circuit", num_drafts=k, widths=(1, 2, 4, 8, 16),
                                  max_batch=width))
     engine.device_drafts = True
-    engine.propose_ahead = ahead  # an engine without it (before issue 14 item 4) ignores it
+    # an engine without them (before issue 14 item 4, before step_ahead) ignores them
+    engine.propose_ahead, engine.draft_before_read = mode
     p, inside, calls = engine.proposer, [0.0], Counter[str]()
     assert p is not None
     counter = OpCounter(torch.device("cpu")) if count_ops else None
 
     read_at: list[float | None] = [None]  # when the last verify's read returned
-    bubbles: list[float] = []  # each: host time from that read to the next program launch
+    bubbles: list[float] = []  # each: host time from that read to the next launch
 
-    def timed(real: Callable[..., Any], verify: bool = False) -> Callable[..., Any]:
+    def timed(real: Callable[..., Any]) -> Callable[..., Any]:
+        """A launch (a drafter program or a target pass): taken out of the host's time; the
+        first after a read ends that read's bubble."""
         def call(*args: Any, **kwargs: Any) -> Any:
             where = counter.where if counter is not None else None
             if counter is not None:
                 counter.where = None  # a program's own ops are not the host's
             t = time.thread_time()
-            if not verify and read_at[0] is not None:
+            if read_at[0] is not None:
                 bubbles.append(t - read_at[0])
                 read_at[0] = None
             try:
                 return real(*args, **kwargs)
             finally:
                 inside[0] += time.thread_time() - t
-                if verify:
-                    read_at[0] = time.thread_time()
                 if counter is not None:
                     counter.where = where
+        return call
+
+    def read(real: Callable[..., Any]) -> Callable[..., Any]:
+        """A pass's read (the host waits for it): a bubble starts when it returns."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return real(*args, **kwargs)
+            finally:
+                read_at[0] = time.thread_time()
         return call
 
     def counted(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,7 +123,12 @@ def one_run(path: Path, width: int, ahead: bool, k: int, new_tokens: int,
             calls[name] += 1
             return real(*args, **kwargs)
         return call
-    engine.target.model.forward = timed(engine.target.model.forward, True)  # type: ignore[method-assign]
+    model = engine.target.model
+    model.launch = timed(model.launch)  # type: ignore[method-assign]
+    model.forward = read(model.forward)  # type: ignore[method-assign]  # (launch, then the read)
+    if hasattr(engine.target, "read_verify"):  # the device path's read (an engine before it
+        # read inside forward)
+        engine.target.read_verify = read(engine.target.read_verify)  # type: ignore[method-assign]
     for runner in p.chains.runners():
         backend = getattr(runner, "backend", None)
         if backend is not None and hasattr(backend, "execute"):
@@ -156,12 +176,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--num-drafts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--modes", default="ahead,separate")
+    ap.add_argument("--modes", default="before_read,ahead,separate")
     ap.add_argument("--accept", choices=("greedy", "forced"), default="greedy")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        ap.error(f"--modes: {sorted(set(modes) - set(MODES))} unknown (of {', '.join(MODES)})")
+    if args.accept == "forced" and "before_read" in modes:
+        ap.error("--accept forced is the host's count; before_read counts on the device by the "
+                 "real rule: leave before_read out of --modes, or accept greedily")
     threads, rule = torch.get_num_threads(), engine_module.accept
     torch.set_num_threads(1)
     if args.accept == "forced":
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # both put back after: a caller in the same process (a test) decodes greedily again
         with tempfile.TemporaryDirectory() as tmp:
             path = write_random_checkpoint(Path(tmp) / "small", CONFIG, seed=3)
-            one_run(path, 2, True, args.num_drafts, 8)  # warm-up: first compiles, imports
+            one_run(path, 2, MODES[modes[0]], args.num_drafts, 8)  # warm-up: first compiles, imports
             rows: dict[str, dict[int, list[dict[str, Any]]]] = {m: {w: [] for w in widths}
                                                                  for m in modes}
             ops = {m: {w: one_run(path, w, MODES[m], args.num_drafts, args.new_tokens, True)["ops"]

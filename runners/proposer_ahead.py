@@ -64,14 +64,24 @@ class Advance(NamedTuple):
     greedy: torch.Tensor  # [n, k + 1] the verify's greedy tokens (int32)
 
 
-def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor,
+                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """out[i] = how many leading drafts[i] equal greedy[i] at the row before them (drafts
     [n, k], -1 after a stop, never accepted; greedy [n, k + 1]): `speculate.accept` per row, as
-    device ops with no read."""
-    k = drafts.shape[1]
-    match = drafts == greedy[:, :k]
-    match &= drafts >= 0  # a stop's -1 is no draft, whatever the target's row holds
-    return torch.sum(match.cumprod(1), 1, out=out)
+    device ops with no read. `scratch`: bool, bool and int64 buffers [n, k] for the
+    intermediates (none allocated then)."""
+    n, k = drafts.shape
+    if scratch is None:
+        scratch = (torch.empty((n, k), dtype=torch.bool, device=drafts.device),
+                   torch.empty((n, k), dtype=torch.bool, device=drafts.device),
+                   torch.empty((n, k), dtype=torch.int64, device=drafts.device))
+    match, drafted, prefix = scratch
+    torch.eq(drafts, greedy[:, :k], out=match)
+    torch.ge(drafts, 0, out=drafted)  # a stop's -1 is no draft, whatever the target's row holds
+    match.logical_and_(drafted)
+    torch.cumprod(match, 1, dtype=torch.int64, out=prefix)  # 1 while every draft so far matched
+    return torch.sum(prefix, 1, out=out)
 
 
 class AcceptCounts:
@@ -88,6 +98,8 @@ class AcceptCounts:
         self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self._stream = CurrentStream(device) if self.cuda else None
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._device = device
 
     def compute(self, drafts: torch.Tensor, greedy: torch.Tensor) -> Advance:
         """The counts of drafts [n, k] against greedy [n, k + 1], enqueued with their copy to
@@ -98,7 +110,14 @@ class AcceptCounts:
             dev = self.dev[:n]
             views = self._views[n] = (dev, dev.view(n, 1), self.host[:n])
         counts, column, host = views
-        accept_counts(drafts, greedy, counts)
+        shape = (n, drafts.shape[1])
+        scratch = self._scratch.get(shape)
+        if scratch is None:  # made once a shape: a steady step allocates nothing
+            scratch = self._scratch[shape] = (
+                torch.empty(shape, dtype=torch.bool, device=self._device),
+                torch.empty(shape, dtype=torch.bool, device=self._device),
+                torch.empty(shape, dtype=torch.int64, device=self._device))
+        accept_counts(drafts, greedy, counts, scratch)
         if self.cuda:
             host.copy_(counts, non_blocking=True)
             assert self._copied is not None and self._stream is not None

@@ -10,6 +10,7 @@ import torch
 
 from draft_circuit.runners.proposer_ahead import accept_counts
 from draft_circuit.runners.proposer_state import ProposerError
+from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
 from tests.runners.test_proposer_step import CASES, IDS
 
@@ -54,17 +55,19 @@ def _greedy(drafts, step, n):
 def _loop(n, opts, steps=5, **kw):
     """`a` reads each verify and steps with step_batch; `b` steps ahead. Yields after each step."""
     a, sa, b, sb = _pair(n, opts, **kw)
+    dev = opts.get("device", "cpu")
     pos = [a.last_pair_key(s) + 2 for s in sa]
     last = [(5 + i) % CFG.vocab_size for i in range(n)]
-    a.propose_batch_on_device(last, hidden(7, n), pos, K, sa)
-    b.propose_batch_on_device(last, hidden(7, n), pos, K, sb)
+    a.propose_batch_on_device(last, hidden(7, n).to(dev), pos, K, sa)
+    b.propose_batch_on_device(last, hidden(7, n).to(dev), pos, K, sb)
     k1 = K + 1
     for step in range(steps):
         assert torch.equal(a.verify_tokens(), b.verify_tokens())
-        verify_hidden = hidden(300 + step, n * k1)
+        verify_hidden = hidden(300 + step, n * k1).to(dev)
         # the target's verify of the drafts, synthesized: greedy and hiddens on the device
         drafts = a.last_drafts(sa)
         greedy, accepted = _greedy(drafts, step, n)
+        greedy = greedy.to(dev)
         got = b.step_ahead(greedy, verify_hidden, K, sb)
         assert got is not None, b.last_served
         assert got[0] == drafts and got[1] is b.verify_tokens()
@@ -73,7 +76,7 @@ def _loop(n, opts, steps=5, **kw):
         rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
                         dtype=np.int64)
         from draft_circuit.runners.hidden_rows import HiddenRows
-        greedy2 = greedy.view(n, k1).tolist()
+        greedy2 = greedy.view(n, k1).tolist()  # (the read-first path's read)
         last = [greedy2[i][c] for i, c in enumerate(accepted)]
         first = [p + 1 for p in pos]
         pos = [p + c + 1 for p, c in zip(pos, accepted)]
@@ -113,6 +116,40 @@ def test_a_state_settles_from_the_counts_whichever_call_touches_it():
         assert b.last_pair_key(sb[0]) == a.last_pair_key(sa[0])
         break
     _same_valid(a, sa, b, sb)
+
+
+@cuda
+def test_ahead_is_the_read_first_step_on_cuda():
+    """On the GPU the counts, the shifted inputs and the gather run in stream order behind the
+    verify's tensors (a wrong order would draft from stale rows): the read-first path's bits."""
+    for _ in _loop(5, {"device": "cuda", "num_blocks": 200, "max_blocks_per_seq": 20}):
+        pass
+
+
+@cuda
+def test_a_cuda_step_ahead_allocates_nothing_and_makes_no_host_sync():
+    """Warm steps allocate no device memory, then run under torch's sync debug mode "error"
+    (the previous batch read first: step_ahead itself enqueues everything and reads nothing)."""
+    from draft_circuit.runners.testing import assert_no_allocation
+    from tests.runners.test_proposer_device_cuda import _sync_mode
+    n = 4
+    p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
+    states = [prefilled(p, 40 + i, length=7)[0] for i in range(n)]
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    assert p.propose_batch_on_device([3] * n, hidden(7, n).cuda(), pos, K, states) is not None
+    verify_hidden = hidden(9, n * (K + 1)).cuda()
+    greedy = torch.zeros(n * (K + 1), dtype=torch.int32, device="cuda")
+
+    def step(no_sync=False):
+        p.last_drafts(states)  # the previous batch's read (the step's one sync)
+        with _sync_mode(no_sync):
+            assert p.step_ahead(greedy, verify_hidden, K, states) is not None
+    for _ in range(2):  # warm: views and scratch made once a shape
+        step()
+    assert_no_allocation(step, repeats=4)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        step(no_sync=True)
 
 
 def test_accept_counts_is_the_host_rule():
