@@ -53,10 +53,23 @@ def summary(engine: Engine, result: Result) -> dict:
         "target_time_share": round(s.target_s / s.wall_s, 3) if s.wall_s else None,
         "batch_widths": {str(n): c for n, c in sorted(s.widths.items())},
         "draft_batches": {str(n): kinds for n, kinds in s.draft_batches.table().items()},
+        # of them, drafted ahead (at a step's end, or before its verify was read) and unused:
+        # a sequence finished or one was admitted after they were proposed
+        "withdrawn_batches": {str(n): c for n, c in sorted(_per_width(s.draft_batches.withdrawn).items())},
         "proposer_runs": ({kind: {str(n): c for n, c in sorted(per.items())}
                            for kind, per in engine.proposer.stats.items()}
                           if engine.proposer is not None else {}),
     }
+
+
+def _per_width(by_kind: dict[str, dict[int, int]]) -> dict[int, int]:
+    """Counts by kind and width, summed over kinds."""
+    out: dict[int, int] = {}
+    for per in by_kind.values():
+        for n, c in per.items():
+            if c:
+                out[n] = out.get(n, 0) + c
+    return out
 
 
 def baseline_fields(info: dict, base: Baseline) -> dict:
@@ -92,9 +105,11 @@ def format_summary(d: dict) -> str:
         lines.append(f"draft time share: {_fmt(d['draft_time_share'], '.1f', 100)}%  "
                      f"(target {_fmt(d['target_time_share'], '.1f', 100)}%)")
         lines.append("drafting batches by width (own program / padded / split / per sequence):")
+        withdrawn = d.get("withdrawn_batches", {})
         for n, kinds in d["draft_batches"].items():
             cells = "  ".join(f"{k} {v}" for k, v in kinds.items())
-            lines.append(f"  n={n:>3}: {cells}")
+            unused = f"  ({withdrawn[n]} withdrawn unused)" if withdrawn.get(n) else ""
+            lines.append(f"  n={n:>3}: {cells}{unused}")
     else:
         lines.append(f"decode steps: {d['decode_steps']}")
     if "baseline" in d:

@@ -361,3 +361,20 @@ def test_a_finished_sequence_lets_go_of_its_pass_hiddens(small_checkpoint, monke
     monkeypatch.setattr(Engine, "_finish", recorded)
     Engine(load_checkpoint(small_checkpoint), EngineConfig(**config)).generate(requests)
     assert finished and all(src is None and h is None for src, h in finished)
+
+
+def test_the_summary_counts_withdrawn_batches(small_checkpoint):
+    """Drafts proposed before a step's read for a sequence that then finished are withdrawn: the
+    summary reports them per width (JSON and text), out of the batches drafted."""
+    from examples.engine.report import format_summary, summary
+    requests, config = CASES["k3"]
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+    engine.device_drafts = True
+    result = engine.generate(requests)
+    d = summary(engine, result)
+    withdrawn = engine.stats.draft_batches.withdrawn
+    assert d["withdrawn_batches"] and sum(d["withdrawn_batches"].values()) == \
+        sum(c for per in withdrawn.values() for c in per.values())
+    for n, c in d["withdrawn_batches"].items():
+        assert c <= sum(d["draft_batches"][n].values())
+    assert "withdrawn unused" in format_summary(d)
