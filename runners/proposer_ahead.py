@@ -161,8 +161,9 @@ def _check_tensors(p: "MtpProposer", greedy: object, hiddens: object, n: int, k:
             else type(hiddens).__name__
         raise ProposerError(f"step_ahead hiddens: expected the verify's hiddens [>= {rows}, H], "
                             f"got {got}")
+    want = p.device_drafts.device  # (resolved: "cuda" is the current device's index)
     for name, t in (("greedy", greedy), ("hiddens", hiddens)):
-        if t.device != p.device_drafts.device:
+        if t.device != want:
             raise ProposerError(f"step_ahead {name}: on {t.device}, the proposer's device is "
                                 f"{p.device_drafts.device} (the counts and the gather run there)")
     if hiddens.dtype is not p.staging.hidden_dtype:
