@@ -230,4 +230,3 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     dev.batch = pending
     p.last_served = served(p, chain.plan(n).kind, n)
     return drafts, dev.verify_tokens()
-

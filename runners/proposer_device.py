@@ -61,7 +61,8 @@ class DeviceDrafts:
     def __init__(self, *, max_width: int, num_drafts: int, device: str | torch.device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        if self.cuda and self.device.index is None:  # "cuda" resolves, as buffers' devices do
+        index: int | None = self.device.index
+        if self.cuda and index is None:  # "cuda" resolves, as buffers' devices do
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.k = num_drafts
         w, k = max_width, max(num_drafts, 1)

@@ -23,6 +23,10 @@ straight into the buffers the chain's program reads.
   one `index_select` for rows picked from one tensor, `HiddenRows`, their indices staged
   through a pinned mirror like the ints: a second small copy on CUDA); rows past n are zeroed
   only when n shrank; `log_tau` is refilled only when its value or n changes.
+- A propose drafted before its verify is read (`MtpProposer.step_ahead`) is staged for no
+  accepted draft and then moved by the device counts (`Advance`): each row's token gathered
+  from the verify's greedy tokens, its position, live rows and hidden index added to, three
+  small device ops after the copies and before the gather (runners/staging_region.py).
 - Drafts and confidences come back in ONE device-to-host copy into pinned memory, with one sync
   per call (runners/proposer_readback.py): one `cat` (one launch) packs the drafts, the
   confidences' float32 bits and the runners' fault records side by side first.
@@ -35,108 +39,18 @@ enqueued) never waits for the GPU.
 from __future__ import annotations
 
 import weakref
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.hidden_rows import HiddenRows
-from draft_circuit.runners.int_region import INTS, ROWS, IntMirror, int_region
+from draft_circuit.runners.int_region import INTS
 from draft_circuit.runners.proposer_readback import ReadBack
+from draft_circuit.runners.staging_region import Region, runner_region
 
 if TYPE_CHECKING:
     from draft_circuit.runners.proposer_ahead import Advance
-
-class _Region:
-    """Where one runner's inputs are staged: its int32 region (device), the host mirror(s) of it,
-    its hidden and log_tau buffers, and what is known of their rows past the latest run's n."""
-
-    def __init__(self, flat: torch.Tensor, offsets: Mapping[str, int], hidden: torch.Tensor,
-                 log_tau: torch.Tensor | None, neutral: Mapping[str, int | float], *, w: int,
-                 m: int, cuda: bool, runner: object | None) -> None:
-        self.flat, self.hidden, self.log_tau, self.cuda = flat, hidden, log_tau, cuda
-        self.neutral = dict(neutral)
-        self.width = w
-        self.runner = runner  # the runner whose buffers these are (None: the staging's own)
-        # on CPU the mirror is the region; elsewhere host copies of it (pinned, two on CUDA)
-        self.copies = flat.device.type != "cpu"
-        self.hosts = [torch.zeros(flat.numel(), dtype=torch.int32, pin_memory=cuda)
-                      for _ in range(2 if cuda else 1)] if self.copies else [flat]
-        self.mirrors = [IntMirror(h.numpy(), offsets, w, m) for h in self.hosts]
-        self.copied = [torch.cuda.Event() for _ in self.hosts] if cuda else []  # type: ignore[no-untyped-call]
-        self.stream = CurrentStream(flat.device) if cuda else None
-        self.turn = 0
-        devs = {k: flat[offsets[k]:offsets[k] + w] for k in ROWS}
-        self.tokens = devs["tokens"]
-        # rows [0:hidden_dirty) of hidden may hold values; log_tau's (value, n) as filled
-        self.hidden_dirty = w
-        # on CPU a numpy view of the hidden buffer zeroes rows past n in a third of a torch
-        # slice-and-fill's time (dtypes numpy has; bfloat16 keeps the torch fill)
-        self.hidden_np = hidden.numpy() if hidden.device.type == "cpu" and not hidden.requires_grad \
-            and hidden.dtype in (torch.float16, torch.float32, torch.float64) else None
-        self.hidden_rows: dict[int, torch.Tensor] = {}  # hidden[:n], per n
-        # rows past n zeroed in the same launch as the rows' copy (one cat: the segments, then
-        # zeros up to the rows a wider run left), where a numpy view does not zero them
-        self.zeros = torch.zeros_like(hidden) if runner is not None and self.hidden_np is None \
-            and self.neutral.get("hidden", 0) == 0 else None
-        self.zero_rows: dict[int, torch.Tensor] = {}  # zeros[:m], per m
-        # HiddenRows' indices: a device buffer and its host mirror(s) (pinned, two on CUDA, used
-        # in the same turns as the ints'; on CPU the buffer itself), written through numpy
-        self.index = torch.zeros(w, dtype=torch.int64, device=flat.device)
-        index_hosts = [torch.zeros(w, dtype=torch.int64, pin_memory=cuda) for _ in self.hosts] \
-            if self.copies else [self.index]
-        self.index_np = [h.numpy() for h in index_hosts]
-        self.index_hosts = index_hosts
-        self.index_rows: dict[int, torch.Tensor] = {}  # index[:m], per m
-        self.tau: tuple[float, int] | None = None
-        self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
-        # the staging's own region: views handed out per (n, with log_tau), made once
-        self.views: dict[tuple[int, bool], Mapping[str, torch.Tensor]] = {}
-        # an advanced run's device views, per n: (tokens [n, 1], positions, live rows)
-        self.shifted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._devs = {**devs, "block_tables": flat[offsets["block_tables"]:
-                                                   offsets["block_tables"] + w * m].view(w, m)}
-
-    def advance(self, n: int, advance: Advance) -> None:
-        """Rows [:n] as staged for no accepted draft, moved by each row's count on the device:
-        token greedy[i, a_i], position and live rows + a_i (three launches, after the copy)."""
-        views = self.shifted.get(n)
-        if views is None:
-            views = self.shifted[n] = (self.tokens[:n].view(n, 1), self._devs["positions"][:n],
-                                       self._devs["live_rows"][:n])
-        tokens, positions, live = views
-        torch.gather(advance.greedy, 1, advance.column, out=tokens)
-        positions.add_(advance.counts)
-        live.add_(advance.counts)
-
-    def own_views(self, n: int, tau: bool) -> Mapping[str, torch.Tensor]:
-        key = (n, tau)
-        if key not in self.views:
-            made = {"tokens": self._devs["tokens"][:n], "hidden": self.hidden[:n],
-                    "positions": self._devs["positions"][:n],
-                    "block_tables": self._devs["block_tables"][:n],
-                    "live_rows": self._devs["live_rows"][:n], "active": self._devs["active"][:n]}
-            if tau:
-                assert self.log_tau is not None
-                made["log_tau"] = self.log_tau[:n]
-            self.views[key] = MappingProxyType(made)
-        return self.views[key]
-
-
-def _runner_region(runner: object, *, max_w: int, m: int, device: torch.device,
-                   scratch: int) -> _Region | None:
-    """The region of a runner's own static inputs (as many rows as its widest program, at most
-    `max_w`: the k-step chain's and the wider KV-only chain's differ), or None when it has none
-    of this layout (the staging's own region serves it then)."""
-    found = int_region(runner, max_w=max_w, m=m, device=device, scratch=scratch,
-                       extra=("hidden",), optional=("log_tau",))
-    if found is None:
-        return None
-    static = runner.backend.static_inputs  # type: ignore[attr-defined]
-    return _Region(found.flat, found.offsets, static["hidden"], static.get("log_tau"),
-                   found.neutral, w=found.width, m=m, cuda=device.type == "cuda", runner=runner)
 
 
 class ChainStaging:
@@ -165,21 +79,21 @@ class ChainStaging:
         neutral: dict[str, int | float] = {"tokens": 0, "positions": 0, "live_rows": 0,
                                            "active": 0, "block_tables": scratch_block,
                                            "hidden": 0, "log_tau": float("-inf")}
-        self._own = _Region(own, offsets,
+        self._own = Region(own, offsets,
                             torch.zeros(w, hidden_size, dtype=dtype, device=self.device),
                             torch.full((w,), float("-inf"), dtype=torch.float32,
                                        device=self.device),
                             neutral, w=w, m=m, cuda=self.cuda, runner=None)
-        self._regions: weakref.WeakKeyDictionary[object, _Region | None] = \
+        self._regions: weakref.WeakKeyDictionary[object, Region | None] = \
             weakref.WeakKeyDictionary()
         # the same by the runner's id, checked by a weak reference (a WeakKeyDictionary lookup
         # makes a weakref every call, a microsecond; two runners alternate every step)
-        self._by_id: dict[int, tuple[weakref.ref[object], _Region]] = {}
+        self._by_id: dict[int, tuple[weakref.ref[object], Region]] = {}
         self._last: Mapping[str, torch.Tensor] | None = None
         # the read-back of drafts, confidences and fault records (runners/proposer_readback.py)
         self.readback = ReadBack(width=w, max_drafts=self.max_drafts, device=self.device)
 
-    def _region(self, runner: object | None) -> _Region:
+    def _region(self, runner: object | None) -> Region:
         if runner is None:
             return self._own
         hot = self._by_id.get(id(runner))
@@ -188,7 +102,7 @@ class ChainStaging:
         try:
             region = self._regions[runner]
         except KeyError:
-            region = self._regions[runner] = _runner_region(
+            region = self._regions[runner] = runner_region(
                 runner, max_w=self.width, m=self.max_blocks, device=self.device, scratch=self.scratch)
         except TypeError:  # an object that cannot be weakly referenced: stage in our own
             return self._own
@@ -279,7 +193,7 @@ class ChainStaging:
         self._last = out
         return out
 
-    def _fill_tau(self, region: _Region, log_tau: float | None, n: int) -> None:
+    def _fill_tau(self, region: Region, log_tau: float | None, n: int) -> None:
         """log_tau's rows [:n] at its value, the rest neutral: refilled only when they change
         (or when the runner's buffers were written by an unstaged run)."""
         if log_tau is None or region.log_tau is None or region.tau == (log_tau, n):
@@ -288,7 +202,7 @@ class ChainStaging:
         region.log_tau[n:].fill_(region.neutral.get("log_tau", float("-inf")))
         region.tau = (log_tau, n)
 
-    def _stage_hiddens(self, region: _Region, hiddens: Sequence[torch.Tensor] | HiddenRows,
+    def _stage_hiddens(self, region: Region, hiddens: Sequence[torch.Tensor] | HiddenRows,
                        n: int, turn: int) -> None:
         """The rows' hiddens into the region's buffer: one `cat` into it (a catch-up of many
         sequences is one launch, not one a sequence; it converts dtypes as a copy does), or,
@@ -338,7 +252,7 @@ class ChainStaging:
         self._neutral_past(region, n, dirty)
 
     @staticmethod
-    def _neutral_past(region: _Region, n: int, dirty: int) -> None:
+    def _neutral_past(region: Region, n: int, dirty: int) -> None:
         """A runner's own hidden buffer's rows [n, dirty) back to neutral (a padded program
         reads them), and n recorded as the rows that may hold values."""
         if region.runner is not None:
@@ -349,7 +263,7 @@ class ChainStaging:
                     region.hidden[n:dirty].fill_(region.neutral["hidden"])
             region.hidden_dirty = n
 
-    def _gather(self, region: _Region, picked: HiddenRows, n: int,
+    def _gather(self, region: Region, picked: HiddenRows, n: int,
                 turn: int, shift: torch.Tensor | None = None) -> list[torch.Tensor]:
         """`picked`'s n rows into the buffer's rows [:n] in one `index_select`, the indices
         through this turn's host mirror (one small non_blocking copy on CUDA; on CPU written in

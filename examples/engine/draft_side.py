@@ -16,6 +16,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from examples.engine.runner import Launched
 from examples.engine.sequence import Sequence
 from examples.engine.speculate import DraftStats
 from draft_circuit.runners.hidden_rows import HiddenRows
@@ -73,7 +74,14 @@ def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftSt
     next step's batch is exactly those, in order, on the device path) also draft their next
     step in the same call and return it. None: the next step drafts itself (no `ahead`, a
     merged prompt to catch up, a sequence that drafted nothing, or a batch the proposer
-    declined, whose trims and catch-up are done all the same)."""
+    declined, whose trims and catch-up are done all the same). A step drafted before its read
+    (`v.ahead`, `step_ahead`) has done all that: its drafts are returned when `ahead` holds and
+    no sequence finished, else withdrawn."""
+    if v.ahead is not None:  # drafted before the read (`step_ahead`): trims and catch-up done
+        if ahead and not any(s.finished for s in v.seqs):
+            return v.ahead
+        withdraw(proposer, v.ahead, stats)  # a sequence finished, or one waits to be admitted
+        return None
     live = [i for i, s in enumerate(v.seqs) if not s.finished]
     if ahead and live and not v.prefill and all(v.drafts[i] for i in live):
         return _step_batch(proposer, v, live, num_drafts, stats)
@@ -87,6 +95,22 @@ def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftSt
     if rows:  # enqueued, not waited for: the next propose runs behind it
         catch_up(proposer, rows)
     return None
+
+
+def step_ahead(proposer: MtpProposer, launched: Launched, num_drafts: int,
+               stats: DraftStats) -> tuple[list[list[int]], Ahead] | None:
+    """The draft side launched right behind the verify, before its read
+    (`MtpProposer.step_ahead`): (the verified drafts, the next step's drafts for every
+    sequence of this one), or None when the proposer declined (read first, then `end_step`).
+    `end_step` keeps the drafts when the next batch is this one, else withdraws them."""
+    seqs = launched.seqs
+    got = proposer.step_ahead(launched.greedy, launched.hidden, num_drafts,
+                              [s.draft_state for s in seqs])
+    if got is None:
+        return None
+    kind = proposer.last_served.kind
+    stats.batches[kind][len(seqs)] += 1
+    return got[0], Ahead(seqs, got[1], kind)
 
 
 def _step_batch(proposer: MtpProposer, v: Verified, live: list[int], num_drafts: int,

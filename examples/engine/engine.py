@@ -20,9 +20,11 @@ from typing import Callable, Literal, Sequence as Seq
 import torch
 
 from examples.engine.checkpoints import Checkpoint, EngineError
-from examples.engine.draft_side import Ahead, Rows, Verified, catch_up, end_step, withdraw
+from examples.engine.draft_side import (Ahead, Rows, Verified, catch_up, end_step, step_ahead,
+                                        withdraw)
 from examples.engine.glm_target import target_for  # GLM-4.5's target, else DeepSeek-V3's or Llama's
-from examples.engine.runner import SCRATCH_BLOCK, Launched, RowsOut, TargetRunner
+from examples.engine.request_checks import check_requests
+from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
@@ -158,28 +160,11 @@ class Engine:
 
     # ---- checks, all before anything runs ----
     def check(self, requests: Seq[Request]) -> None:
-        vocab = self.checkpoint.config.vocab_size
-        if not requests:
-            raise EngineError("no requests to generate for")
-        for i, r in enumerate(requests):
-            if not r.prompt:
-                raise EngineError(f"request {i}: the prompt is empty")
-            bad = next((t for t in r.prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise EngineError(f"request {i}: token {bad} is outside the vocabulary [0, {vocab})")
-            if r.max_new_tokens < 1:
-                raise EngineError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-            if len(r.prompt) + r.max_new_tokens > self.max_seq_len:
-                raise EngineError(f"request {i}: {len(r.prompt)} prompt + {r.max_new_tokens} new "
-                                  f"tokens exceed the {self.max_seq_len}-token limit")
-        need = max(self.scheduler.blocks_for(r) for r in requests)
-        usable = self.pool.num_blocks - self.pool.num_reserved
-        if self.config.max_batch * need > usable:
-            raise EngineError(
-                f"--max-batch {self.config.max_batch} needs {self.config.max_batch} x {need} KV "
-                f"blocks (of {self.config.block_size} rows, for the longest request), but the pool "
-                f"holds {usable}: at most {usable // need} such sequences fit; lower --max-batch "
-                f"or raise --kv-blocks")
+        """Every request checked before anything runs (examples/engine/request_checks.py)."""
+        check_requests(requests, vocab=self.checkpoint.config.vocab_size,
+                       max_seq_len=self.max_seq_len, blocks_for=self.scheduler.blocks_for,
+                       pool=self.pool, max_batch=self.config.max_batch,
+                       block_size=self.config.block_size)
 
     # ---- generation ----
     def generate(self, requests: Seq[Request],
@@ -244,12 +229,6 @@ class Engine:
                  and len(running) == len(live) and all(a is b for a, b in zip(running, live))
                  and not self.scheduler.can_admit())
         assert self.proposer is not None
-        if v.ahead is not None:  # drafted before the read: trims and catch-up are done
-            keep = known and len(live) == len(v.seqs)
-            self._ahead = v.ahead if keep else None
-            if not keep:  # a sequence finished, or one waits to be admitted
-                withdraw(self.proposer, v.ahead, self.stats.draft_batches)
-            return
         self._ahead = end_step(self.proposer, v, self.k, self.stats.draft_batches, ahead=known)
 
     def _take_ahead(self, seqs: list[Sequence], on_device: bool) -> torch.Tensor | None:
@@ -347,7 +326,8 @@ class Engine:
         if tokens is not None:
             t1 = time.perf_counter()
             launched = self.target.launch_verify(seqs, tokens, self.k)
-            got = self._step_ahead(launched) if self._ahead_of_read(seqs) else None
+            got = step_ahead(self.proposer, launched, self.k, self.stats.draft_batches) \
+                if self._ahead_of_read(seqs) else None
             if got is not None:
                 drafts, ahead = got
             out = self.target.read_verify(launched)
@@ -382,19 +362,6 @@ class Engine:
         so not while the scheduler could admit one or runs others."""
         return (self.draft_before_read and self.propose_ahead
                 and len(self.scheduler.running) == len(seqs) and not self.scheduler.can_admit())
-
-    def _step_ahead(self, launched: Launched) -> tuple[list[list[int]], Ahead] | None:
-        """`MtpProposer.step_ahead` on the launched verify: (the verified drafts, the next
-        step's drafts), or None when the proposer declined (read first, then `end_step`)."""
-        assert self.proposer is not None
-        seqs = launched.seqs
-        got = self.proposer.step_ahead(launched.greedy, launched.hidden, self.k,
-                                       [s.draft_state for s in seqs])
-        if got is None:
-            return None
-        kind = self.proposer.last_served.kind
-        self.stats.draft_batches.batches[kind][len(seqs)] += 1
-        return got[0], Ahead(seqs, got[1], kind)
 
     def _account(self, v: Verified) -> None:
         """The step's bookkeeping no launch waits for, after the draft side launched: the

@@ -14,7 +14,7 @@ import pytest
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from examples.engine.speculate import usable
-from examples.engine import engine as engine_module
+from examples.engine import draft_side, engine as engine_module
 from tests.examples.helpers import SMALL, generate, nan_at_first_verify, random_requests
 
 REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
@@ -82,14 +82,15 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
         order.append("read")
         return real_ahead(*args)
 
-    def withdraw(proposer, ahead):
+    def withdraw(proposer, ahead, stats=None):
         withdrawing.append(1)
         try:
-            return real_withdraw(proposer, ahead)
+            return real_withdraw(proposer, ahead, stats)
         finally:
             withdrawing.pop()
     real_withdraw = engine_module.withdraw
-    monkeypatch.setattr(engine_module, "withdraw", withdraw)
+    monkeypatch.setattr(engine_module, "withdraw", withdraw)  # the engine's call and end_step's
+    monkeypatch.setattr(draft_side, "withdraw", withdraw)
     monkeypatch.setattr(model, "launch", launch)
     monkeypatch.setattr(p, "last_drafts", last_drafts)
     monkeypatch.setattr(p, "step_ahead", step_ahead)

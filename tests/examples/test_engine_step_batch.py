@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import examples.engine.engine as engine_module
+from examples.engine import draft_side
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer import MtpProposer
@@ -256,7 +257,8 @@ def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeyp
         assert proposer.slots.num_pending == 0
         assert not any(s.awaiting_verify for s in states)
         withdrawn.append(len(ahead.seqs))
-    monkeypatch.setattr(engine_module, "withdraw", spy)
+    monkeypatch.setattr(engine_module, "withdraw", spy)  # the engine's call and end_step's
+    monkeypatch.setattr(draft_side, "withdraw", spy)
     outputs, passes = drive(True, before_read)
     # before the read, a step whose sequence finishes withdraws its drafts too
     assert withdrawn == [2] if not before_read else 2 in withdrawn
