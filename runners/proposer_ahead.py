@@ -29,10 +29,13 @@ The batch settles as a device-resident batch does (`PendingBatch`): on the first
 touches one of its states, which reads the drafts and the counts (pinned copies, long done by
 then) and records rows p + a, key p + a - 1, then the propose's drafts from there.
 
-It serves only what it can do exactly: the latest device-resident batch's states, in order,
-each with at least one kept draft, the exact-KV rule, a served width, tables with room for
-p + d + k rows. Anything else is refused before any change (`last_served` says why; the host
-reads its verify and uses `step_batch`). Bad tensors raise `ProposerError` naming the argument.
+It serves only what it can do exactly: the latest device-resident batch's states, in order, no
+later propose on any of them, each with at least one kept draft and drafted from its position
+- 1 rows, the exact-KV rule, a served width, tables and a pool with room for p + d + k rows.
+Anything else is refused before any change but the drafts' read (`last_served` says why; the
+host reads its verify and uses `step_batch`). Bad tensors and counts raise `ProposerError`
+naming the argument. A verify row with no finite logit (greedy -1) is drafted from as token 0:
+the host raises at its read (FAULTS 27), and the chain's own guard does not raise first.
 """
 from __future__ import annotations
 
@@ -44,7 +47,9 @@ import torch
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows
+from draft_circuit.runners.kv_cache import PoolExhausted
 from draft_circuit.runners.proposer_batch import last_drafts_of, served, width_refusal
+from draft_circuit.runners.proposer_inputs import check_num_drafts
 from draft_circuit.runners.proposer_chunks import ChainRows, consecutive
 from draft_circuit.runners.proposer_rows import grow_all, write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
@@ -176,6 +181,7 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
                    ) -> tuple[list[list[int]], torch.Tensor] | None:
     """`MtpProposer.step_ahead` (its docstring states the contract)."""
     n, k = len(states), num_drafts
+    check_num_drafts(k, p.num_drafts)  # a typed error for a count that is no draft count
     if k < 1 or n < 1:
         p.last_served = Served("refused", n, "nothing to draft ahead (no row or no draft)")
         return None
@@ -189,14 +195,24 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     assert batch is not None
     slots = batch.slots
     drafts = last_drafts_of(p, states)  # the batch's one read (its copy landed behind the chain)
-    base_list = batch.positions  # read after the settle (a batch drafted ahead knows them then)
+    # read after the settle (a batch drafted ahead knows them then): each row's position
+    # before the verify, p, and the rows it drafted from, which must be p - 1 (the rows
+    # every propose of a decode step drafts from; the shifts below assume it)
+    base = np.asarray(batch.positions, dtype=np.int64)
     mine = cast("list[MtpProposerState]", list(states))
     counts = np.fromiter(map(len, drafts), dtype=np.int64, count=n)
-    base = np.asarray(base_list, dtype=np.int64)  # each row's position before the verify: p
     limit = p.kv.max_blocks_per_seq * p.kv.block_size
-    if not counts.all() or not t.awaiting[slots].all() or int((base + counts).max()) + k > limit:
-        p.last_served = Served("refused", n, "a row kept no draft, was verified already, or "
-                                             "lacks room for the worst case")
+    why = None
+    if (t.proposed[slots] != batch.serial).any():
+        why = "a later propose replaced the batch's drafts"
+    elif not counts.all() or not t.awaiting[slots].all():
+        why = "a row kept no draft or was verified already"
+    elif (np.asarray(batch.rows) != base - 1).any():
+        why = "a row drafted from other rows than its position - 1"
+    elif int((base + counts).max()) + k > limit:
+        why = "a table lacks room for the worst case (every draft accepted)"
+    if why is not None:
+        p.last_served = Served("refused", n, why)
         return None
     k1 = k + 1
     starts = np.arange(0, n * k1, k1, dtype=np.int64)
@@ -204,7 +220,11 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
                                p.head.hidden_in_size, "step_ahead hiddens")
     # room for the worst case (every draft accepted) in every table first, all or nothing:
     # the catch-up's p + d rows, then the propose's k more
-    grow_all(t, slots, mine, base + counts + k)
+    try:
+        grow_all(t, slots, mine, base + counts + k)
+    except PoolExhausted:  # nothing was taken: the read-first path needs fewer blocks
+        p.last_served = Served("refused", n, "the drafter pool lacks the worst case's blocks")
+        return None
     # the accepted counts, on the device, from the drafts the verify checked (still in the
     # device buffers: this batch's fill comes after), first: their copy lands right behind
     # the verify's
@@ -217,8 +237,13 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
                      base, mine, advance=advance)
     try:
         out = p._execute(k, rows, None)
-    except Exception:  # the catch-up stands; its rows past each count are not the target's
-        t.set_caught_up(slots, base + dev.counts.read(n))
+    except BaseException:  # the catch-up stands; its rows past each count are not the target's
+        try:  # (a read that fails, after a device error, leaves the original error to raise)
+            t.set_caught_up(slots, base + dev.counts.read(n))
+            for s in mine:  # the worst case's blocks past the rows, as a failed propose's
+                s.blocks.release_unused()
+        except Exception:
+            pass
         raise
     chain = p.chains.get(k, False)
     drafts_dev = dev.outputs(n, k)[0]

@@ -79,6 +79,10 @@ class SlotTable:
         self.drafts = np.zeros((0, self.max_drafts), dtype=np.int64)
         self.tables = np.zeros((0, max_blocks), dtype=np.int32)
         self.pending = np.empty(0, dtype=object)  # a deferred propose's tuple or a PendingBatch
+        #: the serial of each slot's latest recorded propose (`stamp`): tells a device batch
+        #: whether a later propose replaced its drafts (runners/proposer_ahead.py)
+        self.proposed = np.zeros(0, dtype=np.int64)
+        self.serial = 0
         #: how many slots hold one (kept by every writer of `pending`): 0 lets a batch call
         #: skip its settle check altogether (the host path's steady state)
         self.num_pending = 0
@@ -93,9 +97,11 @@ class SlotTable:
         drafts = np.zeros((size, self.max_drafts), dtype=np.int64)
         tables = np.full((size, self.max_blocks), self.scratch, dtype=np.int32)
         pending = np.empty(size, dtype=object)
-        cols[:old], drafts[:old], tables[:old], pending[:old] = \
-            self.cols, self.drafts, self.tables, self.pending
+        proposed = np.zeros(size, dtype=np.int64)
+        cols[:old], drafts[:old], tables[:old], pending[:old], proposed[:old] = \
+            self.cols, self.drafts, self.tables, self.pending, self.proposed
         self.cols, self.drafts, self.tables, self.pending = cols, drafts, tables, pending
+        self.proposed = proposed
         # the int columns are views of one [slots, 7] array (one gather reads them all);
         # 0/1 for the two flags
         self.columns = tuple(cols[:, i] for i in range(len(COLUMNS)))
@@ -114,6 +120,7 @@ class SlotTable:
         self.cols[slot] = 0
         self.tables[slot] = self.scratch
         self.pending[slot] = None
+        self.proposed[slot] = 0
         weakref.finalize(state, self._release, slot)
         return slot
 
@@ -172,6 +179,12 @@ class SlotTable:
             self.pending[slots[0]] = value
         else:
             self.pending[slots] = value
+
+    def stamp(self, slots: np.ndarray | int) -> int:
+        """Mark `slots` (or one slot) as holding the latest propose, a new serial (returned)."""
+        self.serial += 1
+        self.proposed[slots] = self.serial
+        return self.serial
 
     def set_caught_up(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """Each slot's rows are `rows` (int64 [n]), its newest key the row before: the rows a
@@ -270,6 +283,7 @@ class SlotTable:
                 self.drafts[slot, :k] = row
         elif k:
             self.drafts[slots, :k] = drafts
+        self.stamp(slots[0] if n == 1 else slots)
         return kept_rows
 
     def last_drafts(self, slot: int) -> list[int]:

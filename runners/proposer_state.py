@@ -121,6 +121,7 @@ def record_drafts(state: MtpProposerState, drafts: list[int], rows: int, positio
     position + i (a stopped row wrote no further row), so the newest key is position + d - 2.
     (One state; a batch records with `SlotTable.record`, the same rule as array operations.)"""
     state.blocks.set_rows(rows + len(drafts))
+    state.table.stamp(state.slot)
     state.last_num_drafted, state.last_drafts = len(drafts), drafts
     if drafts:
         state.last_pair_key = pair_key(position + len(drafts) - 1)
@@ -151,6 +152,8 @@ class PendingBatch:
     #: accepted count a, read at settle; `rows` and `positions` then hold each row's position
     #: before the verify, p, and the run had p + a rows before it at position p + a + 1
     counts: Callable[[], np.ndarray] | None = None
+    #: the table's serial its record stamped on its states (`SlotTable.stamp`; 0 before)
+    serial: int = 0
 
     def settle(self) -> list[list[int]] | None:
         """Record every state still waiting on this batch (nothing when done already). Returns
@@ -177,6 +180,7 @@ class PendingBatch:
         t.set_pending(slots, None)
         t.num_pending -= len(slots)
         kept = t.record(slots, drafts, rows, positions)
+        self.serial = t.serial
         if self.check is not None:
             self.check()
         return kept if slots is self.slots else None

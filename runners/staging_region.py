@@ -69,13 +69,16 @@ class Region:
 
     def advance(self, n: int, advance: Advance) -> None:
         """Rows [:n] as staged for no accepted draft, moved by each row's count on the device:
-        token greedy[i, a_i], position and live rows + a_i (three launches, after the copy)."""
+        token greedy[i, a_i], position and live rows + a_i (four launches, after the copy). A
+        -1 token (a verify row with no finite logit: its host raises at the read, FAULTS 27)
+        is drafted from as 0, so the chain's guard does not raise in its stead."""
         views = self.shifted.get(n)
         if views is None:
             views = self.shifted[n] = (self.tokens[:n].view(n, 1), self._devs["positions"][:n],
                                        self._devs["live_rows"][:n])
         tokens, positions, live = views
         torch.gather(advance.greedy, 1, advance.column, out=tokens)
+        tokens.clamp_(min=0)
         positions.add_(advance.counts)
         live.add_(advance.counts)
 

@@ -197,8 +197,9 @@ class TargetModel:
         buffer of ones: no pageable copy, so the host is not held behind the work already
         queued (the draft chain) before it can enqueue the verify. Tokens already on the
         device (a device-resident verify input) are passed as they are. The mirror is safe to
-        rewrite on the next pass: `forward` syncs on its tokens before it returns, after this
-        copy has run."""
+        rewrite on the next pass: every pass is read before the next is launched (`forward`
+        syncs on its tokens before it returns; a `launch` is read by its caller, the engine's
+        `read_verify`, which `TokensToHost` enforces), after this copy has run."""
         n = rows.tokens.shape[0]
         if self.device.type == "cpu":
             return {"tokens": rows.tokens, "positions": rows.positions,

@@ -166,20 +166,26 @@ class TokensToHost:
             else None
         self.event = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self.stream = CurrentStream(device) if self.cuda else None
+        self.unread = False  # a copy enqueued and not read yet
 
     def enqueue(self, greedy: torch.Tensor) -> Callable[[], list[int]]:
         """Enqueue the copy of `greedy` (int32 [n], on the device); returns its read."""
         if self.host is None:
             return greedy.tolist
+        if self.unread:  # its buffer, and the target staging's mirror, are not free yet
+            raise RuntimeError("a target pass was launched before the last one was read "
+                               "(TargetRunner.read_verify): its greedy tokens would be overwritten")
         n = greedy.shape[0]
         host = self.host[:n]
         host.copy_(greedy, non_blocking=True)
         assert self.event is not None and self.stream is not None
         self.stream.record(self.event)
+        self.unread = True
 
         def read() -> list[int]:
             assert self.event is not None
             self.event.synchronize()  # type: ignore[no-untyped-call]
+            self.unread = False
             return host.tolist()
         return read
 

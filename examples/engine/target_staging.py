@@ -13,8 +13,10 @@ on every target step.
 Tokens already on the device (the proposer's device-resident verify input) follow the region's
 copy with one device-to-device copy into the tokens rows.
 
-The mirror is rewritten by the next pass: safe because `TargetModel.forward` reads the pass's
-tokens back (a sync) before it returns, after this copy ran. A pass the staging did not fill
+The mirror is rewritten by the next pass: safe because every pass's tokens are read back (a
+sync) before the next pass is launched, after this copy ran (`TargetModel.forward` reads them
+before it returns; a `TargetModel.launch` is read by `TargetRunner.read_verify`, and
+`TokensToHost` refuses a second launch before that read). A pass the staging did not fill
 (the runner's `unstaged_runs` moved: a test, a prefill chunk run through the same runner) may
 have written any row, so the next fill rewrites them all.
 """

@@ -34,18 +34,19 @@ def generate(path, requests, **config) -> tuple[list[list[int]], Engine]:
     return engine.generate(requests).outputs, engine
 
 
-def nan_at_first_verify(engine: Engine, monkeypatch) -> list[int]:
+def nan_at_first_verify(engine: Engine, monkeypatch, row: int = -1) -> list[int]:
     """Patch the engine's target so its second pass (the first verify, after the prefill)
-    returns -1 (no finite logit) for its last row; returns the list of each pass's row count.
-    (`launch` is the pass; `forward`, which the host path calls, reads what it returns.)"""
+    returns -1 (no finite logit) for its row `row` (default the last); returns the list of each
+    pass's row count. (`launch` is the pass; `forward`, which the host path calls, reads what
+    it returns.)"""
     launch, calls = engine.target.model.launch, []
 
     def later_nan(rows):
         tokens, hidden = launch(rows)
         calls.append(len(tokens))
-        if len(calls) == 2:  # the first verify: its last row has no finite logit
+        if len(calls) == 2:  # the first verify: that row has no finite logit
             tokens = tokens.clone()
-            tokens[-1] = -1
+            tokens[row] = -1
         return tokens, hidden
     monkeypatch.setattr(engine.target.model, "launch", later_nan)
     return calls

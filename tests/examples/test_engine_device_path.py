@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from examples.engine.speculate import usable
 from examples.engine import draft_side, engine as engine_module
 from tests.examples.helpers import SMALL, generate, nan_at_first_verify, random_requests
+from draft_circuit.runners.testing import cuda
 
 REQUESTS = random_requests(SMALL.vocab_size, 7, seed=11)
 
@@ -186,13 +188,29 @@ def test_the_engines_kv_only_catch_up_stays_exact(small_checkpoint, greedy, devi
     assert rows and not full  # every catch-up and prefill row ran on the KV-only runner
 
 
-def test_device_path_names_a_non_finite_verify_row(small_checkpoint, monkeypatch):
+@pytest.mark.parametrize("row", [-1, 0])
+def test_device_path_names_a_non_finite_verify_row(small_checkpoint, monkeypatch, row):
     """FAULTS 27 on the device path: a verify row with no finite logit raises
-    NonFiniteLogitsError naming the request and decode step, as the host path does."""
+    NonFiniteLogitsError naming the request and decode step, as the host path does. Row 0 is
+    the one a draft-before-read propose takes its token from when nothing is accepted: the -1
+    reaches the drafter as 0 (review regression: the chain's guard raised its own error first)."""
     from examples.engine.runner import NonFiniteLogitsError
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(widths=(1,), max_batch=1))
     engine.device_drafts = True
-    calls = nan_at_first_verify(engine, monkeypatch)
+    calls = nan_at_first_verify(engine, monkeypatch, row)
     with pytest.raises(NonFiniteLogitsError, match=r"request 0: .* position \d+, decode step \d+ "):
         engine.generate([Request([1, 2, 3], 12)])
     assert calls[1] == engine.k + 1  # the verify ran on the device path: k + 1 rows
+
+
+@cuda
+def test_a_second_launch_before_the_read_is_refused():
+    """The launched verify's greedy tokens land in one pinned buffer (and the target staging's
+    mirror is rewritten by the next pass): a second launch before the read raises by name."""
+    from examples.engine.runner import TokensToHost
+    out = TokensToHost(8, torch.device("cuda"))
+    read = out.enqueue(torch.arange(4, dtype=torch.int32, device="cuda"))
+    with pytest.raises(RuntimeError, match="launched before the last one was read"):
+        out.enqueue(torch.arange(4, dtype=torch.int32, device="cuda"))
+    assert read() == [0, 1, 2, 3]
+    assert out.enqueue(torch.ones(2, dtype=torch.int32, device="cuda"))() == [1, 1]

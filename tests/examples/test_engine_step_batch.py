@@ -380,3 +380,58 @@ def test_the_summary_counts_withdrawn_batches(small_checkpoint):
     for n, c in d["withdrawn_batches"].items():
         assert c <= sum(d["draft_batches"][n].values())
     assert "withdrawn unused" in format_summary(d)
+
+
+def forced_greedy(engine, k: int):
+    """Patch the engine's target so each verify accepts a spread of its drafts (row i of the
+    pass takes its first a_i drafts as the target's tokens, a_i varying step to step): the same
+    "target" for both paths, so drafting before the read (which counts on the device) and
+    reading first must give the same outputs and the same target passes, with catch-ups of
+    1..k rows on the way (random heads alone accept almost nothing)."""
+    launch, p, seen = engine.target.model.launch, engine.proposer, [0]
+
+    def forced(rows):
+        tokens, hidden = launch(rows)
+        if rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
+            n = rows.tokens.shape[0] // (k + 1)
+            g, v = tokens.clone().view(n, k + 1), rows.tokens.view(n, k + 1)
+            for i in range(n):
+                seen[0] += 1
+                for j in range((7 * seen[0]) % (k + 1)):
+                    if int(v[i, j + 1]) == 0:  # a stopped row's padding
+                        break
+                    g[i, j] = v[i, j + 1]
+            tokens = g.view(-1)
+        return tokens, hidden
+    engine.target.model.launch = forced
+
+
+@pytest.mark.parametrize("tau", [None, 0.2])
+def test_drafting_before_the_read_with_accepted_drafts(small_checkpoint, tau):
+    config = dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3,
+                  draft_confidence_stop=tau)
+    got = []
+    for before_read in (True, False):
+        engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+        engine.device_drafts, engine.draft_before_read = True, before_read
+        forced_greedy(engine, 3)
+        passes, launch = [], engine.target.model.launch
+        engine.target.model.launch = lambda rows: passes.append(rows.tokens.tolist()) or launch(rows)
+        outputs = engine.generate(REQUESTS).outputs
+        assert engine.proposer.pool.num_used == 0 and engine.pool.num_used == 0
+        got.append((outputs, passes, engine.stats.accepted, engine.stats.steps))
+        if before_read:
+            assert engine.stats.draft_batches.batches and engine.stats.accepted > engine.stats.steps
+    assert got[0] == got[1]
+
+
+def test_an_exact_pool_finishes_drafting_before_the_read(small_checkpoint):
+    """--kv-blocks at exactly what the request check asks: near a request's end the worst case
+    step_ahead grows for (every draft accepted) needs a block the pool lacks, so it declines
+    and that step reads first; the output is greedy's."""
+    requests = [Request([1, 2, 3], 5), Request([7, 8, 9], 5)]
+    config = dict(widths=(1, 2), max_batch=2, block_size=4, kv_blocks=7, num_drafts=4)
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+    engine.device_drafts = True
+    assert engine.generate(requests).outputs == \
+        generate(small_checkpoint, requests, speculate=False, max_batch=2)[0]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer_ahead import accept_counts
 from draft_circuit.runners.proposer_state import ProposerError
 from draft_circuit.runners.testing import cuda
@@ -75,7 +76,6 @@ def _loop(n, opts, steps=5, **kw):
         starts = [i * k1 for i in range(n)]
         rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
                         dtype=np.int64)
-        from draft_circuit.runners.hidden_rows import HiddenRows
         greedy2 = greedy.view(n, k1).tolist()  # (the read-first path's read)
         last = [greedy2[i][c] for i, c in enumerate(accepted)]
         first = [p + 1 for p in pos]
@@ -175,12 +175,29 @@ def _snapshot(p, states):
             p.states["k_cache"].clone())
 
 
-@pytest.mark.parametrize("case", ["not_the_batch", "reordered", "kv_inexact", "other_k"])
-def test_refusals_change_nothing(case):
+@pytest.mark.parametrize("case,reason", [
+    ("not_the_batch", "not the latest"), ("reordered", "not the latest"),
+    ("kv_inexact", "kv_exact off"), ("other_k", "drafted 3 a row"),
+    # a host-path propose after the device batch: its drafts, not the batch's, await the verify
+    ("replaced", "a later propose replaced"),
+    # a batch proposed at a position past its rows + 1 (the shifts assume rows = position - 1)
+    ("lagging", "other rows than its position - 1"),
+    # one usable block: the worst case (every draft accepted) needs another
+    ("pool", "pool lacks"),
+])
+def test_refusals_change_nothing(case, reason):
     kw = {"kv_exact": False} if case == "kv_inexact" else {}
-    p, states = _ready(**kw)
+    if case == "pool":
+        kw = {"num_blocks": 2, "block_size": 8}
+    n = 1 if case == "pool" else 3
+    p = make("circuit", **kw)
+    states = [prefilled(p, 40 + i, length=4 if case == "pool" else 7)[0] for i in range(n)]
+    pos = [p.last_pair_key(s) + (3 if case == "lagging" else 2) for s in states]
+    p.propose_batch_on_device([3] * n, hidden(7, n), pos, K, states)
+    if case == "replaced":
+        p.after_verify_batch([0] * n, states)
+        p.propose_batch([4] * n, hidden(8, n), [q + 1 for q in pos], K, states)
     before = _snapshot(p, states)
-    n = len(states)
     greedy = torch.zeros(n * (K + 1), dtype=torch.int32)
     hid = hidden(9, n * (K + 1))
     if case == "not_the_batch":
@@ -192,8 +209,59 @@ def test_refusals_change_nothing(case):
     else:
         got = p.step_ahead(greedy, hid, K, states)
     assert got is None and p.last_served.kind == "refused"
+    assert reason in p.last_served.reason
     after = _snapshot(p, states)
     assert after[:4] == before[:4] and torch.equal(after[4], before[4])
+
+
+def test_a_propose_that_raises_leaves_the_read_first_state():
+    """The k-step chain raising after the trims and the catch-up: the states settle to the rows
+    the target accepted (the device counts, read at once), release the worst case's blocks past
+    them, and hold nothing pending: what a read-first step whose propose raised leaves."""
+    def boom(p):
+        runner = p.chain_runner()
+        real = runner.run
+
+        def run(n, inputs):
+            runner.run = real
+            raise RuntimeError("chain down")
+        runner.run = run
+
+    def ready():
+        p = make("circuit")
+        s = prefilled(p, 40, length=7)[0]
+        pos = p.last_pair_key(s) + 2
+        p.propose_batch_on_device([5], hidden(7, 1), [pos], K, [s])
+        return p, s, pos
+    vh = hidden(300, K + 1)
+    got = []
+    for ahead in (True, False):
+        p, s, pos = ready()
+        d = p.last_drafts([s])[0]
+        greedy = torch.tensor([d[0], (d[1] + 1) % CFG.vocab_size, 0, 0], dtype=torch.int32)  # a = 1
+        boom(p)
+        with pytest.raises(RuntimeError, match="chain down"):
+            if ahead:
+                p.step_ahead(greedy, vh, K, [s])
+            else:
+                p.step_batch([1], [[d[0]]], HiddenRows(vh, np.array([0])), [int(greedy[1])],
+                             HiddenRows(vh, np.array([1])), [pos + 2], K, [s],
+                             catchup_first=[pos + 1])
+        got.append((p.drafter_rows(s), p.last_pair_key(s), s.awaiting_verify, s.pending,
+                    list(s.blocks.blocks), int(p.slots.capacity[s.slot]), _kv(p, s, "k_cache")))
+    (*a, ka), (*b, kb) = got
+    assert a == b and torch.equal(ka, kb)
+
+
+def test_a_handover_before_the_settle_settles_first():
+    """take_drafter_kv between step_ahead and its settle: the batch settles from the counts
+    first, so the rows handed out (and back in) are the target's."""
+    for a, sa, b, sb in _loop(3, {}, steps=2):
+        for p, states in ((a, sa), (b, sb)):
+            blocks, rows, key = p.take_drafter_kv(states[1])
+            assert p.install_drafter_kv(states[1], blocks, rows, key)
+        break
+    _same_valid(a, sa, b, sb)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -202,12 +270,24 @@ def test_refusals_change_nothing(case):
     (lambda g, h: (g, h[:3]), r"step_ahead hiddens: expected the verify's hiddens"),
     (lambda g, h: (g, h.double()), "step_ahead hiddens: torch.float64"),
     (lambda g, h: (g, h[:, :5]), "head reads"),
+    (lambda g, h: (g.view(4, -1), h), r"got torch.int32 \[4, 4\]"),
 ])
 def test_bad_tensors_are_named_and_change_nothing(bad, match):
+    """(A bad draft count too: test_a_bad_count_is_named.)"""
     p, states = _ready(n=4)
     before = _snapshot(p, states)
     greedy, hid = bad(torch.zeros(16, dtype=torch.int32), hidden(9, 16))
     with pytest.raises(ProposerError, match=match):
         p.step_ahead(greedy, hid, K, states)
+    after = _snapshot(p, states)
+    assert after[:4] == before[:4] and torch.equal(after[4], before[4])
+
+
+@pytest.mark.parametrize("k", ["3", None, True, 9, -1])
+def test_a_bad_count_is_named(k):
+    p, states = _ready(n=2)
+    before = _snapshot(p, states)
+    with pytest.raises(ProposerError, match="num_drafts"):
+        p.step_ahead(torch.zeros(8, dtype=torch.int32), hidden(9, 8), k, states)
     after = _snapshot(p, states)
     assert after[:4] == before[:4] and torch.equal(after[4], before[4])
