@@ -117,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
                     help="torch CPU threads (default 1: the ops are small, threads only add waits)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--no-speculation", action="store_true", help="target-only greedy (the baseline)")
+    ap.add_argument("--draft-before-read", action=argparse.BooleanOptionalAction, default=None,
+                    help="on the device path (CUDA), launch each step's draft side behind its "
+                         "verify before reading it (accepted counts on the device; "
+                         "MtpProposer.step_ahead); default off")
     ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="after a speculative run, run target-only greedy on the same prompts in "
                          "this process, check the outputs are identical (exit 1 if not) and report "
@@ -158,6 +162,8 @@ def run(args: argparse.Namespace) -> dict:
                           dtype=getattr(torch, args.dtype), device=args.device, draft_vocab=vocab,
                           tp=args.tp)
     engine = Engine(checkpoint, config)
+    if args.draft_before_read is not None:
+        engine.draft_before_read = args.draft_before_read
     requests = [Request(p, args.max_new_tokens) for p in prompts]
     show_bar = not args.quiet and (args.progress or sys.stderr.isatty())
     bar = ProgressBar(sum(r.max_new_tokens for r in requests)) if show_bar else None

@@ -352,9 +352,11 @@ class Engine:
         return v
 
     #: on the device path, launch the draft side right behind the verify, before the host
-    #: reads it (`MtpProposer.step_ahead`: accepted counts on the device); False: read first
-    #: (a test and benchmarks/engine_step_host.py set it to compare)
-    draft_before_read: bool = True
+    #: reads it (`MtpProposer.step_ahead`: accepted counts on the device); False: read first,
+    #: then `step_batch`. Opt-in (`--draft-before-read`) until a GPU run measures it against
+    #: reading first: it adds host work a step (the catch-up of every kept draft, ~10 small
+    #: device ops) that only the overlap it buys can repay.
+    draft_before_read: bool = False
 
     def _ahead_of_read(self, seqs: list[Sequence]) -> bool:
         """Whether to draft the next step before this one's verify is read: the next batch will

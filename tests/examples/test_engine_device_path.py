@@ -63,7 +63,7 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
     `step_ahead`, which reads them before it enqueues the draft side)."""
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
-    engine.device_drafts = True
+    engine.device_drafts = engine.draft_before_read = True
     p, model = engine.proposer, engine.target.model
     order: list[str] = []
     real_launch, real_last, real_ahead = model.launch, p.last_drafts, p.step_ahead
@@ -196,7 +196,7 @@ def test_device_path_names_a_non_finite_verify_row(small_checkpoint, monkeypatch
     reaches the drafter as 0 (review regression: the chain's guard raised its own error first)."""
     from examples.engine.runner import NonFiniteLogitsError
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(widths=(1,), max_batch=1))
-    engine.device_drafts = True
+    engine.device_drafts = engine.draft_before_read = True
     calls = nan_at_first_verify(engine, monkeypatch, row)
     with pytest.raises(NonFiniteLogitsError, match=r"request 0: .* position \d+, decode step \d+ "):
         engine.generate([Request([1, 2, 3], 12)])

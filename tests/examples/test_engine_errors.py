@@ -186,3 +186,24 @@ def test_summary_json_holds_every_request(capsys, tmp_path, small_checkpoint):
     assert all(len(r["generated"]) == 5 for r in summary["requests_ids"])
     assert summary["generated_tokens"] == 15 and summary["mean_accepted_per_verify"] is not None
     assert "tokens/s" in out and "mean accepted drafts per verify" in out
+
+
+def test_draft_before_read_is_a_flag(capsys, tmp_path, small_checkpoint, monkeypatch):
+    """`--draft-before-read` sets the engine's opt-in (the device path's; on CPU the host path
+    runs and the output is the same), `--no-draft-before-read` clears it."""
+    from examples.engine import engine as engine_module
+    seen = []
+    real = engine_module.Engine.generate
+
+    def generate(self, requests, on_step=None):
+        seen.append(self.draft_before_read)
+        return real(self, requests, on_step)
+    monkeypatch.setattr(engine_module.Engine, "generate", generate)
+    outs = []
+    for flag in ("--draft-before-read", "--no-draft-before-read"):
+        code, out, err = run_cli(capsys, tmp_path, ["--checkpoint", str(small_checkpoint),
+                                                    "--max-new-tokens", "4", "--widths", "1,2",
+                                                    "--no-compare", flag], [[5, 6, 7], [8]])
+        assert code == 0, err
+        outs.append(json.loads((tmp_path / "summary.json").read_text())["requests_ids"])
+    assert seen == [True, False] and outs[0] == outs[1]

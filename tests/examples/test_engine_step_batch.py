@@ -371,7 +371,7 @@ def test_the_summary_counts_withdrawn_batches(small_checkpoint):
     from examples.engine.report import format_summary, summary
     requests, config = CASES["k3"]
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
-    engine.device_drafts = True
+    engine.device_drafts, engine.draft_before_read = True, True
     result = engine.generate(requests)
     d = summary(engine, result)
     withdrawn = engine.stats.draft_batches.withdrawn
@@ -432,6 +432,6 @@ def test_an_exact_pool_finishes_drafting_before_the_read(small_checkpoint):
     requests = [Request([1, 2, 3], 5), Request([7, 8, 9], 5)]
     config = dict(widths=(1, 2), max_batch=2, block_size=4, kv_blocks=7, num_drafts=4)
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
-    engine.device_drafts = True
+    engine.device_drafts, engine.draft_before_read = True, True
     assert engine.generate(requests).outputs == \
         generate(small_checkpoint, requests, speculate=False, max_batch=2)[0]
