@@ -74,18 +74,19 @@ def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor,
                   ) -> torch.Tensor:
     """out[i] = how many leading drafts[i] equal greedy[i] at the row before them (drafts
     [n, k], -1 after a stop, never accepted; greedy [n, k + 1]): `speculate.accept` per row, as
-    device ops with no read. `scratch`: bool, bool and int64 buffers [n, k] for the
-    intermediates (none allocated then)."""
+    device ops with no read. `scratch`: int64, bool and int64 buffers [n, k] for the
+    intermediates (none allocated then: every op writes its out= buffer in its own dtype; a
+    cumprod that converts bool to int64 allocates the converted copy, seen on the H100)."""
     n, k = drafts.shape
     if scratch is None:
-        scratch = (torch.empty((n, k), dtype=torch.bool, device=drafts.device),
+        scratch = (torch.empty((n, k), dtype=torch.int64, device=drafts.device),
                    torch.empty((n, k), dtype=torch.bool, device=drafts.device),
                    torch.empty((n, k), dtype=torch.int64, device=drafts.device))
     match, drafted, prefix = scratch
-    torch.eq(drafts, greedy[:, :k], out=match)
+    torch.eq(drafts, greedy[:, :k], out=match)  # 1 / 0
     torch.ge(drafts, 0, out=drafted)  # a stop's -1 is no draft, whatever the target's row holds
-    match.logical_and_(drafted)
-    torch.cumprod(match, 1, dtype=torch.int64, out=prefix)  # 1 while every draft so far matched
+    match.mul_(drafted)
+    torch.cumprod(match, 1, out=prefix)  # 1 while every draft so far matched
     return torch.sum(prefix, 1, out=out)
 
 
@@ -119,7 +120,7 @@ class AcceptCounts:
         scratch = self._scratch.get(shape)
         if scratch is None:  # made once a shape: a steady step allocates nothing
             scratch = self._scratch[shape] = (
-                torch.empty(shape, dtype=torch.bool, device=self._device),
+                torch.empty(shape, dtype=torch.int64, device=self._device),
                 torch.empty(shape, dtype=torch.bool, device=self._device),
                 torch.empty(shape, dtype=torch.int64, device=self._device))
         accept_counts(drafts, greedy, counts, scratch)

@@ -26,21 +26,24 @@ def greedy_for(path, target_forward: str) -> list[list[int]]:
 @cuda
 @pytest.mark.parametrize("target_forward", ["eager", "circuit"])
 @pytest.mark.parametrize("forward,tau", [("circuit", None), ("circuit", 0.3), ("eager", None)])
-def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forward, tau):
+@pytest.mark.parametrize("before_read", [False, True])
+def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forward, tau,
+                                          before_read):
     common = dict(device="cuda", target_forward=target_forward, max_rows=64)
     greedy = greedy_for(small_checkpoint, target_forward)
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward=forward, num_drafts=3, widths=(1, 2, 4), max_batch=3,
                                  draft_confidence_stop=tau, **common))
     assert engine.device_drafts is None and engine._on_device(3)  # CUDA's default
+    engine.draft_before_read = before_read
     p, model = engine.proposer, engine.target.model
-    verifies, real = [], model.forward
+    verifies, real = [], model.launch  # every pass (forward reads what it launches)
 
-    def forward_spy(rows):
+    def launch_spy(rows):
         if rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
             verifies.append(rows.tokens.shape[0])
         return real(rows)
-    model.forward = forward_spy
+    model.launch = launch_spy
     assert engine.generate(REQUESTS).outputs == greedy
     assert len(verifies) == engine.stats.steps  # every decode step verified from the device
     assert engine.pool.num_used == 0 and p.pool.num_used == 0
