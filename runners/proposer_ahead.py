@@ -130,6 +130,23 @@ class AcceptCounts:
             self._stream.record(self._copied)
         return Advance(counts, column, greedy)
 
+    def warm(self, width: int, k: int) -> None:
+        """Run, now, every device op `step_ahead` adds (the counts, and the staging's shifts on
+        buffers of its dtypes) and make every width's scratch: on a GPU a kernel's first
+        launch loads its module (milliseconds each, in the first steps' window otherwise)."""
+        if k < 1:
+            return
+        for n in range(1, width + 1):
+            drafts = torch.full((n, k), -1, dtype=torch.int32, device=self._device)
+            greedy = torch.zeros((n, k + 1), dtype=torch.int32, device=self._device)
+            advance = self.compute(drafts, greedy)
+        tokens = torch.zeros((width, 1), dtype=torch.int32, device=self._device)
+        torch.gather(advance.greedy, 1, advance.column, out=tokens[:1])
+        tokens.clamp_(min=0)
+        tokens.view(-1)[:1].add_(advance.counts)
+        torch.zeros(1, dtype=torch.int64, device=self._device).add_(advance.counts)
+        self.read(1)
+
     def read(self, n: int) -> np.ndarray:
         """The latest counts as a fresh host array [n] (waits on their copy if it has not landed)."""
         if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]

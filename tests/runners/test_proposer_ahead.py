@@ -291,3 +291,13 @@ def test_a_bad_count_is_named(k):
         p.step_ahead(torch.zeros(8, dtype=torch.int32), hidden(9, 8), k, states)
     after = _snapshot(p, states)
     assert after[:4] == before[:4] and torch.equal(after[4], before[4])
+
+
+def test_the_warm_up_runs_every_op_and_leaves_the_scratch():
+    """`AcceptCounts.warm` (the proposer calls it on a GPU, where a kernel's first launch loads
+    its module) runs on any device and leaves a scratch a width, so a step allocates none."""
+    from draft_circuit.runners.proposer_ahead import AcceptCounts
+    counts = AcceptCounts(4, torch.device("cpu"))
+    counts.warm(4, K)
+    assert set(counts._scratch) == {(n, K) for n in range(1, 5)}
+    assert counts.read(4).tolist() == [0, 0, 0, 0]
