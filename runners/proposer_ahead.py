@@ -136,14 +136,14 @@ class AcceptCounts:
         launch loads its module (milliseconds each, in the first steps' window otherwise)."""
         if k < 1:
             return
-        for n in range(1, width + 1):
+        for n in range(width, 0, -1):  # n = 1 last: its Advance shifts the buffers below
             drafts = torch.full((n, k), -1, dtype=torch.int32, device=self._device)
             greedy = torch.zeros((n, k + 1), dtype=torch.int32, device=self._device)
             advance = self.compute(drafts, greedy)
-        tokens = torch.zeros((width, 1), dtype=torch.int32, device=self._device)
-        torch.gather(advance.greedy, 1, advance.column, out=tokens[:1])
+        tokens = torch.zeros((1, 1), dtype=torch.int32, device=self._device)
+        torch.gather(advance.greedy, 1, advance.column, out=tokens)
         tokens.clamp_(min=0)
-        tokens.view(-1)[:1].add_(advance.counts)
+        tokens.view(-1).add_(advance.counts)
         torch.zeros(1, dtype=torch.int64, device=self._device).add_(advance.counts)
         self.read(1)
 
