@@ -351,12 +351,9 @@ class Engine:
         self.stats.target_s += t2 - t1
         return v
 
-    #: on the device path, launch the draft side right behind the verify, before the host
-    #: reads it (`MtpProposer.step_ahead`: accepted counts on the device); False: read first,
-    #: then `step_batch`. Opt-in (`--draft-before-read`): it adds host work a step (the
-    #: catch-up of every kept draft, ~10 small device ops) that only the overlap it buys can
-    #: repay, and its one H100 run was slower than reading first (benchmarks/RESULTS.md,
-    #: 2026-12-07: a faster median step, a few very slow first calls).
+    #: on the device path, launch the draft side behind the verify, before the host reads it
+    #: (`MtpProposer.step_ahead`); False: read first, then `step_batch`. Opt-in: its one H100
+    #: run was slower (benchmarks/RESULTS.md 2026-12-07: faster median step, slow first calls).
     draft_before_read: bool = False
 
     def _ahead_of_read(self, seqs: list[Sequence]) -> bool:
