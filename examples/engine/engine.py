@@ -300,11 +300,12 @@ class Engine:
         On the device path (CUDA) the drafts never come back before verify: the verify input is
         the proposer's device tensor (`draft_on_device`, or the last step's `step_batch`),
         launched straight behind the chain. The step's one read is the verify's greedy tokens
-        (`TargetModel.forward`'s `tolist`, a sync on the target's pass); the drafts were copied
+        (`read_verify`: their pinned copy, a sync on the target's pass); the drafts were copied
         to pinned memory behind the chain, so `last_drafts` reads them then without a sync of
-        its own. TargetModel.forward stages its host inputs (positions, tables) in one pinned
-        mirror with one non_blocking copy and keeps `active` on the device, so nothing holds
-        the host behind the chain before the verify is enqueued."""
+        its own. With `draft_before_read`, `step_ahead` enqueues the draft side between the
+        verify's launch and that read. The target stages its host inputs (positions, tables)
+        in one pinned mirror with one non_blocking copy and keeps `active` on the device, so
+        nothing holds the host behind the chain before the verify is enqueued."""
         assert self.proposer is not None
         t0 = time.perf_counter()
         on_device = self._on_device(len(seqs))
