@@ -77,17 +77,35 @@ def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor,
     device ops with no read. `scratch`: int64, bool and int64 buffers [n, k] for the
     intermediates (none allocated then: every op writes its out= buffer in its own dtype; a
     cumprod that converts bool to int64 allocates the converted copy, seen on the H100)."""
-    n, k = drafts.shape
-    if scratch is None:
-        scratch = (torch.empty((n, k), dtype=torch.int64, device=drafts.device),
-                   torch.empty((n, k), dtype=torch.bool, device=drafts.device),
-                   torch.empty((n, k), dtype=torch.int64, device=drafts.device))
-    match, drafted, prefix = scratch
+    k = drafts.shape[1]
+    match, drafted, prefix = scratch or _scratch(drafts.shape, drafts.device)
     torch.eq(drafts, greedy[:, :k], out=match)  # 1 / 0
     torch.ge(drafts, 0, out=drafted)  # a stop's -1 is no draft, whatever the target's row holds
     match.mul_(drafted)
     torch.cumprod(match, 1, out=prefix)  # 1 while every draft so far matched
     return torch.sum(prefix, 1, out=out)
+
+
+def _scratch(shape: Sequence[int], device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`accept_counts`' intermediates for drafts of `shape`: the match (int64), the drafted
+    mask (bool) and the running product (int64)."""
+    return (torch.empty(shape, dtype=torch.int64, device=device),
+            torch.empty(shape, dtype=torch.bool, device=device),
+            torch.empty(shape, dtype=torch.int64, device=device))
+
+
+#: placeholder tokens of an advanced propose (its staging gathers the real ones), read-only,
+#: sliced per call and grown when a wider batch comes (no array made a step)
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+def _placeholder(n: int) -> np.ndarray:
+    global _NO_TOKENS
+    if len(_NO_TOKENS) < n:
+        _NO_TOKENS = np.zeros(max(n, 2 * len(_NO_TOKENS)), dtype=np.int64)
+        _NO_TOKENS.flags.writeable = False
+    return _NO_TOKENS[:n]
 
 
 class AcceptCounts:
@@ -105,7 +123,6 @@ class AcceptCounts:
         self._stream = CurrentStream(device) if self.cuda else None
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._device = device
 
     def compute(self, drafts: torch.Tensor, greedy: torch.Tensor) -> Advance:
         """The counts of drafts [n, k] against greedy [n, k + 1], enqueued with their copy to
@@ -119,10 +136,7 @@ class AcceptCounts:
         shape = (n, drafts.shape[1])
         scratch = self._scratch.get(shape)
         if scratch is None:  # made once a shape: a steady step allocates nothing
-            scratch = self._scratch[shape] = (
-                torch.empty(shape, dtype=torch.int64, device=self._device),
-                torch.empty(shape, dtype=torch.bool, device=self._device),
-                torch.empty(shape, dtype=torch.int64, device=self._device))
+            scratch = self._scratch[shape] = _scratch(shape, self.dev.device)
         accept_counts(drafts, greedy, counts, scratch)
         if self.cuda:
             host.copy_(counts, non_blocking=True)
@@ -137,14 +151,14 @@ class AcceptCounts:
         if k < 1:
             return
         for n in range(width, 0, -1):  # n = 1 last: its Advance shifts the buffers below
-            drafts = torch.full((n, k), -1, dtype=torch.int32, device=self._device)
-            greedy = torch.zeros((n, k + 1), dtype=torch.int32, device=self._device)
+            drafts = torch.full((n, k), -1, dtype=torch.int32, device=self.dev.device)
+            greedy = torch.zeros((n, k + 1), dtype=torch.int32, device=self.dev.device)
             advance = self.compute(drafts, greedy)
-        tokens = torch.zeros((1, 1), dtype=torch.int32, device=self._device)
+        tokens = torch.zeros((1, 1), dtype=torch.int32, device=self.dev.device)
         torch.gather(advance.greedy, 1, advance.column, out=tokens)
         tokens.clamp_(min=0)
         tokens.view(-1).add_(advance.counts)
-        torch.zeros(1, dtype=torch.int64, device=self._device).add_(advance.counts)
+        torch.zeros(1, dtype=torch.int64, device=self.dev.device).add_(advance.counts)
         self.read(1)
 
     def read(self, n: int) -> np.ndarray:
@@ -248,10 +262,11 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     # the verify's
     advance = dev.counts.compute(dev.drafts(n, k), greedy.view(n, k1))
     d_list = counts.tolist()
+    # the exact-KV trim (d - 1 rows) does not read the count: the kept drafts stand in for it
     trim_after_verify_batch(t, slots, d_list, mine, kv_exact=True, refeed=False)
     write_rows(p._execute, t, p.chains.kv_only()[0].max_width, drafts, picked, base + 1, mine,
                slots)
-    rows = ChainRows(np.zeros(n, dtype=np.int64), HiddenRows(hiddens, starts), base + 1, slots,
+    rows = ChainRows(_placeholder(n), HiddenRows(hiddens, starts), base + 1, slots,
                      base, mine, advance=advance)
     try:
         out = p._execute(k, rows, None)
