@@ -48,8 +48,9 @@ def compiled_cuda_index(t: torch.Tensor) -> int | None:
     (a CPU tensor, TRITON_INTERPRET, or a CUDA call that raises: a CPU build)."""
     if interpreting() or t.device.type != "cuda":
         return None
-    if t.device.index is not None:
-        return t.device.index
+    index: int | None = t.device.index  # (None for "cuda": torch's stubs say int)
+    if index is not None:
+        return index
     try:
         return torch.cuda.current_device()
     except Exception:

@@ -8,9 +8,10 @@ H100 timeline: ~600 us a step). `step_ahead` launches the draft side right behin
 before anything is read, and leaves the one unknown, each row's accepted count, to the device:
 
 - **Accept on the device.** a_i = the leading drafts equal to the target's argmax at the row
-  before them (`accept_counts`: the engine's `speculate.accept` as tensor ops; a stopped row's
-  -1 never matches). The counts are copied to pinned host memory right away (an event after),
-  so the proposer's host state settles from them later without a sync of its own.
+  before them (the engine's `speculate.accept` per row; a stopped row's -1 never matches),
+  computed with the propose's shifts below, in one launch on a GPU (runners/accept_counts.py).
+  The counts are copied to pinned host memory right after (an event after), so the
+  proposer's host state settles from them later without a sync of its own.
 - **A catch-up that does not depend on a.** Under the exact-KV trim rule (`kv_exact`, not
   `refeed`) the trim is d - 1 rows whatever a is, and the catch-up writes the rows of the
   accepted drafts at positions p + 1 .. p + a. This call writes the rows of every kept draft,
@@ -39,13 +40,13 @@ the host raises at its read (FAULTS 27), and the chain's own guard does not rais
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Sequence, cast
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 import torch
 
+from draft_circuit.runners.accept_counts import Advance
 from draft_circuit.runners.contract import Served
-from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows
 from draft_circuit.runners.kv_cache import PoolExhausted
 from draft_circuit.runners.proposer_batch import last_drafts_of, served, width_refusal
@@ -59,42 +60,6 @@ if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
 
 
-class Advance(NamedTuple):
-    """What shifts a propose's staged rows once the accepted counts are known on the device:
-    row i takes token greedy[i, counts[i]], and its position, live rows and hidden row move
-    counts[i] further (runners/staging.py `ChainStaging.inputs`)."""
-
-    counts: torch.Tensor  # [n] int64, on the staging's device
-    column: torch.Tensor  # counts as [n, 1] (the gather's index)
-    greedy: torch.Tensor  # [n, k + 1] the verify's greedy tokens (int32)
-
-
-def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor,
-                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
-    """out[i] = how many leading drafts[i] equal greedy[i] at the row before them (drafts
-    [n, k], -1 after a stop, never accepted; greedy [n, k + 1]): `speculate.accept` per row, as
-    device ops with no read. `scratch`: int64, bool and int64 buffers [n, k] for the
-    intermediates (none allocated then: every op writes its out= buffer in its own dtype; a
-    cumprod that converts bool to int64 allocates the converted copy, seen on the H100)."""
-    k = drafts.shape[1]
-    match, drafted, prefix = scratch or _scratch(drafts.shape, drafts.device)
-    torch.eq(drafts, greedy[:, :k], out=match)  # 1 / 0
-    torch.ge(drafts, 0, out=drafted)  # a stop's -1 is no draft, whatever the target's row holds
-    match.mul_(drafted)
-    torch.cumprod(match, 1, out=prefix)  # 1 while every draft so far matched
-    return torch.sum(prefix, 1, out=out)
-
-
-def _scratch(shape: Sequence[int], device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`accept_counts`' intermediates for drafts of `shape`: the match (int64), the drafted
-    mask (bool) and the running product (int64)."""
-    return (torch.empty(shape, dtype=torch.int64, device=device),
-            torch.empty(shape, dtype=torch.bool, device=device),
-            torch.empty(shape, dtype=torch.int64, device=device))
-
-
 #: placeholder tokens of an advanced propose (its staging gathers the real ones), read-only,
 #: sliced per call and grown when a wider batch comes (no array made a step)
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -106,68 +71,6 @@ def _placeholder(n: int) -> np.ndarray:
         _NO_TOKENS = np.zeros(max(n, 2 * len(_NO_TOKENS)), dtype=np.int64)
         _NO_TOKENS.flags.writeable = False
     return _NO_TOKENS[:n]
-
-
-class AcceptCounts:
-    """The device counts of the latest `step_ahead` and their pinned host copy (widths up to
-    `width`): computed behind the verify, copied right away (an event after), read by the
-    batch's settle (after the host's verify read, the copy has long landed: no sync)."""
-
-    def __init__(self, width: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.dev = torch.zeros(width, dtype=torch.int64, device=device)
-        self.host = torch.zeros(width, dtype=torch.int64, pin_memory=True) if self.cuda \
-            else self.dev
-        self.host_np = self.host.numpy() if self.host.device.type == "cpu" else None
-        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(device) if self.cuda else None
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def compute(self, drafts: torch.Tensor, greedy: torch.Tensor) -> Advance:
-        """The counts of drafts [n, k] against greedy [n, k + 1], enqueued with their copy to
-        the host; returns the `Advance` the propose's staging applies."""
-        n = drafts.shape[0]
-        views = self._views.get(n)
-        if views is None:
-            dev = self.dev[:n]
-            views = self._views[n] = (dev, dev.view(n, 1), self.host[:n])
-        counts, column, host = views
-        shape = (n, drafts.shape[1])
-        scratch = self._scratch.get(shape)
-        if scratch is None:  # made once a shape: a steady step allocates nothing
-            scratch = self._scratch[shape] = _scratch(shape, self.dev.device)
-        accept_counts(drafts, greedy, counts, scratch)
-        if self.cuda:
-            host.copy_(counts, non_blocking=True)
-            assert self._copied is not None and self._stream is not None
-            self._stream.record(self._copied)
-        return Advance(counts, column, greedy)
-
-    def warm(self, width: int, k: int) -> None:
-        """Run, now, every device op `step_ahead` adds (the counts, and the staging's shifts on
-        buffers of its dtypes) and make every width's scratch: on a GPU a kernel's first
-        launch loads its module (milliseconds each, in the first steps' window otherwise)."""
-        if k < 1:
-            return
-        for n in range(width, 0, -1):  # n = 1 last: its Advance shifts the buffers below
-            drafts = torch.full((n, k), -1, dtype=torch.int32, device=self.dev.device)
-            greedy = torch.zeros((n, k + 1), dtype=torch.int32, device=self.dev.device)
-            advance = self.compute(drafts, greedy)
-        tokens = torch.zeros((1, 1), dtype=torch.int32, device=self.dev.device)
-        torch.gather(advance.greedy, 1, advance.column, out=tokens)
-        tokens.clamp_(min=0)
-        tokens.view(-1).add_(advance.counts)
-        torch.zeros(1, dtype=torch.int64, device=self.dev.device).add_(advance.counts)
-        self.read(1)
-
-    def read(self, n: int) -> np.ndarray:
-        """The latest counts as a fresh host array [n] (waits on their copy if it has not landed)."""
-        if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
-            self._copied.synchronize()
-        if self.host_np is None:  # a meta-device proposer: no values
-            return np.zeros(n, dtype=np.int64)
-        return self.host_np[:n].copy()
 
 
 def _refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object]) -> str | None:
@@ -188,11 +91,12 @@ def _check_tensors(p: "MtpProposer", greedy: object, hiddens: object, n: int, k:
     kind, shape or device (nothing read or changed)."""
     rows = n * (k + 1)
     if not isinstance(greedy, torch.Tensor) or greedy.dim() != 1 or greedy.numel() != rows \
-            or greedy.dtype is not torch.int32:
-        got = f"{greedy.dtype} {list(greedy.shape)}" if isinstance(greedy, torch.Tensor) \
+            or greedy.dtype is not torch.int32 or not greedy.is_contiguous():
+        got = f"{greedy.dtype} {list(greedy.shape)} stride {greedy.stride()}" \
+            if isinstance(greedy, torch.Tensor) \
             else type(greedy).__name__
         raise ProposerError(f"step_ahead greedy: expected the verify's int32 greedy tokens "
-                            f"[{rows}] ({n} rows x {k + 1}), got {got}")
+                            f"[{rows}] ({n} rows x {k + 1}, contiguous), got {got}")
     if not isinstance(hiddens, torch.Tensor) or hiddens.dim() != 2 or hiddens.shape[0] < rows:
         got = f"{list(hiddens.shape)}" if isinstance(hiddens, torch.Tensor) \
             else type(hiddens).__name__
@@ -257,10 +161,10 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     except PoolExhausted:  # nothing was taken: the read-first path needs fewer blocks
         p.last_served = Served("refused", n, "the drafter pool lacks the worst case's blocks")
         return None
-    # the accepted counts, on the device, from the drafts the verify checked (still in the
-    # device buffers: this batch's fill comes after), first: their copy lands right behind
-    # the verify's
-    advance = dev.counts.compute(dev.drafts(n, k), greedy.view(n, k1))
+    # the accepted counts of the drafts the verify checked (still in the device buffers: this
+    # batch's fill comes after), computed with the propose's shifts once its rows are staged
+    # (runners/accept_counts.py: one launch on a GPU)
+    advance: Advance = dev.counts.advance(dev.drafts(n, k), greedy.view(n, k1))
     d_list = counts.tolist()
     # the exact-KV trim (d - 1 rows) does not read the count: the kept drafts stand in for it
     trim_after_verify_batch(t, slots, d_list, mine, kv_exact=True, refeed=False)
@@ -272,6 +176,7 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
         out = p._execute(k, rows, None)
     except BaseException:  # the catch-up stands; its rows past each count are not the target's
         try:  # (a read that fails, after a device error, leaves the original error to raise)
+            dev.counts.settle(advance)  # (a propose that failed before its staging applied it)
             t.set_caught_up(slots, base + dev.counts.read(n))
             for s in mine:  # the worst case's blocks past the rows, as a failed propose's
                 s.blocks.release_unused()

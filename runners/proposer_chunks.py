@@ -15,7 +15,7 @@ from draft_circuit.runners.proposer_slots import SMALL_BATCH
 from draft_circuit.runners.proposer_state import MtpProposerState
 
 if TYPE_CHECKING:  # (it imports this module)
-    from draft_circuit.runners.proposer_ahead import Advance
+    from draft_circuit.runners.accept_counts import Advance
 
 
 class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen dataclass's time
@@ -33,7 +33,7 @@ class ChainRows(NamedTuple):  # immutable, and made in a third of a frozen datac
     states: Sequence[MtpProposerState] = ()
     kv_only: bool = False   # catch-up rows: only their K/V is wanted (the KV-only chain)
     #: device counts that shift the staged rows before the run (a propose drafted ahead of
-    #: its verify's read: runners/proposer_ahead.py `Advance`); None: the rows as given
+    #: its verify's read: runners/accept_counts.py `Advance`); None: the rows as given
     advance: "Advance | None" = None
 
 

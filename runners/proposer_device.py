@@ -36,7 +36,7 @@ import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.hidden_rows import HiddenRows
-from draft_circuit.runners.proposer_ahead import AcceptCounts
+from draft_circuit.runners.accept_counts import AcceptCounts
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults

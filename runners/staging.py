@@ -25,8 +25,9 @@ straight into the buffers the chain's program reads.
   only when n shrank; `log_tau` is refilled only when its value or n changes.
 - A propose drafted before its verify is read (`MtpProposer.step_ahead`) is staged for no
   accepted draft and then moved by the device counts (`Advance`): each row's token gathered
-  from the verify's greedy tokens, its position, live rows and hidden index added to, three
-  small device ops after the copies and before the gather (runners/staging_region.py).
+  from the verify's greedy tokens, its position, live rows and hidden index added to, with the
+  counts computed in the same launch on a GPU (runners/accept_counts.py), after the copies and
+  before the gather (runners/staging_region.py).
 - Drafts and confidences come back in ONE device-to-host copy into pinned memory, with one sync
   per call (runners/proposer_readback.py): one `cat` (one launch) packs the drafts, the
   confidences' float32 bits and the runners' fault records side by side first.
@@ -50,7 +51,7 @@ from draft_circuit.runners.proposer_readback import ReadBack
 from draft_circuit.runners.staging_region import Region, runner_region
 
 if TYPE_CHECKING:
-    from draft_circuit.runners.proposer_ahead import Advance
+    from draft_circuit.runners.accept_counts import Advance
 
 
 class ChainStaging:
@@ -174,9 +175,8 @@ class ChainStaging:
             if advance is not None:
                 if not isinstance(hiddens, HiddenRows):
                     raise TypeError("an advanced run picks its hiddens (HiddenRows)")
-                self._gather(region, hiddens, n, turn, advance.counts)
+                self._gather(region, hiddens, n, turn, advance)
                 self._neutral_past(region, n, region.hidden_dirty if region.runner is not None else 0)
-                region.advance(n, advance)
             else:
                 self._stage_hiddens(region, hiddens, n, turn)
         finally:  # after every copy that read this turn's mirrors (a raise included: a copy
@@ -264,16 +264,17 @@ class ChainStaging:
             region.hidden_dirty = n
 
     def _gather(self, region: Region, picked: HiddenRows, n: int,
-                turn: int, shift: torch.Tensor | None = None) -> list[torch.Tensor]:
+                turn: int, advance: Advance | None = None) -> list[torch.Tensor]:
         """`picked`'s n rows into the buffer's rows [:n] in one `index_select`, the indices
         through this turn's host mirror (one small non_blocking copy on CUDA; on CPU written in
         place): returns [] when done. A source of another dtype than the buffer is gathered on
         the device by the staged indices and converted in a copy; one on another device (a host
         that keeps its hiddens elsewhere) is gathered there and returned as the one segment to
         copy in. Both are counted (`gather_fallbacks`) and logged once. A source autograd
-        tracks is read detached: the drafter needs its values only. `shift` (device [n]) is
-        added to the staged indices first (an advanced run, whose source is the buffer's
-        dtype and device: `step_ahead` checks it; anything else raises here)."""
+        tracks is read detached: the drafter needs its values only. `advance` moves the staged
+        indices (and the region's rows, `Region.advance`) by the device counts first (an
+        advanced run, whose source is the buffer's dtype and device: `step_ahead` checks it;
+        anything else raises here)."""
         source = picked.source
         if source.requires_grad:
             source = source.detach()
@@ -286,8 +287,8 @@ class ChainStaging:
         rows = region.hidden_rows.get(n)
         if rows is None:
             rows = region.hidden_rows[n] = region.hidden[:n]
-        if shift is not None:
-            index.add_(shift)
+        if advance is not None:
+            region.advance(n, advance, index)
             torch.index_select(source, 0, index, out=rows)
             return []
         if source.dtype is region.hidden.dtype:  # (dtypes are singletons: an identity test)

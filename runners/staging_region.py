@@ -14,7 +14,7 @@ from draft_circuit.runners.device import CurrentStream
 from draft_circuit.runners.int_region import ROWS, IntMirror, int_region
 
 if TYPE_CHECKING:
-    from draft_circuit.runners.proposer_ahead import Advance
+    from draft_circuit.runners.accept_counts import Advance
 
 
 class Region:
@@ -62,25 +62,21 @@ class Region:
         self.unstaged = -1  # the runner's unstaged_runs when the above was last known true
         # the staging's own region: views handed out per (n, with log_tau), made once
         self.views: dict[tuple[int, bool], Mapping[str, torch.Tensor]] = {}
-        # an advanced run's device views, per n: (tokens [n, 1], positions, live rows)
+        # an advanced run's device views, per n: (tokens, positions, live rows)
         self.shifted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._devs = {**devs, "block_tables": flat[offsets["block_tables"]:
                                                    offsets["block_tables"] + w * m].view(w, m)}
 
-    def advance(self, n: int, advance: Advance) -> None:
+    def advance(self, n: int, advance: Advance, index: torch.Tensor) -> None:
         """Rows [:n] as staged for no accepted draft, moved by each row's count on the device:
-        token greedy[i, a_i], position and live rows + a_i (four launches, after the copy). A
-        -1 token (a verify row with no finite logit: its host raises at the read, FAULTS 27)
-        is drafted from as 0, so the chain's guard does not raise in its stead."""
+        token greedy[i, a_i], position and live rows + a_i, and the hidden gather's `index`
+        [n] + a_i, the counts computed in the same launch on a GPU (`Advance.apply`,
+        runners/accept_counts.py); after the rows' copy, before the gather."""
         views = self.shifted.get(n)
         if views is None:
-            views = self.shifted[n] = (self.tokens[:n].view(n, 1), self._devs["positions"][:n],
+            views = self.shifted[n] = (self.tokens[:n], self._devs["positions"][:n],
                                        self._devs["live_rows"][:n])
-        tokens, positions, live = views
-        torch.gather(advance.greedy, 1, advance.column, out=tokens)
-        tokens.clamp_(min=0)
-        positions.add_(advance.counts)
-        live.add_(advance.counts)
+        advance.apply(*views, index)
 
     def own_views(self, n: int, tau: bool) -> Mapping[str, torch.Tensor]:
         key = (n, tau)

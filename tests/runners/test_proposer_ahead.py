@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draft_circuit.runners.hidden_rows import HiddenRows
-from draft_circuit.runners.proposer_ahead import accept_counts
+from draft_circuit.runners.accept_counts import accept_counts
 from draft_circuit.runners.proposer_state import ProposerError
 from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
@@ -53,9 +53,13 @@ def _greedy(drafts, step, n):
     return out.view(-1), accepted
 
 
-def _loop(n, opts, steps=5, **kw):
-    """`a` reads each verify and steps with step_batch; `b` steps ahead. Yields after each step."""
+def _loop(n, opts, steps=5, fused=None, **kw):
+    """`a` reads each verify and steps with step_batch; `b` steps ahead (`fused`: its accept and
+    shifts in the one kernel, True, or as torch ops, False; None: as its device picks). Yields
+    after each step."""
     a, sa, b, sb = _pair(n, opts, **kw)
+    if fused is not None:
+        b.device_drafts.counts.fused = fused
     dev = opts.get("device", "cpu")
     pos = [a.last_pair_key(s) + 2 for s in sa]
     last = [(5 + i) % CFG.vocab_size for i in range(n)]
@@ -99,6 +103,15 @@ def test_ahead_is_the_read_first_step(n, opts):
         pass
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_the_one_kernel_advance_is_the_read_first_step(n):
+    """The GPU's path (kernels/accept_advance.py: counts, token, position, live rows and hidden
+    index in one launch) run here under the Triton interpreter: the read-first path's bits,
+    with a spread of accepted counts and a confidence stop."""
+    for _ in _loop(n, {}, steps=3, fused=True, draft_confidence_stop=0.02):
+        pass
+
+
 def test_ahead_with_a_confidence_stop():
     """Rows that stop early (fewer kept drafts; -1 after the stop is never accepted, whatever
     the verify's row holds): still the read-first path's rows, keys and K/V."""
@@ -124,6 +137,16 @@ def test_ahead_is_the_read_first_step_on_cuda():
     verify's tensors (a wrong order would draft from stale rows): the read-first path's bits."""
     for _ in _loop(5, {"device": "cuda", "num_blocks": 200, "max_blocks_per_seq": 20}):
         pass
+
+
+@cuda
+def test_a_cuda_step_ahead_runs_the_one_kernel_and_the_torch_ops_alike():
+    """On the GPU the proposer picks the one-launch kernel; forced to the torch ops it drafts
+    the same bits (both against the read-first path)."""
+    opts = {"device": "cuda", "num_blocks": 200, "max_blocks_per_seq": 20}
+    for fused in (None, False):
+        for a, sa, b, sb in _loop(3, opts, steps=3, fused=fused):
+            assert b.device_drafts.counts.fused is (fused is None)
 
 
 @cuda
@@ -214,18 +237,24 @@ def test_refusals_change_nothing(case, reason):
     assert after[:4] == before[:4] and torch.equal(after[4], before[4])
 
 
-def test_a_propose_that_raises_leaves_the_read_first_state():
-    """The k-step chain raising after the trims and the catch-up: the states settle to the rows
-    the target accepted (the device counts, read at once), release the worst case's blocks past
-    them, and hold nothing pending: what a read-first step whose propose raised leaves."""
+@pytest.mark.parametrize("where", ["run", "staging"])
+def test_a_propose_that_raises_leaves_the_read_first_state(where):
+    """The k-step chain raising after the trims and the catch-up (in its run, or in its staging,
+    before the advance computed the counts: then they are computed alone): the states settle
+    to the rows the target accepted (the device counts, read at once), release the worst
+    case's blocks past them, and hold nothing pending: what a read-first step whose propose
+    raised leaves."""
     def boom(p):
-        runner = p.chain_runner()
-        real = runner.run
+        owner = p.chain_runner() if where == "run" else p.staging
+        name = "run" if where == "run" else "inputs"
+        real = getattr(owner, name)
 
-        def run(n, inputs):
-            runner.run = real
+        def fail(*args, **kw):
+            if where == "staging" and args[6] is not p.chain_runner():
+                return real(*args, **kw)  # (the catch-up's staging: not the propose's)
+            setattr(owner, name, real)
             raise RuntimeError("chain down")
-        runner.run = run
+        setattr(owner, name, fail)
 
     def ready():
         p = make("circuit")
@@ -296,7 +325,7 @@ def test_a_bad_count_is_named(k):
 def test_the_warm_up_runs_every_op_and_leaves_the_scratch():
     """`AcceptCounts.warm` (the proposer calls it on a GPU, where a kernel's first launch loads
     its module) runs on any device and leaves a scratch a width, so a step allocates none."""
-    from draft_circuit.runners.proposer_ahead import AcceptCounts
+    from draft_circuit.runners.accept_counts import AcceptCounts
     counts = AcceptCounts(4, torch.device("cpu"))
     counts.warm(4, K)
     assert set(counts._scratch) == {(n, K) for n in range(1, 5)}
