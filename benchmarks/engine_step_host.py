@@ -14,7 +14,7 @@ programs (host_ops.OpCounter; deterministic where the times are not; on CUDA a n
 a launch or a copy, several us of host time each).
 
 Modes, interleaved repeat by repeat so a shared CPU's moments fall on both alike:
-  before_read  `Engine.draft_before_read = True` (opt-in, `--draft-before-read`): `step_ahead` right after
+  before_read  `Engine.draft_before_read = True` (the default, `--draft-before-read`): `step_ahead` right after
             the verify's launch, before its read (accepted counts on the device)
   ahead     `Engine.propose_ahead = True`, read first: trims, catch-up and the next propose
             in one `step_batch` at each step's end (when the next batch is known)

@@ -120,7 +120,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-before-read", action=argparse.BooleanOptionalAction, default=None,
                     help="on the device path (CUDA), launch each step's draft side behind its "
                          "verify before reading it (accepted counts on the device; "
-                         "MtpProposer.step_ahead); default off")
+                         "MtpProposer.step_ahead); default on, --no-draft-before-read reads "
+                         "each verify first")
     ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="after a speculative run, run target-only greedy on the same prompts in "
                          "this process, check the outputs are identical (exit 1 if not) and report "

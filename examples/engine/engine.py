@@ -353,9 +353,10 @@ class Engine:
         return v
 
     #: on the device path, launch the draft side behind the verify, before the host reads it
-    #: (`MtpProposer.step_ahead`); False: read first, then `step_batch`. Opt-in: its one H100
-    #: run was slower (benchmarks/RESULTS.md 2026-12-07: faster median step, slow first calls).
-    draft_before_read: bool = False
+    #: (`MtpProposer.step_ahead`); False: read first, then `step_batch`. On by default since
+    #: its H100 runs with the warm-up and one-launch advance beat reading first
+    #: (benchmarks/RESULTS.md, 2026-12-07 sixth session).
+    draft_before_read: bool = True
 
     def _ahead_of_read(self, seqs: list[Sequence]) -> bool:
         """Whether to draft the next step before this one's verify is read: the next batch will

@@ -189,8 +189,9 @@ def test_summary_json_holds_every_request(capsys, tmp_path, small_checkpoint):
 
 
 def test_draft_before_read_is_a_flag(capsys, tmp_path, small_checkpoint, monkeypatch):
-    """`--draft-before-read` sets the engine's opt-in (the device path's; on CPU the host path
-    runs and the output is the same), `--no-draft-before-read` clears it."""
+    """`--draft-before-read` sets the engine's default (the device path's; on CPU the host path
+    runs and the output is the same), `--no-draft-before-read` clears it, and no flag keeps
+    the default (on)."""
     from examples.engine import engine as engine_module
     seen = []
     real = engine_module.Engine.generate
@@ -200,10 +201,10 @@ def test_draft_before_read_is_a_flag(capsys, tmp_path, small_checkpoint, monkeyp
         return real(self, requests, on_step)
     monkeypatch.setattr(engine_module.Engine, "generate", generate)
     outs = []
-    for flag in ("--draft-before-read", "--no-draft-before-read"):
+    for flag in (["--draft-before-read"], ["--no-draft-before-read"], []):
         code, out, err = run_cli(capsys, tmp_path, ["--checkpoint", str(small_checkpoint),
                                                     "--max-new-tokens", "4", "--widths", "1,2",
-                                                    "--no-compare", flag], [[5, 6, 7], [8]])
+                                                    "--no-compare", *flag], [[5, 6, 7], [8]])
         assert code == 0, err
         outs.append(json.loads((tmp_path / "summary.json").read_text())["requests_ids"])
-    assert seen == [True, False] and outs[0] == outs[1]
+    assert seen == [True, False, True] and outs[0] == outs[1] == outs[2]
