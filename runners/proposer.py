@@ -115,7 +115,7 @@ class MtpProposer:
         self.chains.get(1, False)
         self.staging.warm((chain, self.chains.kv_only()[0]))
         if self.device_drafts.cuda:  # (a CPU has no modules to load)
-            self.device_drafts.counts.warm(self.max_width, self.num_drafts)
+            self.device_drafts.warm(self.max_width, self.num_drafts)
 
     # ---- circuit binding (the host may compile and install the runners itself) ----
     def circuit_draft(self, num_drafts: int | None = None, bitmask: bool = False) -> DraftBinding:

@@ -20,10 +20,12 @@ latest batch, so a host can launch its verify pass from device tensors with no h
   a bad row surfaces at the step's read, not never, and costs no sync when there is none. On
   CPU a runner raised in its run; nothing is copied.
 
-A batch costs four device operations besides the chain's replay (the cat, the verify input's
-token column and clamp, the host copy), whatever n. On CPU, where the buffers are host memory,
-the first three are numpy copies between views of the same memory (the same bits; a torch op's
-dispatch costs microseconds) and there is no host copy.
+A batch costs two device operations besides the chain's replay on a GPU, whatever n: one
+kernel packs the drafts, the confidences' bits and the records and writes the verify input
+(kernels/pack_drafts.py; elsewhere the same as three torch ops, the cat, the token column's
+copy and the clamp), then the host copy. On CPU, where the buffers are host memory, the three
+are numpy copies between views of the same memory (the same bits; a torch op's dispatch costs
+microseconds) and there is no host copy.
 
 The buffers are reused by the next device-resident batch, which settles the previous one first.
 """
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Sequence, cast
 import numpy as np
 import torch
 
+from draft_circuit.kernels._common import compiled_cuda_index
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.accept_counts import AcceptCounts
@@ -91,6 +94,10 @@ class DeviceDrafts:
             else None
         self._np_shapes: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._src = HostViews()
+        #: the fill's cat, token column and clamp as one kernel where kernels run compiled
+        #: (kernels/pack_drafts.py), with the operands it last checked, per shape
+        self.fused = compiled_cuda_index(self.flat) is not None
+        self._packed: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._spans: dict[int, torch.Tensor] = {}  # flat[:size], per size
         self._host_spans: dict[int, torch.Tensor] = {}  # its host copy's, per size
         for n in range(1, max_width + 1):  # made now, not on a width's first batch
@@ -146,9 +153,12 @@ class DeviceDrafts:
         span = self._spans.get(size)
         if span is None:
             span = self._spans[size] = self.flat[:size]
-        torch.cat(parts, out=span)  # one launch: drafts, confidences, records
-        first.copy_(tokens)
-        torch.clamp(out["drafts"], min=0, out=rest)
+        if self.fused and self._pack(parts, tokens, n, k):
+            pass  # one launch: the packing and the verify input (kernels/pack_drafts.py)
+        else:
+            torch.cat(parts, out=span)  # one launch: drafts, confidences, records
+            first.copy_(tokens)
+            torch.clamp(out["drafts"], min=0, out=rest)
         if self.cuda:
             host = self._host_spans.get(size)
             if host is None:
@@ -156,6 +166,42 @@ class DeviceDrafts:
             host.copy_(span, non_blocking=True)
             assert self._copied is not None and self._stream is not None
             self._stream.record(self._copied)
+
+    def warm(self, width: int, k: int) -> None:
+        """Launch, now, every kernel a batch of up to `width` rows and `k` drafts adds (the
+        accepted counts' and, where the fill is one kernel, the pack's for zero, one and two
+        fault records) on scratch buffers: on a GPU a kernel's first launch compiles or loads
+        its module (milliseconds, in the first steps' window otherwise)."""
+        self.counts.warm(width, k)
+        if not self.fused or k < 1:
+            return
+        from draft_circuit.kernels import pack_drafts as kernel  # (imports triton)
+        src = torch.zeros(2 * k + 1, dtype=torch.int32, device=self.device)
+        flat = torch.zeros(2 * k + 2 * FAULT_WORDS, dtype=torch.int32, device=self.device)
+        verify = torch.zeros(k + 1, dtype=torch.int32, device=self.device)
+        records = [torch.zeros(FAULT_WORDS, dtype=torch.int32, device=self.device)] * 2
+        for r in range(kernel.MAX_RECORDS + 1):
+            kernel.pack_drafts(src[:k], src[k:2 * k], src[2 * k:], records[:r], flat, verify, k=k)
+
+    def _pack(self, parts: list[torch.Tensor], tokens: torch.Tensor, n: int, k: int) -> bool:
+        """`fill`'s cat, token column and clamp as one kernel (kernels/pack_drafts.py; False,
+        nothing written, where its operands do not fit it: the torch ops then). The operands
+        are checked once per set (the same views a step: an identity test after)."""
+        from draft_circuit.kernels import pack_drafts as kernel  # (imports triton)
+        drafts, bits, records = parts[0], parts[1], parts[2:]
+        operands = (drafts, bits, tokens, *records)
+        seen = self._packed.get((n, k))
+        if seen is not None and len(seen) == len(operands) \
+                and all(a is b for a, b in zip(seen, operands)):
+            kernel.launch_pack_drafts(drafts, bits, tokens, records, self.flat, self.verify,
+                                      n=n, k=k)
+            return True
+        if len(records) > kernel.MAX_RECORDS or tokens.dtype is not torch.int32 \
+                or not tokens.is_contiguous():
+            return False
+        kernel.pack_drafts(drafts, bits, tokens, records, self.flat, self.verify, k=k)
+        self._packed[(n, k)] = operands
+        return True
 
     def _fill_host(self, drafts: torch.Tensor, confidences: torch.Tensor, tokens: torch.Tensor,
                    n: int, k: int) -> bool:
