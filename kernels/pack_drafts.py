@@ -27,7 +27,15 @@ LAUNCHES = 1
 MAX_RECORDS = 2
 
 
-@triton.jit(do_not_specialize=["n", "k"])
+_POINTERS = ["drafts_ptr", "bits_ptr", "tokens_ptr", "rec0_ptr", "rec1_ptr", "flat_ptr",
+             "verify_ptr"]
+try:  # one compile per record count: the warm-up's scratch and a step's views alike
+    _jit = triton.jit(do_not_specialize=["n", "k"], do_not_specialize_on_alignment=_POINTERS)
+except TypeError:  # (a Triton without the alignment option: a layout may compile once more)
+    _jit = triton.jit(do_not_specialize=["n", "k"])
+
+
+@_jit
 def pack_drafts_kernel(
     drafts_ptr, bits_ptr, tokens_ptr, rec0_ptr, rec1_ptr, flat_ptr, verify_ptr,
     n, k,

@@ -165,22 +165,23 @@ class AcceptCounts:
 
     def warm(self, width: int, k: int) -> None:
         """Run, now, what an advance launches at every width up to `width` (the kernel, or the
-        torch ops, on scratch rows) and make every width's scratch and views: on a GPU a
-        kernel's first launch loads its module (milliseconds each, in the first steps'
-        window otherwise)."""
+        torch ops) on a scratch instance's buffers, so this one's counts stay a pending
+        batch's, and make this one's views and scratch a width: on a GPU a kernel's first
+        launch loads its module (milliseconds each, in the first steps' window otherwise)."""
         if k < 1:
             return
         dev = self.dev.device
+        spare = AcceptCounts(width, dev, fused=self.fused)
         rows = torch.zeros((3, width), dtype=torch.int32, device=dev)
         index = torch.zeros(width, dtype=torch.int64, device=dev)
         for n in range(width, 0, -1):
             drafts = torch.full((n, k), -1, dtype=torch.int32, device=dev)
             greedy = torch.zeros((n, k + 1), dtype=torch.int32, device=dev)
-            adv = self.advance(drafts, greedy)
-            adv.apply(rows[0, :n], rows[1, :n], rows[2, :n], index[:n])
-            self.settle(self.advance(drafts, greedy))  # the failure path's torch ops
-        self._checked.clear()  # (the scratch rows are not a staging's)
-        self.read(1)
+            spare.advance(drafts, greedy).apply(rows[0, :n], rows[1, :n], rows[2, :n], index[:n])
+            spare.settle(spare.advance(drafts, greedy))  # the failure path's torch ops
+            self.views(n)
+            self._scratch.setdefault((n, k), _scratch((n, k), dev))
+        spare.read(1)
 
     def read(self, n: int) -> np.ndarray:
         """The latest counts as a fresh host array [n] (waits on their copy if it has not landed)."""

@@ -330,3 +330,17 @@ def test_the_warm_up_runs_every_op_and_leaves_the_scratch():
     counts.warm(4, K)
     assert set(counts._scratch) == {(n, K) for n in range(1, 5)}
     assert counts.read(4).tolist() == [0, 0, 0, 0]
+
+
+def test_the_warm_up_leaves_a_pending_batchs_counts():
+    """`AcceptCounts.warm` runs on a scratch instance: counts an advance computed and a batch
+    has not settled from yet are what the warm-up found (a host may warm a proposer again)."""
+    from draft_circuit.runners.accept_counts import AcceptCounts
+    counts = AcceptCounts(3, torch.device("cpu"))
+    drafts = torch.tensor([[4, 5, 6], [7, -1, -1], [1, 2, 3]], dtype=torch.int32)
+    greedy = torch.tensor([[4, 5, 0, 0], [7, 9, 9, 9], [1, 2, 3, 8]], dtype=torch.int32)
+    rows = torch.zeros((3, 3), dtype=torch.int32)
+    counts.advance(drafts, greedy).apply(rows[0], rows[1], rows[2], torch.zeros(3, dtype=torch.int64))
+    counts.warm(3, 3)
+    assert counts.read(3).tolist() == [2, 1, 3]
+
