@@ -353,9 +353,8 @@ class Engine:
         return v
 
     #: on the device path, launch the draft side behind the verify, before the host reads it
-    #: (`MtpProposer.step_ahead`); False: read first, then `step_batch`. On by default since
-    #: its H100 runs with the warm-up and one-launch advance beat reading first
-    #: (benchmarks/RESULTS.md, 2026-12-07 sixth session).
+    #: (`MtpProposer.step_ahead`); False: read first, then `step_batch`. The default since it
+    #: beat reading first on the H100 (benchmarks/RESULTS.md, 2026-12-07, sixth session).
     draft_before_read: bool = True
 
     def _ahead_of_read(self, seqs: list[Sequence]) -> bool:
