@@ -69,11 +69,6 @@ class Advance:
         self.applied = False
         self._owner = owner
 
-    @property
-    def counts(self) -> torch.Tensor:
-        """The device counts [n] (int64): valid once applied."""
-        return self._owner.views(self.n)[0]
-
     def apply(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
               index: torch.Tensor) -> None:
         """Compute the counts and move the staged rows [n] (tokens, positions, live: int32;

@@ -148,7 +148,7 @@ class ChainStaging:
         nothing here runs once a row. `advance` (a propose drafted ahead of its verify's read,
         runners/proposer_ahead.py; `hiddens` then a HiddenRows): once staged, row i's token
         becomes greedy[i, a_i] and its position, live rows and hidden row move a_i further,
-        a_i = advance.counts[i], all on the device."""
+        a_i the accepted count the advance computes, all on the device."""
         n = len(tokens)
         region = self._region(runner)
         staged: Mapping[str, torch.Tensor] | None = None
