@@ -28,7 +28,12 @@ import numpy as np
 import torch
 
 from draft_circuit.kernels._common import compiled_cuda_index
-from draft_circuit.runners.device import CurrentStream
+from draft_circuit.ops.bindings import kernel
+from draft_circuit.runners.device import HostCopy
+
+# the one-launch kernel and its unchecked launcher, imported on first use (triton)
+_checked_launch = kernel("accept_advance", "accept_advance")
+_launch = kernel("accept_advance", "launch_accept_advance")
 
 
 def accept_counts(drafts: torch.Tensor, greedy: torch.Tensor, out: torch.Tensor,
@@ -91,8 +96,7 @@ class AcceptCounts:
         self.host = torch.zeros(width, dtype=torch.int64, pin_memory=True) if self.cuda \
             else self.dev
         self.host_np = self.host.numpy() if self.host.device.type == "cpu" else None
-        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(device) if self.cuda else None
+        self._copied = HostCopy(device) if self.cuda else None
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # the operands the kernel's launcher checked, per n (the same cached views a step: an
@@ -116,16 +120,13 @@ class AcceptCounts:
         n = adv.n
         counts, column, _ = self.views(n)
         if self.fused:
-            from draft_circuit.kernels import accept_advance as kernel  # (imports triton)
             operands = (adv.drafts, counts, tokens, positions, live, index)
             seen = self._checked.get(n)
             if seen is None or any(a is not b for a, b in zip(seen, operands)):
-                kernel.accept_advance(adv.drafts, adv.greedy, counts, tokens, positions, live,
-                                      index)
+                _checked_launch()(adv.drafts, adv.greedy, counts, tokens, positions, live, index)
                 self._checked[n] = operands
             else:  # (greedy: step_ahead checked its dtype, size and device; a view of it)
-                kernel.launch_accept_advance(adv.drafts, adv.greedy, counts, tokens, positions,
-                                             live, index)
+                _launch()(adv.drafts, adv.greedy, counts, tokens, positions, live, index)
         else:
             self._counts(adv)
             index.add_(counts)
@@ -145,11 +146,9 @@ class AcceptCounts:
 
     def _copy(self, adv: Advance) -> None:
         adv.applied = True
-        if self.cuda:
+        if self._copied is not None:
             counts, _, host = self.views(adv.n)
-            host.copy_(counts, non_blocking=True)
-            assert self._copied is not None and self._stream is not None
-            self._stream.record(self._copied)
+            self._copied.copy(host, counts)
 
     def settle(self, adv: Advance) -> None:
         """The counts of an advance its propose never applied (it failed first), computed now;
@@ -180,8 +179,8 @@ class AcceptCounts:
 
     def read(self, n: int) -> np.ndarray:
         """The latest counts as a fresh host array [n] (waits on their copy if it has not landed)."""
-        if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
-            self._copied.synchronize()
+        if self._copied is not None:
+            self._copied.wait()
         if self.host_np is None:  # a meta-device proposer: no values
             return np.zeros(n, dtype=np.int64)
         return self.host_np[:n].copy()

@@ -38,3 +38,23 @@ class CurrentStream:
     def record(self, event: torch.cuda.Event) -> None:
         """`event.record()` on the device's current stream."""
         event.record(self())
+
+
+class HostCopy:
+    """Device-to-pinned-host copies read later without a sync of their own: `copy` enqueues one
+    (non_blocking) on the device's current stream and records an event after it; `wait`
+    returns once the latest has landed (an event query first: free when it has, as it has
+    whenever the host synced on later work). The pattern of every per-step read-back (drafts,
+    accepted counts, a verify's greedy tokens)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.stream = CurrentStream(device)
+
+    def copy(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        host.copy_(dev, non_blocking=True)
+        self.stream.record(self.event)
+
+    def wait(self) -> None:
+        if not self.event.query():  # type: ignore[no-untyped-call]
+            self.event.synchronize()

@@ -37,11 +37,12 @@ import numpy as np
 import torch
 
 from draft_circuit.kernels._common import compiled_cuda_index
+from draft_circuit.ops.bindings import kernel
 from draft_circuit.ops.input_guard import FAULT_WORDS
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.accept_counts import AcceptCounts
 from draft_circuit.runners.contract import Served
-from draft_circuit.runners.device import CurrentStream
+from draft_circuit.runners.device import HostCopy
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults
 from draft_circuit.runners.proposer_batch import served
 from draft_circuit.runners.proposer_inputs import check_propose
@@ -51,6 +52,12 @@ from draft_circuit.runners.proposer_readback import FlatViews, HostViews, Watche
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
 
+
+# the fill's one-launch kernel, its unchecked launcher and its record limit, imported on first
+# use (triton)
+_pack_checked = kernel("pack_drafts", "pack_drafts")
+_pack_launch = kernel("pack_drafts", "launch_pack_drafts")
+_MAX_RECORDS = kernel("pack_drafts", "MAX_RECORDS")
 
 #: the clamp's bound as a 0-d int32 array (a Python 0 costs the ufunc a scalar conversion)
 _ZERO = np.zeros((), dtype=np.int32)
@@ -76,8 +83,7 @@ class DeviceDrafts:
             else self.flat
         # (a meta-device proposer, shapes only, has no host view)
         self._host_np = self._host.numpy() if self._host.device.type == "cpu" else None
-        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(self.device) if self.cuda else None
+        self._copied = HostCopy(self.device) if self.cuda else None
         self._watched = WatchedRunners()  # the runners whose records the latest fill copied
         self._records = 0  # how many of them have a record (all: a fault check reads numpy)
         self._all_recorded = False
@@ -153,19 +159,16 @@ class DeviceDrafts:
         span = self._spans.get(size)
         if span is None:
             span = self._spans[size] = self.flat[:size]
-        if self.fused and self._pack(parts, tokens, n, k):
-            pass  # one launch: the packing and the verify input (kernels/pack_drafts.py)
-        else:
+        # one launch where the packing and the verify input are one kernel (kernels/pack_drafts.py)
+        if not (self.fused and self._pack(parts, tokens, n, k)):
             torch.cat(parts, out=span)  # one launch: drafts, confidences, records
             first.copy_(tokens)
             torch.clamp(out["drafts"], min=0, out=rest)
-        if self.cuda:
+        if self._copied is not None:
             host = self._host_spans.get(size)
             if host is None:
                 host = self._host_spans[size] = self._host[:size]
-            host.copy_(span, non_blocking=True)
-            assert self._copied is not None and self._stream is not None
-            self._stream.record(self._copied)
+            self._copied.copy(host, span)
 
     def warm(self, width: int, k: int) -> None:
         """Launch, now, every kernel a batch of up to `width` rows and `k` drafts adds (the
@@ -175,31 +178,28 @@ class DeviceDrafts:
         self.counts.warm(width, k)
         if not self.fused or k < 1:
             return
-        from draft_circuit.kernels import pack_drafts as kernel  # (imports triton)
         src = torch.zeros(2 * k + 1, dtype=torch.int32, device=self.device)
         flat = torch.zeros(2 * k + 2 * FAULT_WORDS, dtype=torch.int32, device=self.device)
         verify = torch.zeros(k + 1, dtype=torch.int32, device=self.device)
         records = [torch.zeros(FAULT_WORDS, dtype=torch.int32, device=self.device)] * 2
-        for r in range(kernel.MAX_RECORDS + 1):
-            kernel.pack_drafts(src[:k], src[k:2 * k], src[2 * k:], records[:r], flat, verify, k=k)
+        for r in range(_MAX_RECORDS() + 1):
+            _pack_checked()(src[:k], src[k:2 * k], src[2 * k:], records[:r], flat, verify, k=k)
 
     def _pack(self, parts: list[torch.Tensor], tokens: torch.Tensor, n: int, k: int) -> bool:
         """`fill`'s cat, token column and clamp as one kernel (kernels/pack_drafts.py; False,
         nothing written, where its operands do not fit it: the torch ops then). The operands
         are checked once per set (the same views a step: an identity test after)."""
-        from draft_circuit.kernels import pack_drafts as kernel  # (imports triton)
         drafts, bits, records = parts[0], parts[1], parts[2:]
         operands = (drafts, bits, tokens, *records)
         seen = self._packed.get((n, k))
         if seen is not None and len(seen) == len(operands) \
                 and all(a is b for a, b in zip(seen, operands)):
-            kernel.launch_pack_drafts(drafts, bits, tokens, records, self.flat, self.verify,
-                                      n=n, k=k)
+            _pack_launch()(drafts, bits, tokens, records, self.flat, self.verify, n=n, k=k)
             return True
-        if len(records) > kernel.MAX_RECORDS or tokens.dtype is not torch.int32 \
+        if len(records) > _MAX_RECORDS() or tokens.dtype is not torch.int32 \
                 or not tokens.is_contiguous():
             return False
-        kernel.pack_drafts(drafts, bits, tokens, records, self.flat, self.verify, k=k)
+        _pack_checked()(drafts, bits, tokens, records, self.flat, self.verify, k=k)
         self._packed[(n, k)] = operands
         return True
 
@@ -250,11 +250,8 @@ class DeviceDrafts:
         """The latest batch's drafts as a host array [n, k] (`drafts` is its view of `flat`):
         on CUDA the pinned copy, waiting on its event (already passed once the host has synced)."""
         n, k = drafts.shape
-        if self.cuda:
-            assert self._copied is not None
-            # after the host's verify sync it has passed: no wait
-            if not self._copied.query():  # type: ignore[no-untyped-call]
-                self._copied.synchronize()
+        if self._copied is not None:  # after the host's verify sync it has passed: no wait
+            self._copied.wait()
         if self._host_np is None:  # a meta-device proposer: no values to read
             return drafts.numpy()
         rows = self._host_rows.get((n, k))

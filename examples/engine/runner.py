@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from draft_circuit.runners.device import CurrentStream
+from draft_circuit.runners.device import HostCopy
 from draft_circuit.runners.proposer_chunks import consecutive
 from examples.engine.model import TargetModel, TargetRows
 from examples.engine.sequence import Sequence
@@ -164,8 +164,7 @@ class TokensToHost:
         self.cuda = device.type == "cuda"
         self.host = torch.zeros(max_rows, dtype=torch.int32, pin_memory=True) if self.cuda \
             else None
-        self.event = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self.stream = CurrentStream(device) if self.cuda else None
+        self.copied = HostCopy(device) if self.cuda else None
         self.unread = False  # a copy enqueued and not read yet
 
     def enqueue(self, greedy: torch.Tensor) -> Callable[[], list[int]]:
@@ -177,14 +176,13 @@ class TokensToHost:
                                "(TargetRunner.read_verify): its greedy tokens would be overwritten")
         n = greedy.shape[0]
         host = self.host[:n]
-        host.copy_(greedy, non_blocking=True)
-        assert self.event is not None and self.stream is not None
-        self.stream.record(self.event)
+        assert self.copied is not None
+        self.copied.copy(host, greedy)
         self.unread = True
 
         def read() -> list[int]:
-            assert self.event is not None
-            self.event.synchronize()  # type: ignore[no-untyped-call]
+            assert self.copied is not None
+            self.copied.wait()
             self.unread = False
             return host.tolist()
         return read

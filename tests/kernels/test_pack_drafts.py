@@ -112,19 +112,19 @@ def test_the_warm_up_launches_the_pack_for_every_record_count():
     d = DeviceDrafts(max_width=4, num_drafts=3, device="cpu")
     d.fused = True
     seen = []
-    import draft_circuit.kernels.pack_drafts as kernel
-    real = kernel.pack_drafts
+    import draft_circuit.runners.proposer_device as device_module
+    real = device_module._pack_checked
 
     def spy(drafts, bits, tokens, records, flat, verify, *, k):
         seen.append(len(records))
         assert flat is not d.flat and verify is not d.verify
-        return real(drafts, bits, tokens, records, flat, verify, k=k)
+        return pack_drafts(drafts, bits, tokens, records, flat, verify, k=k)
     flat, verify = d.flat.clone(), d.verify.clone()
-    kernel.pack_drafts = spy
+    device_module._pack_checked = lambda: spy
     try:
         d.warm(4, 3)
     finally:
-        kernel.pack_drafts = real
+        device_module._pack_checked = real
     assert seen == [0, 1, 2]
     assert torch.equal(d.flat, flat) and torch.equal(d.verify, verify)
 
