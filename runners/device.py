@@ -44,8 +44,8 @@ class HostCopy:
     """Device-to-pinned-host copies read later without a sync of their own: `copy` enqueues one
     (non_blocking) on the device's current stream and records an event after it; `wait`
     returns once the latest has landed (an event query first: free when it has, as it has
-    whenever the host synced on later work). The pattern of every per-step read-back (drafts,
-    accepted counts, a verify's greedy tokens)."""
+    whenever the host synced on later work). The pattern of every per-step read-back (device
+    drafts, accepted counts, a verify's greedy tokens; the host-returning read waits at once)."""
 
     def __init__(self, device: torch.device) -> None:
         self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]

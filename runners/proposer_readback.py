@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from draft_circuit.ops.input_guard import FAULT_WORDS
-from draft_circuit.runners.device import CurrentStream
+from draft_circuit.runners.device import HostCopy
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults, fault_record
 
 
@@ -115,8 +115,7 @@ class ReadBack:
         self._out_np = self._out_host.numpy() if self._out_host.device.type == "cpu" else None
         self._flat = FlatViews()
         self._spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by the read's size
-        self._read = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(device) if self.cuda else None
+        self._read = HostCopy(device) if self.cuda else None
         self._watched = WatchedRunners()
 
     def _fault_word(self, runner: object) -> np.ndarray | None:
@@ -161,10 +160,9 @@ class ReadBack:
             span = self._spans[size] = (self._out_dev[:size], self._out_host[:size])
         # one launch: drafts, confidences (their float32 bits) and the records, then one copy
         torch.cat([self._flat(drafts), self._flat(confidences, True), *records], out=span[0])
-        span[1].copy_(span[0], non_blocking=True)
-        assert self._read is not None and self._stream is not None
-        self._stream.record(self._read)
-        self._read.synchronize()  # the one sync of the call
+        assert self._read is not None
+        self._read.copy(span[1], span[0])
+        self._read.wait()  # the one sync of the call
         host = self._out_np
         assert host is not None  # CUDA: pinned host memory
         out = host[:n * k].reshape(n, k), host[n * k:end].view(np.float32).reshape(n, k)
