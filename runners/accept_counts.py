@@ -30,6 +30,7 @@ import torch
 from draft_circuit.kernels._common import compiled_cuda_index
 from draft_circuit.ops.bindings import kernel
 from draft_circuit.runners.device import HostCopy
+from draft_circuit.runners.launch_graphs import LaunchGraphs
 
 # the one-launch kernel and its unchecked launcher, imported on first use (triton)
 _checked_launch = kernel("accept_advance", "accept_advance")
@@ -75,13 +76,15 @@ class Advance:
         self._owner = owner
 
     def apply(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
-              index: torch.Tensor) -> None:
+              index: torch.Tensor, gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Compute the counts and move the staged rows [n] (tokens, positions, live: int32;
         index: int64, the hidden gather's) by them, then copy the counts to the host; after the
-        rows' copy to the device, before the gather and the chain (stream order)."""
+        rows' copy to the device, before the chain (stream order). `gather` (source, rows): the
+        hidden gather by the moved index, `index_select(source, 0, index, out=rows)`, enqueued
+        right after (part of the same replayed graph on a GPU: runners/launch_graphs.py)."""
         if self.applied:
             raise RuntimeError("an Advance is applied once (the staged rows would move twice)")
-        self._owner._apply(self, tokens, positions, live, index)
+        self._owner._apply(self, tokens, positions, live, index, gather)
 
 
 class AcceptCounts:
@@ -97,6 +100,8 @@ class AcceptCounts:
             else self.dev
         self.host_np = self.host.numpy() if self.host.device.type == "cpu" else None
         self._copied = HostCopy(device) if self.cuda else None
+        #: the checked kernel, the counts' copy and the gather as a replayed graph (CUDA)
+        self.graphs = LaunchGraphs(device)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # the operands the kernel's launcher checked, per n (the same cached views a step: an
@@ -116,17 +121,18 @@ class AcceptCounts:
         return Advance(self, drafts, greedy)
 
     def _apply(self, adv: Advance, tokens: torch.Tensor, positions: torch.Tensor,
-               live: torch.Tensor, index: torch.Tensor) -> None:
+               live: torch.Tensor, index: torch.Tensor,
+               gather: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         n = adv.n
-        counts, column, _ = self.views(n)
+        counts, column, host = self.views(n)
         if self.fused:
             operands = (adv.drafts, counts, tokens, positions, live, index)
             seen = self._checked.get(n)
-            if seen is None or any(a is not b for a, b in zip(seen, operands)):
-                _checked_launch()(adv.drafts, adv.greedy, counts, tokens, positions, live, index)
-                self._checked[n] = operands
-            else:  # (greedy: step_ahead checked its dtype, size and device; a view of it)
-                _launch()(adv.drafts, adv.greedy, counts, tokens, positions, live, index)
+            if seen is not None and all(a is b for a, b in zip(seen, operands)):
+                self._replayed(adv, operands, host, gather)
+                return
+            _checked_launch()(adv.drafts, adv.greedy, counts, tokens, positions, live, index)
+            self._checked[n] = operands
         else:
             self._counts(adv)
             index.add_(counts)
@@ -135,6 +141,37 @@ class AcceptCounts:
             positions.add_(counts)
             live.add_(counts)
         self._copy(adv)
+        if gather is not None:
+            torch.index_select(gather[0], 0, index, out=gather[1])
+
+    def _replayed(self, adv: Advance, operands: tuple[torch.Tensor, ...], host: torch.Tensor,
+                  gather: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The checked operands' kernel, the counts' copy and the gather, as one graph replay
+        once they have come a few times (runners/launch_graphs.py). The per-call views, the
+        verify's greedy tokens and the gather's source (the verify's hiddens), go in the key by
+        address and layout (step_ahead checked the greedy: contiguous int32 [n * (k + 1)]); the
+        persistent views by identity."""
+        drafts, counts, tokens, positions, live, index = operands
+        greedy = adv.greedy
+        copied = self._copied is not None
+        if gather is None:
+            key: tuple[object, ...] = (adv.n, greedy.data_ptr())
+        else:
+            src = gather[0]
+            key = (adv.n, greedy.data_ptr(), src.data_ptr(), src.dtype, *src.shape, *src.stride())
+            operands = (*operands, gather[1])
+
+        def launch() -> None:
+            _launch()(drafts, greedy, counts, tokens, positions, live, index)
+            if copied:
+                host.copy_(counts, non_blocking=True)
+            if gather is not None:
+                torch.index_select(gather[0], 0, index, out=gather[1])
+
+        self.graphs.run(key, operands, launch)
+        adv.applied = True
+        if self._copied is not None:
+            self._copied.record()
 
     def _counts(self, adv: Advance) -> None:
         """The counts alone, as torch ops (scratch made once a shape: no allocation a step)."""

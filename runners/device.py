@@ -55,6 +55,11 @@ class HostCopy:
         host.copy_(dev, non_blocking=True)
         self.stream.record(self.event)
 
+    def record(self) -> None:
+        """The event after a copy enqueued otherwise (inside a replayed graph,
+        runners/launch_graphs.py): `wait` then waits for it."""
+        self.stream.record(self.event)
+
     def wait(self) -> None:
         if not self.event.query():  # type: ignore[no-untyped-call]
             self.event.synchronize()

@@ -43,6 +43,7 @@ from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.accept_counts import AcceptCounts
 from draft_circuit.runners.contract import Served
 from draft_circuit.runners.device import HostCopy
+from draft_circuit.runners.launch_graphs import LaunchGraphs
 from draft_circuit.runners.input_guard import check_copied_faults, check_runner_faults
 from draft_circuit.runners.proposer_batch import served
 from draft_circuit.runners.proposer_inputs import check_propose
@@ -104,6 +105,7 @@ class DeviceDrafts:
         #: (kernels/pack_drafts.py), with the operands it last checked, per shape
         self.fused = compiled_cuda_index(self.flat) is not None
         self._packed: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.graphs = LaunchGraphs(self.device)  # the checked pack and its copy, replayed
         self._spans: dict[int, torch.Tensor] = {}  # flat[:size], per size
         self._host_spans: dict[int, torch.Tensor] = {}  # its host copy's, per size
         for n in range(1, max_width + 1):  # made now, not on a width's first batch
@@ -159,16 +161,20 @@ class DeviceDrafts:
         span = self._spans.get(size)
         if span is None:
             span = self._spans[size] = self.flat[:size]
-        # one launch where the packing and the verify input are one kernel (kernels/pack_drafts.py)
-        if not (self.fused and self._pack(parts, tokens, n, k)):
-            torch.cat(parts, out=span)  # one launch: drafts, confidences, records
-            first.copy_(tokens)
-            torch.clamp(out["drafts"], min=0, out=rest)
+        host = None
         if self._copied is not None:
             host = self._host_spans.get(size)
             if host is None:
                 host = self._host_spans[size] = self._host[:size]
-            self._copied.copy(host, span)
+        # one launch where the packing and the verify input are one kernel (kernels/pack_drafts.py),
+        # it and the host copy one graph replay once they have come a few times
+        if self.fused and self._pack(parts, tokens, n, k, span, host):
+            return
+        torch.cat(parts, out=span)  # one launch: drafts, confidences, records
+        first.copy_(tokens)
+        torch.clamp(out["drafts"], min=0, out=rest)
+        if self._copied is not None:
+            self._copied.copy(host, span)  # type: ignore[arg-type]  # (made above on CUDA)
 
     def warm(self, width: int, k: int) -> None:
         """Launch, now, every kernel a batch of up to `width` rows and `k` drafts adds (the
@@ -185,22 +191,36 @@ class DeviceDrafts:
         for r in range(_MAX_RECORDS() + 1):
             _pack_checked()(src[:k], src[k:2 * k], src[2 * k:], records[:r], flat, verify, k=k)
 
-    def _pack(self, parts: list[torch.Tensor], tokens: torch.Tensor, n: int, k: int) -> bool:
-        """`fill`'s cat, token column and clamp as one kernel (kernels/pack_drafts.py; False,
-        nothing written, where its operands do not fit it: the torch ops then). The operands
-        are checked once per set (the same views a step: an identity test after)."""
+    def _pack(self, parts: list[torch.Tensor], tokens: torch.Tensor, n: int, k: int,
+              span: torch.Tensor, host: torch.Tensor | None) -> bool:
+        """`fill`'s cat, token column and clamp as one kernel (kernels/pack_drafts.py), then
+        the copy of `span` to `host` (CUDA); False, nothing written, where its operands do not
+        fit it: the torch ops then. The operands are checked once per set (the same views a
+        step: an identity test after); a checked set's kernel and copy are one graph replay
+        once they have come a few times (runners/launch_graphs.py)."""
         drafts, bits, records = parts[0], parts[1], parts[2:]
-        operands = (drafts, bits, tokens, *records)
+        operands = (drafts, bits, tokens, span, *records)
         seen = self._packed.get((n, k))
         if seen is not None and len(seen) == len(operands) \
                 and all(a is b for a, b in zip(seen, operands)):
-            _pack_launch()(drafts, bits, tokens, records, self.flat, self.verify, n=n, k=k)
+            flat, verify = self.flat, self.verify
+
+            def launch() -> None:
+                _pack_launch()(drafts, bits, tokens, records, flat, verify, n=n, k=k)
+                if host is not None:
+                    host.copy_(span, non_blocking=True)
+
+            self.graphs.run((n, k, len(records)), operands, launch)
+            if self._copied is not None:
+                self._copied.record()
             return True
         if len(records) > _MAX_RECORDS() or tokens.dtype is not torch.int32 \
                 or not tokens.is_contiguous():
             return False
         _pack_checked()(drafts, bits, tokens, records, self.flat, self.verify, k=k)
         self._packed[(n, k)] = operands
+        if self._copied is not None:
+            self._copied.copy(host, span)  # type: ignore[arg-type]  # (made by fill on CUDA)
         return True
 
     def _fill_host(self, drafts: torch.Tensor, confidences: torch.Tensor, tokens: torch.Tensor,

@@ -287,9 +287,8 @@ class ChainStaging:
         rows = region.hidden_rows.get(n)
         if rows is None:
             rows = region.hidden_rows[n] = region.hidden[:n]
-        if advance is not None:
-            region.advance(n, advance, index)
-            torch.index_select(source, 0, index, out=rows)
+        if advance is not None:  # the shift, then the gather by the shifted index
+            region.advance(n, advance, index, (source, rows))
             return []
         if source.dtype is region.hidden.dtype:  # (dtypes are singletons: an identity test)
             try:  # it checks devices (and overlap) before it writes: no device compare a call

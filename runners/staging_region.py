@@ -67,16 +67,18 @@ class Region:
         self._devs = {**devs, "block_tables": flat[offsets["block_tables"]:
                                                    offsets["block_tables"] + w * m].view(w, m)}
 
-    def advance(self, n: int, advance: Advance, index: torch.Tensor) -> None:
+    def advance(self, n: int, advance: Advance, index: torch.Tensor,
+                gather: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Rows [:n] as staged for no accepted draft, moved by each row's count on the device:
         token greedy[i, a_i], position and live rows + a_i, and the hidden gather's `index`
         [n] + a_i, the counts computed in the same launch on a GPU (`Advance.apply`,
-        runners/accept_counts.py); after the rows' copy, before the gather."""
+        runners/accept_counts.py); after the rows' copy. `gather` (source, rows): the hidden
+        gather by the moved index, enqueued by the advance right after it."""
         views = self.shifted.get(n)
         if views is None:
             views = self.shifted[n] = (self.tokens[:n], self._devs["positions"][:n],
                                        self._devs["live_rows"][:n])
-        advance.apply(*views, index)
+        advance.apply(*views, index, gather)
 
     def own_views(self, n: int, tau: bool) -> Mapping[str, torch.Tensor]:
         key = (n, tau)

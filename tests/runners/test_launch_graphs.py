@@ -1,0 +1,201 @@
+"""runners/launch_graphs.py: per-step launches replayed as small CUDA graphs (issues 14, 20).
+
+CPU: the policy with a recorder standing in for the capture (a replay calls the recorded
+launch again, which reads the same memory a graph would: the recorded closure keeps its
+tensors alive, so an equal key means the same storage): eager until a key and its operands
+have come `after` times, captured once, replayed after; other operands or a capture that
+fails stay eager; the switch turns it off. The two users, the accepted counts' advance (kernel,
+copy, gather) and the drafts' pack (kernel, copy), under the Triton interpreter: a replayed
+step_ahead loop is the read-first path's. cuda: the same with real graphs, no allocation and
+no sync once captured.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from draft_circuit.runners.hidden_rows import HiddenRows
+from draft_circuit.runners.launch_graphs import LaunchGraphs
+from draft_circuit.runners.testing import cuda
+from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
+
+
+class Recorder:
+    """A capture that records the launch; its 'graph' replays by calling it again."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.made: list[object] = []
+        self.fail = fail
+
+    def __call__(self, launch):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.made.append(launch)
+        return types.SimpleNamespace(replay=launch)
+
+
+def _counter():
+    calls = []
+    return calls, (lambda: calls.append(1))
+
+
+def test_eager_until_after_then_one_capture_then_replays():
+    rec = Recorder()
+    g = LaunchGraphs(torch.device("cpu"), after=3, capture=rec)
+    ops = (torch.zeros(2), torch.ones(2))
+    calls, launch = _counter()
+    for _ in range(4):  # the first sighting, then three more: captured at the third use after
+        g.run(("k", 1), ops, launch)
+    assert len(calls) == 4 and g.captured == 1 and len(rec.made) == 1 and g.replays == 0
+    for _ in range(5):
+        g.run(("k", 1), ops, launch)
+    assert g.replays == 5 and len(calls) == 9  # (the recorder's replay is the launch itself)
+    assert g.captured == 1
+
+
+def test_other_operands_or_keys_stay_eager_and_start_over():
+    rec = Recorder()
+    g = LaunchGraphs(torch.device("cpu"), after=1, capture=rec)
+    a, b = (torch.zeros(2),), (torch.zeros(2),)
+    calls, launch = _counter()
+    g.run(1, a, launch)
+    g.run(1, a, launch)  # captured here
+    assert g.captured == 1
+    g.run(1, b, launch)  # an equal key with other operands (new views): eager, entry replaced
+    g.run(2, a, launch)  # another key: eager
+    assert g.replays == 0 and len(calls) == 4
+    g.run(1, b, launch)  # b's second use: captured
+    g.run(1, b, launch)
+    assert g.captured == 2 and g.replays == 1
+
+
+def test_a_capture_that_fails_stays_eager(caplog):
+    g = LaunchGraphs(torch.device("cpu"), after=1, capture=Recorder(fail=True))
+    calls, launch = _counter()
+    ops = (torch.zeros(1),)
+    with caplog.at_level(logging.WARNING, logger="draft_circuit.runners.launch_graphs"):
+        for _ in range(5):
+            g.run("key", ops, launch)
+    assert len(calls) == 5 and g.captured == 0 and g.replays == 0
+    assert sum("capture failed" in r.message for r in caplog.records) == 1  # once, not a step
+
+
+def test_off_and_cpu_without_a_recorder_never_capture(monkeypatch):
+    calls, launch = _counter()
+    plain = LaunchGraphs(torch.device("cpu"), after=1)  # CPU: no graphs to make
+    monkeypatch.setattr(LaunchGraphs, "enabled", False)
+    off = LaunchGraphs(torch.device("cpu"), after=1, capture=Recorder())
+    ops = (torch.zeros(1),)
+    for _ in range(4):
+        plain.run(0, ops, launch)
+        off.run(0, ops, launch)
+    assert len(calls) == 8 and plain.captured == off.captured == 0
+
+
+# ---- the users: step_ahead's advance (kernel, copy, gather) and the fill's pack (kernel, copy)
+
+
+def _static_loop(n, device, steps, graphs_after=None, **opts):
+    """step_ahead (b) against the read-first path (a) with the verify's greedy tokens and
+    hiddens written into the same buffers every step, as a target runner's outputs are; `b`'s
+    per-step launches go through recorder graphs (after `graphs_after` uses) when given. Both
+    launch through the kernels (fused) where `device` runs them compiled, or when forced."""
+    from tests.runners.test_proposer_ahead import _greedy, _same_valid
+    kw = dict(device=device, **opts)
+    a, b = make("circuit", **kw), make("circuit", **kw)
+    sa = [prefilled(a, 40 + i, length=6 + i % 5)[0] for i in range(n)]
+    sb = [prefilled(b, 40 + i, length=6 + i % 5)[0] for i in range(n)]
+    dev = b.device_drafts
+    if device == "cpu":  # the kernels under the interpreter
+        dev.counts.fused = dev.fused = True
+        dev._verify_np = None  # (the CPU's numpy fill stands aside: the device path's ops run)
+    recs = []
+    if graphs_after is not None:
+        for owner in (dev.counts, dev):
+            rec = Recorder() if device == "cpu" else None
+            recs.append(rec)
+            owner.graphs = LaunchGraphs(torch.device(device), after=graphs_after, capture=rec)
+    k1 = K + 1
+    greedy_buf = torch.zeros(n * k1, dtype=torch.int32, device=device)
+    hidden_buf = torch.zeros(n * k1, CFG.hidden_size, dtype=hidden(0, 1).dtype, device=device)
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    last = [(5 + i) % CFG.vocab_size for i in range(n)]
+    a.propose_batch_on_device(last, hidden(7, n).to(device), pos, K, sa)
+    b.propose_batch_on_device(last, hidden(7, n).to(device), pos, K, sb)
+    for step in range(steps):
+        drafts = a.last_drafts(sa)
+        greedy, accepted = _greedy(drafts, step, n)
+        greedy_buf.copy_(greedy)
+        hidden_buf.copy_(hidden(300 + step, n * k1))
+        assert b.step_ahead(greedy_buf, hidden_buf, K, sb) is not None, b.last_served
+        starts = [i * k1 for i in range(n)]
+        rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
+                        dtype=np.int64)
+        g2 = greedy.view(n, k1).tolist()
+        last = [g2[i][c] for i, c in enumerate(accepted)]
+        first = [p + 1 for p in pos]
+        pos = [p + c + 1 for p, c in zip(pos, accepted)]
+        assert a.step_batch(accepted, [d[:c] for d, c in zip(drafts, accepted)],
+                            HiddenRows(hidden_buf, rows), last,
+                            HiddenRows(hidden_buf, np.array([s + c for s, c in zip(starts, accepted)])),
+                            pos, K, sa, catchup_first=first) is not None
+        assert torch.equal(a.verify_tokens(), b.verify_tokens())
+        assert torch.equal(a.device_drafts.drafts(n, K), b.device_drafts.drafts(n, K))
+        assert torch.equal(a.device_drafts.confidences(n, K), b.device_drafts.confidences(n, K))
+        _same_valid(a, sa, b, sb)
+    return b, recs
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_replayed_step_ahead_is_the_read_first_step(n):
+    """Under the interpreter, the advance's kernel + gather and the pack's kernel replayed from
+    the second step on (recorded once each): every step the read-first path's bits."""
+    b, recs = _static_loop(n, "cpu", steps=6, graphs_after=1)
+    counts, dev = b.device_drafts.counts.graphs, b.device_drafts.graphs
+    assert counts.captured == dev.captured == 1, (counts.captured, dev.captured)
+    # (the advance: checked at step 1, seen at 2, captured at 3; the pack one step earlier:
+    # its checked launch was the first propose's)
+    assert counts.replays == 3 and dev.replays == 4
+    assert all(len(r.made) == 1 for r in recs)
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 4])
+def test_cuda_replayed_step_ahead_is_the_read_first_step(n):
+    """Real graphs (captured at their second use): the read-first path's bits every step."""
+    b, _ = _static_loop(n, "cuda", steps=6, graphs_after=1, num_blocks=200, max_blocks_per_seq=20)
+    counts, dev = b.device_drafts.counts.graphs, b.device_drafts.graphs
+    assert counts.captured == dev.captured == 1 and counts.replays == 3 and dev.replays == 4
+
+
+@cuda
+def test_cuda_replays_allocate_nothing_and_make_no_host_sync():
+    from draft_circuit.runners.testing import assert_no_allocation
+    from tests.runners.test_proposer_device_cuda import _sync_mode
+    n = 4
+    p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
+    dev = p.device_drafts
+    dev.graphs = LaunchGraphs(dev.device, after=1)
+    dev.counts.graphs = LaunchGraphs(dev.device, after=1)
+    states = [prefilled(p, 40 + i, length=7)[0] for i in range(n)]
+    pos = [p.last_pair_key(s) + 2 for s in states]
+    assert p.propose_batch_on_device([3] * n, hidden(7, n).cuda(), pos, K, states) is not None
+    verify_hidden = hidden(9, n * (K + 1)).cuda()
+    greedy = torch.zeros(n * (K + 1), dtype=torch.int32, device="cuda")
+
+    def step(no_sync=False):
+        p.last_drafts(states)
+        with _sync_mode(no_sync):
+            assert p.step_ahead(greedy, verify_hidden, K, states) is not None
+    for _ in range(3):  # seen, captured, replayed
+        step()
+    assert dev.graphs.captured == dev.counts.graphs.captured == 1
+    assert_no_allocation(step, repeats=4)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        step(no_sync=True)
+    assert dev.graphs.replays >= 7 and dev.counts.graphs.replays >= 7
