@@ -39,7 +39,10 @@ from examples.engine import model as target_model
 from examples.engine.__main__ import main as engine_main
 from examples.engine.engine import Engine
 from examples.engine.runner import TargetRunner
+from draft_circuit.runners import proposer_ahead
+from draft_circuit.runners.accept_counts import AcceptCounts
 from draft_circuit.runners.proposer import MtpProposer
+from draft_circuit.runners.proposer_device import DeviceDrafts
 
 STEP = "engine.step"
 #: (owner, attribute, label): the host phases annotated; a missing attribute is skipped (an
@@ -68,6 +71,11 @@ PHASES: tuple[tuple[Any, str, str], ...] = (
     (engine_module, "end_step", "draft_side.end_step"),
     (engine_module, "draft_on_device", "speculate.draft_on_device"),
     (engine_module, "accept", "speculate.accept"),
+    # inside step_ahead: its catch-up, the chain runs, the advance and the fill
+    (proposer_ahead, "write_rows", "ahead.catchup"),
+    (MtpProposer, "_execute", "proposer._execute"),
+    (AcceptCounts, "_apply", "counts.advance"),
+    (DeviceDrafts, "fill", "drafts.fill"),
 )
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -149,14 +157,42 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         return i >= 0 and t < steps[i][1]
     runtime: dict[str, list[float]] = defaultdict(list)
     kernels = 0
+    launched_at: dict[Any, float] = {}  # a runtime call's correlation id -> its start
     for ev in events:
-        if ev.get("ph") != "X" or not in_a_step(ev):
+        if ev.get("ph") != "X":
+            continue
+        if ev.get("cat") == "cuda_runtime":
+            corr = (ev.get("args") or {}).get("correlation")
+            if corr is not None:
+                launched_at[corr] = float(ev["ts"])
+        if not in_a_step(ev):
             continue
         if ev.get("cat") == "cuda_runtime":
             runtime[ev["name"]].append(float(ev.get("dur", 0.0)))
         elif ev.get("cat") == "kernel":
             kernels += 1
     phases = sorted((s, e, name) for s, e, name in host if name != STEP)
+    phase_starts = [p[0] for p in phases]
+
+    def launching_phase(t: float) -> str:
+        """The innermost annotated host phase running at host time t (none: "step")."""
+        i = bisect.bisect_right(phase_starts, t)
+        best = None
+        for ps, pe, name in reversed(phases[max(0, i - 64):i]):  # (phases nest: a few back)
+            if ps <= t < pe and (best is None or pe - ps < best[1] - best[0]):
+                best = (ps, pe, name)
+        return best[2] if best else STEP
+    # GPU time charged to the host phase that launched it (a graph replay's kernels carry
+    # its cudaGraphLaunch's correlation id): what each part of a step costs the GPU
+    gpu_by_phase: dict[str, float] = defaultdict(float)
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("cat") not in GPU_CATS:
+            continue
+        corr = (ev.get("args") or {}).get("correlation")
+        at = launched_at.get(corr)
+        if at is None or not in_a_step({"ts": at}):
+            continue
+        gpu_by_phase[launching_phase(at)] += float(ev.get("dur", 0.0))
     charged: dict[str, float] = defaultdict(float)
     per_phase: dict[str, list[float]] = defaultdict(list)
     rows = []
@@ -190,6 +226,8 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "runtime_per_step": {k: {"calls": round(len(v) / n, 2), "host_us": round(sum(v) / n, 1)}
                              for k, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:8]},
         "kernels_per_step": round(kernels / n, 1),
+        "gpu_us_per_step_by_phase": {k: round(v / n, 1) for k, v in
+                                     sorted(gpu_by_phase.items(), key=lambda kv: -kv[1])},
     }
 
 
@@ -249,6 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"{k} {v}" for k, v in g["idle_under_us_per_step"].items()))
         print("   phases (median us): " + ", ".join(
             f"{k} {v} x{g['phase_calls_per_step'][k]}" for k, v in g["phase_us_median"].items()))
+        print("   GPU time by launching phase (us a step): " + ", ".join(
+            f"{k} {v}" for k, v in g["gpu_us_per_step_by_phase"].items()))
         print("   runtime a step: " + ", ".join(
             f"{k} {v['calls']}x {v['host_us']}us" for k, v in g["runtime_per_step"].items()))
     if args.out:

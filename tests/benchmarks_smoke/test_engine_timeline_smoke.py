@@ -29,6 +29,25 @@ def test_idle_gpu_time_is_charged_to_the_innermost_host_phase():
     assert got["kernels_per_step"] == 3  # k1, k2, k3; not the kernel after the step
 
 
+def test_gpu_time_is_charged_to_the_phase_that_launched_it():
+    """A kernel's time goes to the innermost phase its launch (same correlation id) ran in,
+    wherever the kernel itself runs (a graph's kernels after the host moved on)."""
+    def corr(ev, c):
+        ev["args"] = {"correlation": c}
+        return ev
+    events = [
+        _x(tl.STEP, 0, 100), _x("target.launch_verify", 0, 20), _x("proposer.step_ahead", 20, 50),
+        _x("ahead.catchup", 25, 10),
+        corr(_x("cudaGraphLaunch", 5, 3, "cuda_runtime"), 1),
+        corr(_x("cudaGraphLaunch", 27, 3, "cuda_runtime"), 2),
+        corr(_x("cudaLaunchKernel", 50, 2, "cuda_runtime"), 3),
+        corr(_x("verify_a", 10, 30, "kernel"), 1), corr(_x("verify_b", 40, 10, "kernel"), 1),
+        corr(_x("catchup", 50, 8, "kernel"), 2), corr(_x("pack", 60, 4, "gpu_memcpy"), 3),
+    ]
+    got = tl.reduce_trace(events)["gpu_us_per_step_by_phase"]
+    assert got == {"target.launch_verify": 40.0, "ahead.catchup": 8.0, "proposer.step_ahead": 4.0}
+
+
 def test_union_and_gaps():
     busy = tl.union([(5, 7), (1, 3), (2, 4)])
     assert busy == [(1, 4), (5, 7)]
