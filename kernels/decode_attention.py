@@ -17,6 +17,12 @@ SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100
 # [heads, rows, head_dim] product tiles stay within registers (checked on sm90 with Triton 3.6: no
 # spills for G = 1..32 at head_dim 64, 80 and 128).
 STEP_ROWS_X_HEADS = 32
+# Split programs a launch aims at: the grid's split axis is cdiv(this, n * kv heads), at most the
+# table's splits and at least 1 (a program then takes every grid_splits-th live split). At
+# n * kv heads <= 64 that is every split (one program each, as before); at n = 64 with 8 kv heads,
+# 4 (~100 live rows: one program a live split) where 32 programs a (row, head) were launched, 28
+# of them past the live rows. Never changes a bit (see the kernel).
+SPLIT_PROGRAMS = 2048
 SPLIT_NUM_WARPS = 4  # doubled once a program serves 32 (padded) heads: no spills there either on sm90
 MERGE_NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
@@ -26,30 +32,34 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
-    row_offset, capacity, max_splits, qk_scale_log2,
+    row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
     stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # program = (sequence, kv head, split); it serves the GROUP query heads that share the kv head
+    # program = (sequence, kv head, first split); it serves the GROUP query heads that share the
+    # kv head, and the live splits first, first + grid_splits, ... of its row (the grid's third
+    # axis is as many as the width needs to fill the GPU, not every split the table could hold:
+    # programs past a row's live rows cost a launch wave each and compute nothing). A split's
+    # result never depends on which program computes it: the bits stay the one-program-a-split's.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    first = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
-    lo = split * SPLIT
-    if lo < L:
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
+                mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
+    for split in range(first, tl.cdiv(L, SPLIT), grid_splits):
+        lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, L)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D_PAD)
-        heads = kv_head * GROUP + g
-        head_ok = g < GROUP
-        d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
-                    mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 domain
         l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p V
@@ -131,6 +141,11 @@ def decode_attention_workspace_shape(n: int, num_heads: int, head_dim: int, max_
     return (n, num_heads, triton.cdiv(max_rows, split_rows), head_dim + 2)
 
 
+def split_programs(n: int, num_kv_heads: int, max_splits: int) -> int:
+    """The split axis of the split kernel's grid for n rows (see SPLIT_PROGRAMS)."""
+    return max(1, min(max_splits, triton.cdiv(SPLIT_PROGRAMS, max(1, n * num_kv_heads))))
+
+
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   live_rows: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int,
                   head_dim: int, row_offset: int) -> None:
@@ -181,9 +196,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kw = launch_kwargs(q)
     shared = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
                   SPLIT=split_rows, USE_PDL=bool(kw))
-    _split_kernel[(n, num_kv_heads, shape[2])](
+    grid_splits = split_programs(n, num_kv_heads, shape[2])
+    _split_kernel[(n, num_kv_heads, grid_splits)](
         q, k_cache, v_cache, block_tables, live_rows, workspace,
-        row_offset, capacity, shape[2], scale * _LOG2E,
+        row_offset, capacity, shape[2], grid_splits, scale * _LOG2E,
         q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,

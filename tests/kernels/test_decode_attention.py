@@ -141,9 +141,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     names = ["q_ptr", "k_ptr", "v_ptr", "tables_ptr", "live_ptr", "ws_ptr", "row_offset", "capacity",
-             "max_splits", "qk_scale_log2", "stride_q", "stride_table", "stride_kb", "stride_ks", "stride_kh",
+             "max_splits", "grid_splits", "qk_scale_log2", "stride_q", "stride_table", "stride_kb", "stride_ks", "stride_kh",
              "stride_vb", "stride_vs", "stride_vh"]
-    types = ["*bf16"] * 3 + ["*i32", "*i32", "*fp32", "i32", "i32", "i32", "fp32"] + ["i32"] * 8
+    types = ["*bf16"] * 3 + ["*i32", "*i32", "*fp32", "i32", "i32", "i32", "i32", "fp32"] + ["i32"] * 8
     for group in (16, 32):
         const = dict(NUM_HEADS=group, GROUP=group, GROUP_PAD=group, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16,
                      BLOCK_N=max(1, step // group), SPLIT=256, USE_PDL=False)
@@ -271,3 +271,31 @@ def test_cuda_width_independence(dtype: torch.dtype) -> None:
         alone = run({**case, "q": case["q"][:1].clone(), "block_tables": case["block_tables"][:1].clone()},
                     live_rows[:1].clone(), **attrs)
         assert torch.equal(alone, batch[:1]), n
+
+
+@pytest.mark.parametrize("split_programs", [1, 3, 8])
+def test_fewer_split_programs_than_splits_give_the_same_bits(monkeypatch, split_programs: int) -> None:
+    """The split axis of the grid follows n (SPLIT_PROGRAMS): programs then take every
+    grid_splits-th live split of their row. Every split is computed as alone, so the output is
+    bitwise the one-program-a-split launch's, at rows of 1 to 6 splits (and a row whose block
+    table holds more splits than it lives)."""
+    import draft_circuit.kernels.decode_attention as da
+    lengths = [1, 16, 17, 50, 95]
+    case = make_case(lengths, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float32, tail=-1, seed=11, spare_blocks=3)
+    live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
+    attrs = dict(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.2, row_offset=0, split_rows=16)
+    every = run(case, live_rows, **attrs)  # 5 rows x 2 heads x 8 splits < SPLIT_PROGRAMS: one each
+    assert da.split_programs(5, 2, 8) == 8
+    monkeypatch.setattr(da, "SPLIT_PROGRAMS", split_programs)
+    assert da.split_programs(5, 2, 8) == 1
+    monkeypatch.setattr(da, "SPLIT_PROGRAMS", split_programs * 10)
+    assert da.split_programs(5, 2, 8) == min(8, -(-split_programs * 10 // 10))
+    assert torch.equal(run(case, live_rows, **attrs), every)
+
+
+def test_split_programs_follow_the_width() -> None:
+    from draft_circuit.kernels.decode_attention import SPLIT_PROGRAMS, split_programs
+    assert split_programs(1, 8, 32) == 32 and split_programs(8, 8, 32) == 32
+    assert split_programs(64, 8, 32) == SPLIT_PROGRAMS // 512 == 4
+    assert split_programs(4096, 8, 32) == 1 and split_programs(1, 1, 1) == 1
