@@ -185,6 +185,8 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     # GPU time charged to the host phase that launched it (a graph replay's kernels carry
     # its cudaGraphLaunch's correlation id): what each part of a step costs the GPU
     gpu_by_phase: dict[str, float] = defaultdict(float)
+    # and per phase, each kernel (or copy) name's time and count
+    by_kernel: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     for ev in events:
         if ev.get("ph") != "X" or ev.get("cat") not in GPU_CATS:
             continue
@@ -192,7 +194,11 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         at = launched_at.get(corr)
         if at is None or not in_a_step({"ts": at}):
             continue
-        gpu_by_phase[launching_phase(at)] += float(ev.get("dur", 0.0))
+        phase = launching_phase(at)
+        gpu_by_phase[phase] += float(ev.get("dur", 0.0))
+        entry = by_kernel[phase][str(ev.get("name", "?"))[:60]]
+        entry[0] += float(ev.get("dur", 0.0))
+        entry[1] += 1
     charged: dict[str, float] = defaultdict(float)
     per_phase: dict[str, list[float]] = defaultdict(list)
     rows = []
@@ -228,6 +234,11 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "kernels_per_step": round(kernels / n, 1),
         "gpu_us_per_step_by_phase": {k: round(v / n, 1) for k, v in
                                      sorted(gpu_by_phase.items(), key=lambda kv: -kv[1])},
+        # the 12 costliest names of each phase: [us a step, launches a step]
+        "gpu_kernels_by_phase": {
+            phase: {name: [round(t / n, 1), round(c / n, 2)] for name, (t, c) in
+                    sorted(names.items(), key=lambda kv: -kv[1][0])[:12]}
+            for phase, names in by_kernel.items()},
     }
 
 

@@ -44,8 +44,12 @@ def test_gpu_time_is_charged_to_the_phase_that_launched_it():
         corr(_x("verify_a", 10, 30, "kernel"), 1), corr(_x("verify_b", 40, 10, "kernel"), 1),
         corr(_x("catchup", 50, 8, "kernel"), 2), corr(_x("pack", 60, 4, "gpu_memcpy"), 3),
     ]
-    got = tl.reduce_trace(events)["gpu_us_per_step_by_phase"]
+    reduced = tl.reduce_trace(events)
+    got = reduced["gpu_us_per_step_by_phase"]
     assert got == {"target.launch_verify": 40.0, "ahead.catchup": 8.0, "proposer.step_ahead": 4.0}
+    assert reduced["gpu_kernels_by_phase"] == {
+        "target.launch_verify": {"verify_a": [30.0, 1.0], "verify_b": [10.0, 1.0]},
+        "ahead.catchup": {"catchup": [8.0, 1.0]}, "proposer.step_ahead": {"pack": [4.0, 1.0]}}
 
 
 def test_union_and_gaps():
