@@ -23,6 +23,10 @@ STEP_ROWS_X_HEADS = 32
 # 4 (~100 live rows: one program a live split) where 32 programs a (row, head) were launched, 28
 # of them past the live rows. Never changes a bit (see the kernel).
 SPLIT_PROGRAMS = 2048
+# The split kernel as tl.dot tiles (`_split_dot_kernel`): heads padded to >= DOT_MIN rows, up to
+# DOT_BLOCK_N KV rows a step; the elementwise `_split_kernel` otherwise.
+DOT_SPLIT = True
+DOT_MIN, DOT_BLOCK_N, DOT_NUM_WARPS = 16, 32, 4
 SPLIT_NUM_WARPS = 4  # doubled once a program serves 32 (padded) heads: no spills there either on sm90
 MERGE_NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
@@ -90,6 +94,65 @@ def _split_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, None, :] * vt[None, :, :], axis=2)
             m = m_new
         # workspace [n, NUM_HEADS, max_splits, HEAD_DIM + 2]: (acc[0:D], m, l) per split
+        part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
+        tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
+        tl.store(part + HEAD_DIM, m, mask=head_ok)
+        tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
+
+
+@triton.jit
+def _split_dot_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
+    row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
+    stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # `_split_kernel`'s contract and grid, its two products as tl.dot tiles: the group's query
+    # heads padded to GROUP_PAD >= 16 rows, BLOCK_N >= 16 KV rows a step (a whole 32-row split at
+    # once), K and V loaded row-major [BLOCK_N, D] (coalesced; the elementwise kernel reads V
+    # transposed). Scores in the input dtype with fp32 accumulation (exact products); p V in
+    # fp32 ("ieee": no tf32). A head's row of each product depends only on that head's q row
+    # and the sequence's K/V: bits never depend on n or on the other heads.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    first = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
+                mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D], the input dtype
+    for split in range(first, tl.cdiv(L, SPLIT), grid_splits):
+        lo = split * SPLIT
+        hi = tl.minimum(lo + SPLIT, L)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            r = start + tl.arange(0, BLOCK_N)
+            live = r < hi
+            blk = tl.load(tables_ptr + seq * stride_table + r // BLOCK_SIZE, mask=live, other=0)
+            blk = tl.where(live, blk, 0).to(tl.int64)
+            slot = (r % BLOCK_SIZE).to(tl.int64)
+            rows_ok = live[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                        + d[None, :], mask=rows_ok, other=0.0)  # [BLOCK_N, D]
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # [G, BLOCK_N]
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every step holds a live row
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + d[None, :], mask=rows_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = m_new
         part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
         tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
         tl.store(part + HEAD_DIM, m, mask=head_ok)
@@ -180,8 +243,11 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, live_rows: torch.Tensor, out: torch.Tensor, *,
                      num_heads: int, num_kv_heads: int, head_dim: int, scale: float, row_offset: int,
-                     workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS) -> None:
-    """q, out [n, num_heads*head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; no host sync."""
+                     workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS,
+                     dot: bool | None = None) -> None:
+    """q, out [n, num_heads*head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; no host sync.
+    dot: the split's products as tl.dot tiles (`_split_dot_kernel`) or elementwise (`_split_kernel`);
+    None: DOT_SPLIT (the dot kernel needs split_rows a multiple of 16; otherwise elementwise)."""
     _check_inputs(q, k_cache, v_cache, block_tables, live_rows, out, num_heads, num_kv_heads, head_dim, row_offset)
     n, block_size = q.shape[0], k_cache.shape[1]
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
@@ -197,14 +263,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     shared = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
                   SPLIT=split_rows, USE_PDL=bool(kw))
     grid_splits = split_programs(n, num_kv_heads, shape[2])
-    _split_kernel[(n, num_kv_heads, grid_splits)](
-        q, k_cache, v_cache, block_tables, live_rows, workspace,
-        row_offset, capacity, shape[2], grid_splits, scale * _LOG2E,
-        q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        num_warps=SPLIT_NUM_WARPS * (2 if group_pad >= 32 else 1), **shared, **kw,
-    )
+    args = (q, k_cache, v_cache, block_tables, live_rows, workspace,
+            row_offset, capacity, shape[2], grid_splits, scale * _LOG2E,
+            q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    group = num_heads // num_kv_heads
+    if (DOT_SPLIT if dot is None else dot) and split_rows % DOT_MIN == 0:
+        _split_dot_kernel[(n, num_kv_heads, grid_splits)](
+            *args, GROUP=group, GROUP_PAD=max(DOT_MIN, group_pad), BLOCK_SIZE=block_size,
+            BLOCK_N=min(split_rows, DOT_BLOCK_N), num_warps=DOT_NUM_WARPS,
+            **{**shared, "D_PAD": max(DOT_MIN, shared["D_PAD"])}, **kw)
+    else:
+        _split_kernel[(n, num_kv_heads, grid_splits)](
+            *args, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+            num_warps=SPLIT_NUM_WARPS * (2 if group_pad >= 32 else 1), **shared, **kw)
     _merge_kernel[(n, num_heads)](
         workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
         num_warps=MERGE_NUM_WARPS, **shared, **kw,
