@@ -34,6 +34,44 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _program_rows(live_ptr, row_offset, capacity, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """A split program's (sequence, kv head, first split), its row's L = live_rows + row_offset
+    + 1 KV rows (clamped: never past the block table, whose tail may be garbage, never below
+    zero), and its query heads / head dims with their masks (the two split kernels')."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    first = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    return seq, kv_head, first, L, kv_head * GROUP + g, g < GROUP, d, d < HEAD_DIM
+
+
+@triton.jit
+def _kv_step(tables_ptr, seq, stride_table, start, hi, BLOCK_N: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr):
+    """The step's KV rows start .. start + BLOCK_N: which are live (< hi), their blocks and
+    slots (a dead row's table entry is neither read nor used: its address becomes block 0's)."""
+    r = start + tl.arange(0, BLOCK_N)
+    live = r < hi
+    blk = tl.load(tables_ptr + seq * stride_table + r // BLOCK_SIZE, mask=live, other=0)
+    return live, tl.where(live, blk, 0).to(tl.int64), (r % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m, l,
+                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's (acc, m, l) per head into the workspace [n, NUM_HEADS, max_splits, HEAD_DIM + 2]."""
+    part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
+    tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
+    tl.store(part + HEAD_DIM, m, mask=head_ok)
+    tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
@@ -47,18 +85,8 @@ def _split_kernel(
     # axis is as many as the width needs to fill the GPU, not every split the table could hold:
     # programs past a row's live rows cost a launch wave each and compute nothing). A split's
     # result never depends on which program computes it: the bits stay the one-program-a-split's.
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    first = tl.program_id(2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    # clamp: never past the block table (its tail may be garbage), never below zero rows
-    L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d_ok = d < HEAD_DIM
+    seq, kv_head, first, L, heads, head_ok, d, d_ok = _program_rows(
+        live_ptr, row_offset, capacity, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, USE_PDL)
     q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
     for split in range(first, tl.cdiv(L, SPLIT), grid_splits):
@@ -68,12 +96,7 @@ def _split_kernel(
         l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p V
         for start in range(lo, hi, BLOCK_N):
-            r = start + tl.arange(0, BLOCK_N)
-            live = r < hi
-            # a dead row's table entry is neither read nor used: its address becomes block 0's
-            blk = tl.load(tables_ptr + seq * stride_table + r // BLOCK_SIZE, mask=live, other=0)
-            blk = tl.where(live, blk, 0).to(tl.int64)
-            slot = (r % BLOCK_SIZE).to(tl.int64)
+            live, blk, slot = _kv_step(tables_ptr, seq, stride_table, start, hi, BLOCK_N, BLOCK_SIZE)
             kv_ok = live[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
                         + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D]
@@ -93,11 +116,8 @@ def _split_kernel(
             # (k = 8) with K < 8, which gives garbage. Both products here stay elementwise + tl.sum.
             acc = acc * alpha[:, None] + tl.sum(p[:, None, :] * vt[None, :, :], axis=2)
             m = m_new
-        # workspace [n, NUM_HEADS, max_splits, HEAD_DIM + 2]: (acc[0:D], m, l) per split
-        part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
-        tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
-        tl.store(part + HEAD_DIM, m, mask=head_ok)
-        tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
+        _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m, l,
+                     NUM_HEADS, HEAD_DIM)
 
 
 @triton.jit
@@ -115,17 +135,8 @@ def _split_dot_kernel(
     # transposed). Scores in the input dtype with fp32 accumulation (exact products); p V in
     # fp32 ("ieee": no tf32). A head's row of each product depends only on that head's q row
     # and the sequence's K/V: bits never depend on n or on the other heads.
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    first = tl.program_id(2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d_ok = d < HEAD_DIM
+    seq, kv_head, first, L, heads, head_ok, d, d_ok = _program_rows(
+        live_ptr, row_offset, capacity, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, USE_PDL)
     q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D], the input dtype
     for split in range(first, tl.cdiv(L, SPLIT), grid_splits):
@@ -135,11 +146,7 @@ def _split_dot_kernel(
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            r = start + tl.arange(0, BLOCK_N)
-            live = r < hi
-            blk = tl.load(tables_ptr + seq * stride_table + r // BLOCK_SIZE, mask=live, other=0)
-            blk = tl.where(live, blk, 0).to(tl.int64)
-            slot = (r % BLOCK_SIZE).to(tl.int64)
+            live, blk, slot = _kv_step(tables_ptr, seq, stride_table, start, hi, BLOCK_N, BLOCK_SIZE)
             rows_ok = live[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
                         + d[None, :], mask=rows_ok, other=0.0)  # [BLOCK_N, D]
@@ -153,10 +160,8 @@ def _split_dot_kernel(
                         + d[None, :], mask=rows_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
-        part = ws_ptr + ((seq * NUM_HEADS + heads) * max_splits + split) * (HEAD_DIM + 2)
-        tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
-        tl.store(part + HEAD_DIM, m, mask=head_ok)
-        tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
+        _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m, l,
+                     NUM_HEADS, HEAD_DIM)
 
 
 @triton.jit

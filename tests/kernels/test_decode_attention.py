@@ -143,7 +143,12 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     step = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                 and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["STEP_ROWS_X_HEADS"])
-    lines = text.splitlines()[node.decorator_list[0].lineno - 1:node.end_lineno]
+    # every @triton.jit function of the module (the kernel and the helpers it inlines), alone
+    jitted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.decorator_list
+              and "jit" in ast.unparse(n.decorator_list[0])]
+    lines = []
+    for n in jitted:
+        lines += text.splitlines()[n.decorator_list[0].lineno - 1:n.end_lineno] + ["", ""]
     tmp = pathlib.Path(tempfile.mkdtemp()) / "split_kernel_only.py"
     tmp.write_text("import triton\\nimport triton.language as tl\\n\\n\\n" + "\\n".join(lines) + "\\n")
     spec = importlib.util.spec_from_file_location("split_kernel_only", tmp)

@@ -7,18 +7,17 @@ have come `after` times, captured once, replayed after; other operands or a capt
 fails stay eager; the switch turns it off. The two users, the accepted counts' advance (kernel,
 copy, gather) and the drafts' pack (kernel, copy), under the Triton interpreter: a replayed
 step_ahead loop is the read-first path's. cuda: the same with real graphs, no allocation and
-no sync once captured.
+no sync once captured (tests/runners/test_proposer_ahead.py's allocation and sync test, with
+the graphs made at their second use).
 """
 from __future__ import annotations
 
 import logging
 import types
 
-import numpy as np
 import pytest
 import torch
 
-from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.launch_graphs import LaunchGraphs
 from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
@@ -104,7 +103,7 @@ def _static_loop(n, device, steps, graphs_after=None, **opts):
     hiddens written into the same buffers every step, as a target runner's outputs are; `b`'s
     per-step launches go through recorder graphs (after `graphs_after` uses) when given. Both
     launch through the kernels (fused) where `device` runs them compiled, or when forced."""
-    from tests.runners.test_proposer_ahead import _greedy, _same_valid
+    from tests.runners.test_proposer_ahead import _greedy, _same_valid, read_first_step
     kw = dict(device=device, **opts)
     a, b = make("circuit", **kw), make("circuit", **kw)
     sa = [prefilled(a, 40 + i, length=6 + i % 5)[0] for i in range(n)]
@@ -132,17 +131,7 @@ def _static_loop(n, device, steps, graphs_after=None, **opts):
         greedy_buf.copy_(greedy)
         hidden_buf.copy_(hidden(300 + step, n * k1))
         assert b.step_ahead(greedy_buf, hidden_buf, K, sb) is not None, b.last_served
-        starts = [i * k1 for i in range(n)]
-        rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
-                        dtype=np.int64)
-        g2 = greedy.view(n, k1).tolist()
-        last = [g2[i][c] for i, c in enumerate(accepted)]
-        first = [p + 1 for p in pos]
-        pos = [p + c + 1 for p, c in zip(pos, accepted)]
-        assert a.step_batch(accepted, [d[:c] for d, c in zip(drafts, accepted)],
-                            HiddenRows(hidden_buf, rows), last,
-                            HiddenRows(hidden_buf, np.array([s + c for s, c in zip(starts, accepted)])),
-                            pos, K, sa, catchup_first=first) is not None
+        pos = read_first_step(a, sa, drafts, greedy, accepted, hidden_buf, pos)
         assert torch.equal(a.verify_tokens(), b.verify_tokens())
         assert torch.equal(a.device_drafts.drafts(n, K), b.device_drafts.drafts(n, K))
         assert torch.equal(a.device_drafts.confidences(n, K), b.device_drafts.confidences(n, K))
@@ -170,32 +159,3 @@ def test_cuda_replayed_step_ahead_is_the_read_first_step(n):
     b, _ = _static_loop(n, "cuda", steps=6, graphs_after=1, num_blocks=200, max_blocks_per_seq=20)
     counts, dev = b.device_drafts.counts.graphs, b.device_drafts.graphs
     assert counts.captured == dev.captured == 1 and counts.replays == 3 and dev.replays == 4
-
-
-@cuda
-def test_cuda_replays_allocate_nothing_and_make_no_host_sync():
-    from draft_circuit.runners.testing import assert_no_allocation
-    from tests.runners.test_proposer_device_cuda import _sync_mode
-    n = 4
-    p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
-    dev = p.device_drafts
-    dev.graphs = LaunchGraphs(dev.device, after=1)
-    dev.counts.graphs = LaunchGraphs(dev.device, after=1)
-    states = [prefilled(p, 40 + i, length=7)[0] for i in range(n)]
-    pos = [p.last_pair_key(s) + 2 for s in states]
-    assert p.propose_batch_on_device([3] * n, hidden(7, n).cuda(), pos, K, states) is not None
-    verify_hidden = hidden(9, n * (K + 1)).cuda()
-    greedy = torch.zeros(n * (K + 1), dtype=torch.int32, device="cuda")
-
-    def step(no_sync=False):
-        p.last_drafts(states)
-        with _sync_mode(no_sync):
-            assert p.step_ahead(greedy, verify_hidden, K, states) is not None
-    for _ in range(3):  # seen, captured, replayed
-        step()
-    assert dev.graphs.captured == dev.counts.graphs.captured == 1
-    assert_no_allocation(step, repeats=4)
-    torch.cuda.synchronize()
-    for _ in range(3):
-        step(no_sync=True)
-    assert dev.graphs.replays >= 7 and dev.counts.graphs.replays >= 7

@@ -53,6 +53,24 @@ def _greedy(drafts, step, n):
     return out.view(-1), accepted
 
 
+def read_first_step(a, sa, drafts, greedy, accepted, verify_hidden, pos):
+    """The read-first path of one decode step on `a`: accept on the host (the verify's greedy
+    tokens [n * (K + 1)] read), then one step_batch; returns the positions after it."""
+    n, k1 = len(sa), K + 1
+    starts = [i * k1 for i in range(n)]
+    rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
+                    dtype=np.int64)
+    greedy2 = greedy.view(n, k1).tolist()  # (the read-first path's read)
+    last = [greedy2[i][c] for i, c in enumerate(accepted)]
+    first = [p + 1 for p in pos]
+    pos = [p + c + 1 for p, c in zip(pos, accepted)]
+    assert a.step_batch(accepted, [d[:c] for d, c in zip(drafts, accepted)],
+                        HiddenRows(verify_hidden, rows), last,
+                        HiddenRows(verify_hidden, np.array([s + c for s, c in zip(starts, accepted)])),
+                        pos, K, sa, catchup_first=first) is not None
+    return pos
+
+
 def _loop(n, opts, steps=5, fused=None, **kw):
     """`a` reads each verify and steps with step_batch; `b` steps ahead (`fused`: its accept and
     shifts in the one kernel, True, or as torch ops, False; None: as its device picks). Yields
@@ -76,18 +94,7 @@ def _loop(n, opts, steps=5, fused=None, **kw):
         got = b.step_ahead(greedy, verify_hidden, K, sb)
         assert got is not None, b.last_served
         assert got[0] == drafts and got[1] is b.verify_tokens()
-        # the read-first path: accept on the host, then one step_batch
-        starts = [i * k1 for i in range(n)]
-        rows = np.array([r for i, c in enumerate(accepted) for r in range(starts[i], starts[i] + c)],
-                        dtype=np.int64)
-        greedy2 = greedy.view(n, k1).tolist()  # (the read-first path's read)
-        last = [greedy2[i][c] for i, c in enumerate(accepted)]
-        first = [p + 1 for p in pos]
-        pos = [p + c + 1 for p, c in zip(pos, accepted)]
-        assert a.step_batch(accepted, [d[:c] for d, c in zip(drafts, accepted)],
-                            HiddenRows(verify_hidden, rows), last,
-                            HiddenRows(verify_hidden, np.array([s + c for s, c in zip(starts, accepted)])),
-                            pos, K, sa, catchup_first=first) is not None
+        pos = read_first_step(a, sa, drafts, greedy, accepted, verify_hidden, pos)
         assert a.last_served == b.last_served
         # before either reads: the next verify input alike (tokens from the device counts)
         assert torch.equal(a.verify_tokens(), b.verify_tokens())
@@ -150,13 +157,22 @@ def test_a_cuda_step_ahead_runs_the_one_kernel_and_the_torch_ops_alike():
 
 
 @cuda
-def test_a_cuda_step_ahead_allocates_nothing_and_makes_no_host_sync():
+@pytest.mark.parametrize("graphs", [False, True], ids=["launched", "replayed"])
+def test_a_cuda_step_ahead_allocates_nothing_and_makes_no_host_sync(graphs):
     """Warm steps allocate no device memory, then run under torch's sync debug mode "error"
-    (the previous batch read first: step_ahead itself enqueues everything and reads nothing)."""
+    (the previous batch read first: step_ahead itself enqueues everything and reads nothing);
+    `replayed`: with the per-step launches captured at their second use and replayed after
+    (runners/launch_graphs.py)."""
+    from draft_circuit.runners.launch_graphs import LaunchGraphs
     from draft_circuit.runners.testing import assert_no_allocation
     from tests.runners.test_proposer_device_cuda import _sync_mode
     n = 4
     p = make("circuit", device="cuda", num_blocks=400, max_blocks_per_seq=40)
+    dev = p.device_drafts
+    # launched: never captured here (the default captures at a key's 9th use, which would fall
+    # inside the measured steps); replayed: captured at the second use
+    dev.graphs = LaunchGraphs(dev.device, after=1 if graphs else 10**9)
+    dev.counts.graphs = LaunchGraphs(dev.device, after=1 if graphs else 10**9)
     states = [prefilled(p, 40 + i, length=7)[0] for i in range(n)]
     pos = [p.last_pair_key(s) + 2 for s in states]
     assert p.propose_batch_on_device([3] * n, hidden(7, n).cuda(), pos, K, states) is not None
@@ -167,8 +183,9 @@ def test_a_cuda_step_ahead_allocates_nothing_and_makes_no_host_sync():
         p.last_drafts(states)  # the previous batch's read (the step's one sync)
         with _sync_mode(no_sync):
             assert p.step_ahead(greedy, verify_hidden, K, states) is not None
-    for _ in range(2):  # warm: views and scratch made once a shape
+    for _ in range(3):  # warm: views and scratch made once a shape (graphs: seen, captured)
         step()
+    assert (dev.graphs.captured, dev.counts.graphs.captured) == ((1, 1) if graphs else (0, 0))
     assert_no_allocation(step, repeats=4)
     torch.cuda.synchronize()
     for _ in range(3):
