@@ -172,29 +172,20 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         elif ev.get("cat") == "kernel":
             kernels += 1
     phases = sorted((s, e, name) for s, e, name in host if name != STEP)
-    phase_starts = [p[0] for p in phases]
-
-    def launching_phase(t: float) -> str:
-        """The innermost annotated host phase running at host time t (none: "step")."""
-        i = bisect.bisect_right(phase_starts, t)
-        best = None
-        for ps, pe, name in reversed(phases[max(0, i - 64):i]):  # (phases nest: a few back)
-            if ps <= t < pe and (best is None or pe - ps < best[1] - best[0]):
-                best = (ps, pe, name)
-        return best[2] if best else STEP
     # GPU time charged to the host phase that launched it (a graph replay's kernels carry
     # its cudaGraphLaunch's correlation id): what each part of a step costs the GPU
     gpu_by_phase: dict[str, float] = defaultdict(float)
     # and per phase, each kernel (or copy) name's time and count
     by_kernel: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    launched = []
     for ev in events:
         if ev.get("ph") != "X" or ev.get("cat") not in GPU_CATS:
             continue
-        corr = (ev.get("args") or {}).get("correlation")
-        at = launched_at.get(corr)
-        if at is None or not in_a_step({"ts": at}):
-            continue
-        phase = launching_phase(at)
+        at = launched_at.get((ev.get("args") or {}).get("correlation"))
+        if at is not None and in_a_step({"ts": at}):
+            launched.append((at, ev))
+    launched.sort(key=lambda x: x[0])
+    for (at, ev), phase in zip(launched, innermost(phases, [at for at, _ in launched])):
         gpu_by_phase[phase] += float(ev.get("dur", 0.0))
         entry = by_kernel[phase][str(ev.get("name", "?"))[:60]]
         entry[0] += float(ev.get("dur", 0.0))
@@ -240,6 +231,26 @@ def reduce_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
                     sorted(names.items(), key=lambda kv: -kv[1][0])[:12]}
             for phase, names in by_kernel.items()},
     }
+
+
+def innermost(phases: list[tuple[float, float, str]], times: list[float]) -> list[str]:
+    """For each of the ascending host times, the innermost annotated phase running then (none:
+    STEP). Phases are one thread's record_function ranges, so they nest: a sweep keeps the
+    stack of open ones (a parent opened at its child's instant goes first: sorted by start,
+    then by the later end)."""
+    order = sorted(phases, key=lambda p: (p[0], -p[1]))
+    stack: list[tuple[float, float, str]] = []
+    out, i = [], 0
+    for t in times:
+        while i < len(order) and order[i][0] <= t:
+            while stack and stack[-1][1] <= order[i][0]:  # closed before this one opened
+                stack.pop()
+            stack.append(order[i])
+            i += 1
+        while stack and stack[-1][1] <= t:
+            stack.pop()
+        out.append(stack[-1][2] if stack else STEP)
+    return out
 
 
 def _med(xs: list[float]) -> float:

@@ -169,6 +169,8 @@ class AcceptCounts:
                 torch.index_select(gather[0], 0, index, out=gather[1])
 
         self.graphs.run(key, operands, launch)
+        # (after the run, not before: a launch that raised leaves the counts to `settle`, which
+        # recomputes them; the eager path's gather raising after its copy leaves them applied)
         adv.applied = True
         if self._copied is not None:
             self._copied.record()

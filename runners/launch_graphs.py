@@ -8,21 +8,23 @@ torch ops' worth) and each copy ~15 us, against ~5-10 us for a `cudaGraphLaunch`
 work: the sixth session's diag put "advance" at 142 us and "fill" at 124 us a step.
 
 `LaunchGraphs.run(key, operands, launch)` runs `launch()` (a short, fixed sequence of device
-operations that allocates nothing) eagerly until the same key and operands have come
-`after` times, then captures it once into a CUDA graph and replays that graph from then on.
+operations that allocates nothing) eagerly; the (after + 1)-th time the same key and operands
+come it also captures it into a CUDA graph, and from the next time on replays that graph.
 A replay is the eager launch exactly when every argument the launch bakes in is the same: the
 caller's `key` carries what changes between calls (data pointers of per-call views, widths),
 and `operands` are the persistent tensors it launches on, compared by identity (the same
 cached view objects a step; kept alive by the entry, so their storage cannot be reused).
-Capturing waits for nothing but the device work already queued (one stream sync, once a key);
-`after` keeps a key seen a few times (a width served for one or two steps at a run's end) from
+Capturing syncs nothing (the capture's side stream waits on the work queued so far) and is
+thread-local (another host thread's CUDA calls are not refused meanwhile); `after` keeps a key
+seen a few times (a width served for one or two steps at a run's end) from
 paying a capture it cannot repay.
 
 Nothing is captured where it cannot be: on CPU (or the interpreter) and while the current
 stream is itself being captured (a host capturing the proposer), `launch` simply runs. A
 capture that fails leaves the key eager for good (logged once), never a half-made graph.
-`LaunchGraphs.enabled = False` (or CIRCUIT_LAUNCH_GRAPHS=0) turns the replays off, for
-measuring them against the eager launches in one process.
+`LaunchGraphs.enabled = False` (or CIRCUIT_LAUNCH_GRAPHS=0) turns captures and replays off
+(graphs already made stay unused while it is off), for measuring them against the eager
+launches in one process.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: eager runs of a key before it is captured: a capture (~0.5-1 ms of host time, once) repays
+#: eager runs of a key (after its first) before the one that also captures it: a capture (~0.5-1 ms of host time, once) repays
 #: itself after ~10-20 replays at ~50-100 us saved each; a width served only a few steps
 #: (the last sequences of a run) stays eager
 CAPTURE_AFTER = 8
@@ -75,19 +77,23 @@ class LaunchGraphs:
     def run(self, key: Hashable, operands: tuple[object, ...], launch: Callable[[], None]) -> None:
         """`launch()`, or the replay of its graph once `key` with these `operands` has run
         eagerly `after` times (see the module docstring)."""
-        entry = self._entries.get(key)
-        if entry is not None and entry.graph is not None and _same(entry.operands, operands) \
-                and not _capturing(self.cuda):
+        # the operands' identities are part of the entry's key: two sets that alternate under
+        # one key (two staging regions of a width) each get their graph
+        ident = (key, tuple(map(id, operands)))
+        entry = self._entries.get(ident)
+        on = type(self).enabled
+        if entry is not None and entry.graph is not None and on \
+                and _same(entry.operands, operands) and not _capturing(self.cuda):
             entry.graph.replay()  # (a recorder's stand-in in the tests)
             self.replays += 1
             return
         launch()
-        if not self.active or not type(self).enabled:
+        if not self.active or not on:
             return
-        if entry is None or not _same(entry.operands, operands):
+        if entry is None or not _same(entry.operands, operands):  # (an id reused: start over)
             if len(self._entries) >= MAX_KEYS:
                 self._entries.clear()
-            self._entries[key] = _Entry(operands)
+            self._entries[ident] = _Entry(operands)
             return
         entry.uses += 1
         if entry.graph is not None or entry.failed or entry.uses < self.after \
@@ -122,7 +128,9 @@ def _cuda_graph(launch: Callable[[], None]) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch stub
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        graph.capture_begin()
+        # thread-local: a global-mode capture would make another host thread's CUDA calls
+        # (an allocation, a sync) fail while it is open
+        graph.capture_begin(capture_error_mode="thread_local")
         try:
             launch()
         finally:

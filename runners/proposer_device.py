@@ -174,7 +174,8 @@ class DeviceDrafts:
         first.copy_(tokens)
         torch.clamp(out["drafts"], min=0, out=rest)
         if self._copied is not None:
-            self._copied.copy(host, span)  # type: ignore[arg-type]  # (made above on CUDA)
+            assert host is not None  # (made above on CUDA)
+            self._copied.copy(host, span)
 
     def warm(self, width: int, k: int) -> None:
         """Launch, now, every kernel a batch of up to `width` rows and `k` drafts adds (the
@@ -220,7 +221,8 @@ class DeviceDrafts:
         _pack_checked()(drafts, bits, tokens, records, self.flat, self.verify, k=k)
         self._packed[(n, k)] = operands
         if self._copied is not None:
-            self._copied.copy(host, span)  # type: ignore[arg-type]  # (made by fill on CUDA)
+            assert host is not None  # (made by fill on CUDA)
+            self._copied.copy(host, span)
         return True
 
     def _fill_host(self, drafts: torch.Tensor, confidences: torch.Tensor, tokens: torch.Tensor,

@@ -68,3 +68,12 @@ def test_cpu_run_reports_both_modes_and_undoes_the_wrappers(tmp_path):
         assert "target.forward" in g["phase_us_median"]
     assert Engine.generate is generate and MtpProposer.step_batch is step_batch
     assert Engine.step is step
+
+
+def test_the_innermost_phase_is_found_however_many_phases_came_before():
+    """A launch inside an outer phase that opened 100 short phases earlier is the outer's; a
+    child that opens at its parent's instant is the innermost while it runs."""
+    phases = [(0.0, 1000.0, "outer")] + [(1.0 + i, 1.5 + i, f"short{i}") for i in range(100)]
+    phases += [(500.0, 600.0, "parent"), (500.0, 550.0, "child")]
+    got = tl.innermost(phases, [0.5, 50.2, 200.0, 500.0, 560.0, 700.0, 2000.0])
+    assert got == ["outer", "short49", "outer", "child", "parent", "outer", tl.STEP]

@@ -56,20 +56,37 @@ def test_eager_until_after_then_one_capture_then_replays():
     assert g.captured == 1
 
 
-def test_other_operands_or_keys_stay_eager_and_start_over():
+def test_other_operands_or_keys_are_entries_of_their_own():
+    """A key's graph replays only for the operands it was captured with; other operands under
+    the same key (two alternating sets of views) and other keys start eager and get their own
+    graph, without dropping the first."""
     rec = Recorder()
     g = LaunchGraphs(torch.device("cpu"), after=1, capture=rec)
     a, b = (torch.zeros(2),), (torch.zeros(2),)
     calls, launch = _counter()
     g.run(1, a, launch)
-    g.run(1, a, launch)  # captured here
+    g.run(1, a, launch)  # captured here (the second use at after = 1)
     assert g.captured == 1
-    g.run(1, b, launch)  # an equal key with other operands (new views): eager, entry replaced
+    g.run(1, b, launch)  # the same key with other operands: eager
     g.run(2, a, launch)  # another key: eager
     assert g.replays == 0 and len(calls) == 4
     g.run(1, b, launch)  # b's second use: captured
     g.run(1, b, launch)
-    assert g.captured == 2 and g.replays == 1
+    g.run(1, a, launch)  # a's graph is still there
+    assert g.captured == 2 and g.replays == 2
+
+
+def test_turned_off_a_made_graph_is_not_replayed(monkeypatch):
+    calls, launch = _counter()
+    g = LaunchGraphs(torch.device("cpu"), after=1, capture=Recorder())
+    ops = (torch.zeros(1),)
+    for _ in range(3):
+        g.run(0, ops, launch)
+    assert g.captured == 1 and g.replays == 1
+    monkeypatch.setattr(LaunchGraphs, "enabled", False)
+    for _ in range(3):
+        g.run(0, ops, launch)
+    assert g.replays == 1 and len(calls) == 6  # eager launches (the recorder's replay is one too)
 
 
 def test_a_capture_that_fails_stays_eager(caplog):
@@ -98,11 +115,14 @@ def test_off_and_cpu_without_a_recorder_never_capture(monkeypatch):
 # ---- the users: step_ahead's advance (kernel, copy, gather) and the fill's pack (kernel, copy)
 
 
-def _static_loop(n, device, steps, graphs_after=None, **opts):
+def _static_loop(n, device, steps, graphs_after=None, buffers=1, **opts):
     """step_ahead (b) against the read-first path (a) with the verify's greedy tokens and
-    hiddens written into the same buffers every step, as a target runner's outputs are; `b`'s
-    per-step launches go through recorder graphs (after `graphs_after` uses) when given. Both
-    launch through the kernels (fused) where `device` runs them compiled, or when forced."""
+    hiddens written into `buffers` sets of buffers, step i into set i % buffers (a target
+    runner's outputs are its buffers, one set a bucket; the engine's hiddens are a few
+    allocations that come back); `b`'s per-step launches go through recorder graphs (after
+    `graphs_after` uses) when given. Both launch through the kernels (fused) where `device`
+    runs them compiled, or when forced. With two sets, a graph keyed too coarsely (without
+    the buffers' addresses) replays on the other set's tensors: wrong bits, caught here."""
     from tests.runners.test_proposer_ahead import _greedy, _same_valid, read_first_step
     kw = dict(device=device, **opts)
     a, b = make("circuit", **kw), make("circuit", **kw)
@@ -119,8 +139,9 @@ def _static_loop(n, device, steps, graphs_after=None, **opts):
             recs.append(rec)
             owner.graphs = LaunchGraphs(torch.device(device), after=graphs_after, capture=rec)
     k1 = K + 1
-    greedy_buf = torch.zeros(n * k1, dtype=torch.int32, device=device)
-    hidden_buf = torch.zeros(n * k1, CFG.hidden_size, dtype=hidden(0, 1).dtype, device=device)
+    sets = [(torch.zeros(n * k1, dtype=torch.int32, device=device),
+             torch.zeros(n * k1, CFG.hidden_size, dtype=hidden(0, 1).dtype, device=device))
+            for _ in range(buffers)]
     pos = [a.last_pair_key(s) + 2 for s in sa]
     last = [(5 + i) % CFG.vocab_size for i in range(n)]
     a.propose_batch_on_device(last, hidden(7, n).to(device), pos, K, sa)
@@ -128,6 +149,7 @@ def _static_loop(n, device, steps, graphs_after=None, **opts):
     for step in range(steps):
         drafts = a.last_drafts(sa)
         greedy, accepted = _greedy(drafts, step, n)
+        greedy_buf, hidden_buf = sets[step % buffers]
         greedy_buf.copy_(greedy)
         hidden_buf.copy_(hidden(300 + step, n * k1))
         assert b.step_ahead(greedy_buf, hidden_buf, K, sb) is not None, b.last_served
@@ -141,8 +163,9 @@ def _static_loop(n, device, steps, graphs_after=None, **opts):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_replayed_step_ahead_is_the_read_first_step(n):
-    """Under the interpreter, the advance's kernel + gather and the pack's kernel replayed from
-    the second step on (recorded once each): every step the read-first path's bits."""
+    """Under the interpreter, the advance's kernel + gather and the pack's kernel, recorded
+    once each and replayed after (the advance from step 4, the pack from step 3): every step
+    the read-first path's bits."""
     b, recs = _static_loop(n, "cpu", steps=6, graphs_after=1)
     counts, dev = b.device_drafts.counts.graphs, b.device_drafts.graphs
     assert counts.captured == dev.captured == 1, (counts.captured, dev.captured)
@@ -150,6 +173,15 @@ def test_a_replayed_step_ahead_is_the_read_first_step(n):
     # its checked launch was the first propose's)
     assert counts.replays == 3 and dev.replays == 4
     assert all(len(r.made) == 1 for r in recs)
+
+
+def test_replays_follow_the_verify_buffers_they_were_captured_on():
+    """Greedy tokens and hiddens alternating between two sets of buffers: the advance's graph
+    (kernel, copy, gather) is keyed by their addresses, one graph a set, and each step is the
+    read-first path's bits (a key without the addresses replays on the other set's tensors)."""
+    b, recs = _static_loop(3, "cpu", steps=8, graphs_after=1, buffers=2)
+    counts = b.device_drafts.counts.graphs
+    assert counts.captured == 2 and counts.replays >= 3 and len(recs[0].made) == 2
 
 
 @cuda
