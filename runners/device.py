@@ -53,7 +53,7 @@ class HostCopy:
 
     def copy(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         host.copy_(dev, non_blocking=True)
-        self.stream.record(self.event)
+        self.record()
 
     def record(self) -> None:
         """The event after a copy enqueued otherwise (inside a replayed graph,

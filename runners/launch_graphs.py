@@ -75,8 +75,8 @@ class LaunchGraphs:
         self.replays = 0
 
     def run(self, key: Hashable, operands: tuple[object, ...], launch: Callable[[], None]) -> None:
-        """`launch()`, or the replay of its graph once `key` with these `operands` has run
-        eagerly `after` times (see the module docstring)."""
+        """`launch()`, or the replay of its graph: captured at the (after + 1)-th run of `key`
+        with these `operands`, replayed from the next on (see the module docstring)."""
         # the operands' identities are part of the entry's key: two sets that alternate under
         # one key (two staging regions of a width) each get their graph
         ident = (key, tuple(map(id, operands)))

@@ -272,9 +272,9 @@ class ChainStaging:
         that keeps its hiddens elsewhere) is gathered there and returned as the one segment to
         copy in. Both are counted (`gather_fallbacks`) and logged once. A source autograd
         tracks is read detached: the drafter needs its values only. `advance` moves the staged
-        indices (and the region's rows, `Region.advance`) by the device counts first (an
-        advanced run, whose source is the buffer's dtype and device: `step_ahead` checks it;
-        anything else raises here)."""
+        indices (and the region's rows, `Region.advance`) by the device counts, then gathers by
+        them (an advanced run, whose source is the buffer's dtype and device: `step_ahead`
+        checks it; anything else raises here)."""
         source = picked.source
         if source.requires_grad:
             source = source.detach()
