@@ -1,7 +1,7 @@
 """Helpers shared by the kernel launchers: interpreter detection, PDL launch options, input checks.
 
 Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `KernelInputError`, `check`,
-`describe`, `check_operand`.
+`describe`, `check_operand`, `unspecialized_jit(ints, pointers)`.
 """
 from __future__ import annotations
 
@@ -28,6 +28,19 @@ def check(cond: bool, message: Callable[[], str]) -> None:
 def describe(name: str, t: torch.Tensor) -> str:
     """'name: [3, 72] float16 stride (72, 1) on cpu', for error messages."""
     return f"{name}: {list(t.shape)} {str(t.dtype).removeprefix('torch.')} stride {t.stride()} on {t.device}"
+
+
+def unspecialized_jit(ints: list[str], pointers: list[str]) -> Callable[..., object]:
+    """`triton.jit` compiling one variant whatever the values of `ints` (no == 1 / % 16
+    specialisation) and the alignment of `pointers`: a small per-step kernel launched on
+    warm-up scratch and then on a step's views compiles once, at the warm-up. A Triton without
+    the alignment option gets the int option alone (a layout may then compile once more)."""
+    import triton
+
+    try:
+        return triton.jit(do_not_specialize=ints, do_not_specialize_on_alignment=pointers)
+    except TypeError:
+        return triton.jit(do_not_specialize=ints)
 
 
 def interpreting() -> bool:

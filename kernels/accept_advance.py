@@ -22,22 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import check, check_operand, describe
+from draft_circuit.kernels._common import check, check_operand, describe, unspecialized_jit
 
 BLOCK_N = 64  # rows a program: a decode batch is one program
 LAUNCHES = 1
 
 
-_POINTERS = ["drafts_ptr", "greedy_ptr", "counts_ptr", "tokens_ptr", "positions_ptr", "live_ptr",
-             "index_ptr"]
-try:  # one compile for every width, draft count and buffer layout: the warm-up's is the steps'
-    _jit = triton.jit(do_not_specialize=["n", "k", "stride_d", "stride_g"],
-                      do_not_specialize_on_alignment=_POINTERS)
-except TypeError:  # (a Triton without the alignment option: a layout may compile once more)
-    _jit = triton.jit(do_not_specialize=["n", "k", "stride_d", "stride_g"])
-
-
-@_jit
+# one compile for every width, draft count and buffer layout: the warm-up's is the steps'
+@unspecialized_jit(["n", "k", "stride_d", "stride_g"],
+                   ["drafts_ptr", "greedy_ptr", "counts_ptr", "tokens_ptr", "positions_ptr",
+                    "live_ptr", "index_ptr"])
 def accept_advance_kernel(
     drafts_ptr, greedy_ptr, counts_ptr, tokens_ptr, positions_ptr, live_ptr, index_ptr,
     n, k, stride_d, stride_g,

@@ -20,22 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import check, check_operand, describe
+from draft_circuit.kernels._common import check, check_operand, describe, unspecialized_jit
 
 BLOCK = 1024  # verify words a program: a decode batch (n (k + 1) <= 1024) is one program
 LAUNCHES = 1
 MAX_RECORDS = 2
 
 
-_POINTERS = ["drafts_ptr", "bits_ptr", "tokens_ptr", "rec0_ptr", "rec1_ptr", "flat_ptr",
-             "verify_ptr"]
-try:  # one compile per record count: the warm-up's scratch and a step's views alike
-    _jit = triton.jit(do_not_specialize=["n", "k"], do_not_specialize_on_alignment=_POINTERS)
-except TypeError:  # (a Triton without the alignment option: a layout may compile once more)
-    _jit = triton.jit(do_not_specialize=["n", "k"])
-
-
-@_jit
+# one compile per record count: the warm-up's scratch and a step's views alike
+@unspecialized_jit(["n", "k"], ["drafts_ptr", "bits_ptr", "tokens_ptr", "rec0_ptr", "rec1_ptr",
+                                "flat_ptr", "verify_ptr"])
 def pack_drafts_kernel(
     drafts_ptr, bits_ptr, tokens_ptr, rec0_ptr, rec1_ptr, flat_ptr, verify_ptr,
     n, k,
