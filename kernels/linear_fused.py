@@ -33,6 +33,8 @@ from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
                                            describe, launch_kwargs)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_N, NUM_STAGES, NUM_WARPS
+from draft_circuit.kernels.linear_multi import linear_qkv
+from draft_circuit.kernels.prologue_norm import prologue_norm
 from draft_circuit.kernels.prologue_tiles import (_inv_rms, _mac, _norm_x, _prologue_rows,
                                                   _raw_x, _x_finish, _x_raw, _x_tile)
 
@@ -224,8 +226,9 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
                     eps1: float = 1e-6, x2: torch.Tensor | None = None,
                     norm2: torch.Tensor | None = None, eps2: float = 1e-6,
                     silu_mul: bool = False, residual: torch.Tensor | None = None,
-                    prefetch: bool = False, tiles: str | None = None) -> None:
-    """out[n, N] = [p1(x1) | p2(x2)] @ weight^T, one launch.
+                    prefetch: bool = False, tiles: str | None = None,
+                    normed: torch.Tensor | None = None) -> None:
+    """out[n, N] = [p1(x1) | p2(x2)] @ weight^T, one launch (two with `normed`).
 
     p1: with `ids` int [n], x1 is a table [V, K1] and row i reads x1[ids[i]] (zeros for an id
     outside [0, V)); then rmsnorm with `norm1` [K1] (eps1) if given. p2 likewise with `norm2` on
@@ -235,12 +238,18 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
     prefetch: the first weight tile is loaded before the PDL wait and dependents are released
     after the first K step (the same products in the same order: the same bits; a variant for
     the tuning pass to measure, GPU only in effect). tiles: a kernels.tiles PROLOGUE mode to
-    force (None: its rule).
+    force (None: its rule). normed [n, K] (x1's dtype): the prologue is a launch of its own
+    (kernels.prologue_norm stores [p1(x1) | p2(x2)] there), then this kernel reads it as plain x;
+    the same bits, for the widths where that pays (prologue_norm.prenorm_pays).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
     if n == 0 or n_out == 0:
         return
+    if normed is not None:
+        prologue_norm(x1, normed, n=n, k=k, ids=ids, norm1=norm1, eps1=eps1, x2=x2, norm2=norm2,
+                      eps2=eps2)
+        x1, ids, norm1, x2, norm2, k1 = normed, None, None, None, None, k
     pdl = launch_kwargs(x1)
     t = tiling.choose(tiling.PROLOGUE, n, x1, tiles, programs=triton.cdiv(n_out, BLOCK_N))
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
@@ -262,9 +271,11 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
 
 def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                       tiles: str | None = None) -> None:
+                       tiles: str | None = None, normed: torch.Tensor | None = None) -> None:
     """outs[i][n, N_i] = rmsnorm(x, norm_weight, eps) @ weights[i]^T for three weights, one
-    launch; the normed row is never stored. tiles: a kernels.tiles PROLOGUE mode to force."""
+    launch; the normed row is never stored. tiles: a kernels.tiles PROLOGUE mode to force.
+    normed [n, K] (x's dtype): the norm is a launch of its own into it (kernels.prologue_norm),
+    then kernels.linear_multi.linear_qkv reads it; the same bits, two launches."""
     check(len(weights) == 3 and len(outs) == 3,
           lambda: f"rmsnorm_linear_qkv takes three weights and three outputs, got {len(weights)}, {len(outs)}")
     _rows_contiguous("x", x)
@@ -277,6 +288,10 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         check_operand(f"weight{i}", w, (w.shape[0], k), (x.dtype,), x.device)
         check_operand(f"out{i}", o, (n, w.shape[0]), FLOAT_DTYPES, x.device)
     if n == 0:
+        return
+    if normed is not None:
+        prologue_norm(x, normed, n=n, k=k, norm1=norm_weight, eps1=eps)
+        linear_qkv(normed, weights, outs)
         return
     t = tiling.choose(tiling.PROLOGUE, n, x, tiles,
                       programs=sum(triton.cdiv(w.shape[0], BLOCK_N) for w in weights))

@@ -50,8 +50,9 @@ from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
                                                 check_prologue_operands)
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
+from draft_circuit.kernels.prologue_norm import prologue_norm
 from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_config,
-                                                 num_splits, reduce_partials,
+                                                 launch_partials, num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
 LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce
@@ -268,7 +269,7 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
                            norm2: torch.Tensor | None = None, eps2: float = 1e-6,
                            silu_mul: bool = False, residual: torch.Tensor | None = None,
                            config: SplitKConfig | None = None,
-                           tiles: str | None = None) -> Any:
+                           tiles: str | None = None, normed: torch.Tensor | None = None) -> Any:
     """out[n, N] = [p1(x1) | p2(x2)] @ weight^T in two launches: partials with the prologue in
     them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue).
 
@@ -282,7 +283,9 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     (or linear_silu_mul_splitk) with the same config; independent of n (the module docstring
     says why). Not linear_prologue's bits: the split sums add K in another order.
     tiles: a kernels.tiles SPLITK mode for the partials (None: its rule). Returns Triton's handle
-    of the partials launch (the sweep reads its PTX), or None.
+    of the partials launch (the sweep reads its PTX), or None. normed [n, K] (x1's dtype): the
+    prologue is a launch of its own into it (kernels.prologue_norm), then linear_splitk's plain
+    partials read it: the bits stated above, by construction; three launches (returns None).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
@@ -294,6 +297,13 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
+        return None
+    if normed is not None:
+        prologue_norm(x1, normed, n=n, k=k, ids=ids, norm1=norm1, eps1=eps1, x2=x2, norm2=norm2,
+                      eps2=eps2)
+        pdl = launch_kwargs(x1)
+        launch_partials(normed, weight, workspace, cfg, pdl, tiles)
+        reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
         return None
     pdl = launch_kwargs(x1)
     t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiles,

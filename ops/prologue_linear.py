@@ -50,8 +50,35 @@ _k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 # loads its first weight tile before the PDL wait and releases its dependents after the first K
 # step. The same bits, so it is bound last: only a tuning pass that measures it faster (or
 # CompileOptions.kernels) binds it. CUDA only: the interpreter has no PDL.
-def _prefetch_variant(name: str, launch: Callable[..., None]) -> KernelBinding:
-    return KernelBinding(f"{name}_pdl_prefetch", partial(launch, prefetch=True), Applies(CUDA))
+def _prefetch_variant(name: str, launch: Callable[..., None], workspace: Any = None,
+                      launches: Any = 1) -> KernelBinding:
+    return KernelBinding(f"{name}_pdl_prefetch", partial(launch, prefetch=True), Applies(CUDA),
+                         workspace=workspace, launches=launches)
+
+
+# The prologue as a launch of its own at wide n (kernels.prologue_norm: the same bits, one more
+# launch): the workspace rule gives a launch the `normed` [n, K] buffer exactly at the widths
+# where prenorm_pays(n), the launcher takes that path when given it, and the launch count
+# follows the same rule (a symbolic n, outside a width's program, counts as narrow).
+_k_prenorm_pays = kernel("prologue_norm", "prenorm_pays")
+
+
+def _wide(rows: int | str, k: int | str) -> bool:
+    return isinstance(rows, int) and isinstance(k, int) and bool(_k_prenorm_pays()(rows, k))
+
+
+def _normed_ws(dtype: str, n: int, k: int) -> Scratch:
+    """[the normed x buffer] at a width whose prologue runs on its own, else []."""
+    return [(dtype, (n, k))] if _wide(n, k) else []
+
+
+def _norm_x_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+    n, k = ins[0].concrete(env)  # x [n, K] with its norm in the prologue
+    return _normed_ws(ins[0].dtype, n, k)
+
+
+def _norm_x_launches(base: int) -> Callable[[Sequence[TensorSpec], Any], int]:
+    return lambda ins, a: base + _wide(*ins[0].shape)
 
 
 def _norm_then(ins: list[TensorSpec], a: EpsAttrs) -> TensorSpec:
@@ -119,13 +146,15 @@ register(OpDef(
     reference=lambda t, a: _norm_qkv_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2:]),
     tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
     kernels=(KernelBinding("triton_rmsnorm_linear_qkv",
-                           lambda i, o, w, a: _k_norm_qkv()(i[0], i[1], a.eps, i[2:], o),
-                           Applies(TRITON)),),
+                           lambda i, o, w, a: _k_norm_qkv()(i[0], i[1], a.eps, i[2:], o,
+                                                            normed=w[0] if w else None),
+                           Applies(TRITON), workspace=_norm_x_ws, launches=_norm_x_launches(1)),),
 ))
 
 
 def _launch_norm_silu(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefetch: bool = False) -> None:
-    _k_prologue()(i[0], i[2], o[0], norm1=i[1], eps1=a.eps, silu_mul=True, prefetch=prefetch)
+    _k_prologue()(i[0], i[2], o[0], norm1=i[1], eps1=a.eps, silu_mul=True, prefetch=prefetch,
+                  normed=w[0] if w else None)
 
 
 def _infer_norm_silu(ins: list[TensorSpec], a: EpsAttrs) -> list[TensorSpec]:
@@ -138,8 +167,10 @@ register(OpDef(
     cost=lambda ins, outs, a, ctx, env: _weight_cost(ins, outs, env, ins[0], ins[2:]),
     reference=lambda t, a: _silu_mul([linear_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2])], a),
     tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
-    kernels=(KernelBinding("triton_rmsnorm_linear_silu_mul", _launch_norm_silu, Applies(TRITON)),
-             _prefetch_variant("triton_rmsnorm_linear_silu_mul", _launch_norm_silu)),
+    kernels=(KernelBinding("triton_rmsnorm_linear_silu_mul", _launch_norm_silu, Applies(TRITON),
+                           workspace=_norm_x_ws, launches=_norm_x_launches(1)),
+             _prefetch_variant("triton_rmsnorm_linear_silu_mul", _launch_norm_silu, _norm_x_ws,
+                               _norm_x_launches(1))),
 ))
 
 
@@ -159,17 +190,27 @@ def _embed_concat_ref(t: list[torch.Tensor], a: EpsAttrs) -> tuple[torch.Tensor]
 
 def _launch_embed_concat(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefetch: bool = False) -> None:
     _k_prologue()(i[0], i[5], o[0], ids=i[1], norm1=i[2], eps1=a.eps, x2=i[3], norm2=i[4], eps2=a.eps,
-                  prefetch=prefetch)
+                  prefetch=prefetch, normed=w[0] if w else None)
 
 
 def _launch_embed_concat_splitk(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs) -> None:
     _k_prologue_splitk()(i[0], i[5], o[0], w[0], ids=i[1], norm1=i[2], eps1=a.eps, x2=i[3],
-                         norm2=i[4], eps2=a.eps)
+                         norm2=i[4], eps2=a.eps, normed=w[1] if len(w) > 1 else None)
+
+
+def _embed_normed_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+    rows, k = ins[5].shape  # the normed x: [n, K1 + K2], the weight's K
+    return _normed_ws(ins[0].dtype, ins[3].concrete(env)[0], int(k))
 
 
 def _embed_concat_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     rows, k = ins[5].shape
-    return [("float32", _k_splitk_ws()(ins[3].concrete(env)[0], int(rows), int(k)))]
+    return [("float32", _k_splitk_ws()(ins[3].concrete(env)[0], int(rows), int(k))),
+            *_embed_normed_ws(ins, env, a)]
+
+
+def _embed_launches(base: int) -> Callable[[Sequence[TensorSpec], Any], int]:
+    return lambda ins, a: base + _wide(ins[3].shape[0], ins[5].shape[1])  # x2's rows, W's K
 
 
 def _embed_concat_splits_pay(ins: Sequence[TensorSpec], a: Any) -> bool:
@@ -203,9 +244,12 @@ register(OpDef(
         # N / 32 programs each walking all of K (the 8B eh_proj: 128 programs over K 8192)
         KernelBinding("triton_embed_rmsnorm_linear_concat_splitk", _launch_embed_concat_splitk,
                       Applies(TRITON, conditions=(EMBED_CONCAT_SPLITK,)),
-                      workspace=_embed_concat_ws, launches=2),  # partials (prologue in them), reduce
-        KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON)),
-        _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat)),
+                      # partials (prologue in them), reduce; the prologue first at wide n
+                      workspace=_embed_concat_ws, launches=_embed_launches(2)),
+        KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON),
+                      workspace=_embed_normed_ws, launches=_embed_launches(1)),
+        _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat,
+                          _embed_normed_ws, _embed_launches(1))),
 ))
 
 

@@ -1,0 +1,137 @@
+"""A prologue linear's x as a launch of its own (issue 15, the 8B chain at wide n):
+`prologue_norm(x1, out, ...)` stores out[n, K] = [p1(x1) | p2(x2)], the tiles kernels.linear_fused's
+prologue builds in registers (an embedding gather, an rmsnorm of each part in HF order, the
+concat), bit for bit; the linear after it then reads `out` as plain x.
+
+Why a launch of its own pays at wide n. A prologue linear's every program re-derives its rows'
+1 / rms (a full pass over the rows) and normalises each x tile again: at n = 64 the 8B gate_up
+(448 programs of 32 columns) reads x twice per program, twice the weight's own bytes, from L2,
+and its K loop cannot let Triton pipeline x. Measured on an H100 at n = 64 (the chain profile of
+2026-12-06): gate_up with its norm 127.9 us against ~78 at the bandwidth, q/k/v 48.9 against
+~17, the eh_proj split-K prologue 76.6 against ~22. Here the norm runs once per row tile and
+K chunk; the linear after it streams x as kernels.linear does. At n <= 16 one launch is
+cheaper (the extra launch is most of a narrow chain's cost): `prenorm_pays(n)` is the rule the
+launchers of kernels.linear_fused and kernels.linear_fused_splitk apply when the plan gives them
+the `normed` buffer (ops/prologue_linear.py's workspace rules).
+
+Bits: a program owns one row and loads it as [SLAB, BLOCK_K] slabs, SLAB chunks of the
+prologue kernels' NORM_BLOCK_K at once (one memory round trip where `_inv_rms` waits one per
+four chunks). Each chunk's sum of squares is a row of `_sum_sq` over [*, BLOCK_K], the layout
+along K that the prologue kernels' [16, BLOCK_K] chunks have, and the chunk sums are added to
+the fp32 total one at a time in K order from zero, exactly `_inv_rms`'s sequence of adds (a
+chunk is taken out of the slab's vector by a masked sum, the chunk plus zeros: exact). The
+normalisation is `_norm_x`'s arithmetic on each element. So the linear after it sees the values
+the prologue kernel multiplied, and with the same BLOCK_K, K order and tl.dot shape its products
+are the prologue kernel's: a row's bits do not depend on n, nor on which of the two paths a
+width takes (tests/kernels/test_prologue_norm.py checks both, the interpreter and the GPU).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from draft_circuit.kernels._common import check, check_operand, launch_kwargs
+from draft_circuit.kernels.linear import BLOCK_K, NUM_WARPS
+from draft_circuit.kernels.prologue_tiles import _sum_sq
+
+LAUNCHES = 1
+# n above this, K from that: the prologue linears take the norm as a launch of its own. Measured
+# on an H100 at the 8B shapes (K 4096 and 8192; the eighth session's A/B in the module
+# docstring); narrower K re-reads little per program and was not measured: it keeps one launch
+PRENORM_FROM_N, PRENORM_FROM_K = 32, 4096
+SLAB = 32  # BLOCK_K chunks of a row loaded at once: 4096 columns, 32 values a thread at 4 warps
+NORM_BLOCK_K = BLOCK_K  # kernels.linear_fused.NORM_BLOCK_K: the chunks of the norm's sum
+
+
+def prenorm_pays(n: int, k: int) -> bool:
+    """Whether a prologue linear of n rows over K = k columns runs its prologue as a launch of
+    its own."""
+    return n > PRENORM_FROM_N and k >= PRENORM_FROM_K
+
+
+@triton.jit
+def _slab(x_ptr, row_off, ok, s0, K, SLAB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[row, s0 : s0 + SLAB * BLOCK_K] as [SLAB, BLOCK_K] (zeros past K or where not ok), and
+    its column indices."""
+    cols = s0 + tl.arange(0, SLAB)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    # ok folded into the bound (the interpreter turns a block & a scalar bool into ints)
+    return tl.load(x_ptr + row_off + cols, mask=cols < tl.where(ok, K, 0), other=0.0), cols
+
+
+@triton.jit
+def _row_inv_rms(x_ptr, row_off, ok, K, eps, SLAB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of one row with `_inv_rms`'s bits: BLOCK_K chunk sums added in K order."""
+    ss = tl.zeros((), dtype=tl.float32)
+    which = tl.arange(0, SLAB)
+    for s0 in range(0, K, SLAB * BLOCK_K):
+        x, _ = _slab(x_ptr, row_off, ok, s0, K, SLAB, BLOCK_K)
+        sums = _sum_sq(x)  # [SLAB]: each chunk's sum, as a row of _inv_rms's chunk
+        for j in tl.static_range(SLAB):  # one chunk at a time, in order
+            ss += tl.sum(tl.where(which == j, sums, 0.0))
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _store_part(x_ptr, row_off, ok, K, nw_ptr, inv, out_ptr, NORM: tl.constexpr,
+                SLAB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[0:K] = the row normalised as `_norm_x` does (as loaded without NORM)."""
+    for s0 in range(0, K, SLAB * BLOCK_K):
+        x, cols = _slab(x_ptr, row_off, ok, s0, K, SLAB, BLOCK_K)
+        if NORM:
+            nw = tl.load(nw_ptr + cols, mask=cols < K, other=0.0)
+            y = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+            x = (y * nw.to(tl.float32)).to(x.dtype)
+        tl.store(out_ptr + cols, x, mask=cols < K)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def prologue_norm_kernel(
+    x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, out_ptr,
+    n_rows, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_out,
+    GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
+    SLAB: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x1, x2 and ids may come from the previous launch
+    ok1 = row < n_rows
+    row1 = row
+    if GATHER:  # prologue_tiles._rows: an id outside the table reads a zero row
+        i = tl.load(ids_ptr + row).to(tl.int64)
+        ok1 = (i >= 0) & (i < table_rows)
+        row1 = tl.where(ok1, i, 0)
+    off1 = row1 * stride_x1
+    off2 = row * stride_x2
+    out_row = out_ptr + row * stride_out
+    inv1 = tl.zeros((), dtype=tl.float32)
+    if NORM1:
+        inv1 = _row_inv_rms(x1_ptr, off1, ok1, K1, eps1, SLAB, BLOCK_K)
+    _store_part(x1_ptr, off1, ok1, K1, nw1_ptr, inv1, out_row, NORM1, SLAB, BLOCK_K)
+    if TWO_X:
+        inv2 = tl.zeros((), dtype=tl.float32)
+        if NORM2:
+            inv2 = _row_inv_rms(x2_ptr, off2, True, K - K1, eps2, SLAB, BLOCK_K)
+        _store_part(x2_ptr, off2, True, K - K1, nw2_ptr, inv2, out_row + K1, NORM2, SLAB, BLOCK_K)
+
+
+def prologue_norm(x1: torch.Tensor, out: torch.Tensor, *, n: int, k: int,
+                  ids: torch.Tensor | None = None, norm1: torch.Tensor | None = None,
+                  eps1: float = 1e-6, x2: torch.Tensor | None = None,
+                  norm2: torch.Tensor | None = None, eps2: float = 1e-6) -> None:
+    """out[n, k] = [p1(x1) | p2(x2)] in x1's dtype, one launch: the operands as
+    kernels.linear_fused.linear_prologue takes them, already checked by its
+    check_prologue_operands (n rows, k = K1 + K2 columns); `out` is checked here."""
+    check_operand("normed", out, (n, k), (x1.dtype,), x1.device)
+    check(n < 2 or out.stride(0) >= k, lambda: f"normed: rows overlap (stride {out.stride(0)} < {k})")
+    if n == 0 or k == 0:
+        return
+    pdl = launch_kwargs(x1)
+    prologue_norm_kernel[(n,)](
+        x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,
+        x2 if x2 is not None else x1, norm2 if norm2 is not None else x1, out,
+        n, k, x1.shape[1], x1.shape[0], float(eps1), float(eps2),
+        x1.stride(0), x2.stride(0) if x2 is not None else 0, out.stride(0),
+        GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
+        NORM2=norm2 is not None, SLAB=SLAB, BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
+        num_warps=NUM_WARPS, **pdl)
