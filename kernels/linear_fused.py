@@ -251,7 +251,9 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
                       eps2=eps2)
         x1, ids, norm1, x2, norm2, k1 = normed, None, None, None, None, k
     pdl = launch_kwargs(x1)
-    t = tiling.choose(tiling.PROLOGUE, n, x1, tiles, programs=triton.cdiv(n_out, BLOCK_N))
+    # with the prologue done, the kernel is kernels.linear's loop: its tile rule (wide from n 16)
+    kind = tiling.PROLOGUE if normed is None else tiling.LINEAR
+    t = tiling.choose(kind, n, x1, tiles, programs=triton.cdiv(n_out, BLOCK_N))
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(n_out, BLOCK_N),)
     linear_prologue_kernel[grid](
         x1, ids if ids is not None else x1, norm1 if norm1 is not None else x1,

@@ -6,13 +6,21 @@ concat), bit for bit; the linear after it then reads `out` as plain x.
 Why a launch of its own pays at wide n. A prologue linear's every program re-derives its rows'
 1 / rms (a full pass over the rows) and normalises each x tile again: at n = 64 the 8B gate_up
 (448 programs of 32 columns) reads x twice per program, twice the weight's own bytes, from L2,
-and its K loop cannot let Triton pipeline x. Measured on an H100 at n = 64 (the chain profile of
-2026-12-06): gate_up with its norm 127.9 us against ~78 at the bandwidth, q/k/v 48.9 against
-~17, the eh_proj split-K prologue 76.6 against ~22. Here the norm runs once per row tile and
-K chunk; the linear after it streams x as kernels.linear does. At n <= 16 one launch is
-cheaper (the extra launch is most of a narrow chain's cost): `prenorm_pays(n)` is the rule the
-launchers of kernels.linear_fused and kernels.linear_fused_splitk apply when the plan gives them
-the `normed` buffer (ops/prologue_linear.py's workspace rules).
+and its K loop cannot let Triton pipeline x. Here the norm runs once per row; the linear after
+it streams x as kernels.linear does. Measured on an H100 (.gpu/prenorm_ab.py, 2026-12-07: us a
+launch pair, a CUDA graph over rotated weights, bf16; one prologue launch -> the norm, then the
+plain kernel; the norm alone 3.4 us, 5.1 for the MTP input's two halves):
+
+  n       gate_up + norm + SwiGLU   q/k/v + norm     eh_proj (gather, 2 norms, split-K)
+  1       83.5 -> 88.0              26.1 -> 23.8     29.3 -> 33.1
+  16      87.3 -> 90.0              31.4 -> 24.2     33.3 -> 34.4
+  17      99.7 -> 88.8              29.5 -> 24.6     41.5 -> 35.8
+  32      100.2 -> 90.3             32.1 -> 24.7     44.6 -> 37.6
+  64      125.4 -> 91.0             51.6 -> 39.0     80.4 -> 40.0
+
+`prenorm_pays(n, k)` is the rule (n > 16, K >= 4096) the op bindings apply by handing the
+launchers of kernels.linear_fused and kernels.linear_fused_splitk the `normed` buffer
+(ops/prologue_linear.py's workspace rules); at n <= 16 one launch keeps a narrow chain's count.
 
 Bits: a program owns one row and loads it as [SLAB, BLOCK_K] slabs, SLAB chunks of the
 prologue kernels' NORM_BLOCK_K at once (one memory round trip where `_inv_rms` waits one per
@@ -37,9 +45,10 @@ from draft_circuit.kernels.prologue_tiles import _sum_sq
 
 LAUNCHES = 1
 # n above this, K from that: the prologue linears take the norm as a launch of its own. Measured
-# on an H100 at the 8B shapes (K 4096 and 8192; the eighth session's A/B in the module
-# docstring); narrower K re-reads little per program and was not measured: it keeps one launch
-PRENORM_FROM_N, PRENORM_FROM_K = 32, 4096
+# on an H100 at the 8B shapes (K 4096 and 8192; the A/B in the module docstring): from n = 17
+# all three gain, at n = 16 gate_up and eh_proj lose 1-3 us; narrower K re-reads little per
+# program and was not measured: it keeps one launch
+PRENORM_FROM_N, PRENORM_FROM_K = 16, 4096
 SLAB = 32  # BLOCK_K chunks of a row loaded at once: 4096 columns, 32 values a thread at 4 warps
 NORM_BLOCK_K = BLOCK_K  # kernels.linear_fused.NORM_BLOCK_K: the chunks of the norm's sum
 

@@ -144,8 +144,8 @@ def test_bindings_take_the_norm_launch_exactly_where_it_pays(interpreted_launche
 @pytest.mark.cuda
 @cuda
 def test_gpu_prenorm_bits_at_the_8b_shapes():
-    """bf16, the 8B head's shapes: the prenorm path equals the one-launch prologue at n = 33 and
-    64, and every row of every n = 2..64 on the path its width takes equals the row alone."""
+    """bf16, the 8B head's shapes: the prenorm path equals the one-launch prologue at n = 17, 33
+    and 64, and every row of every n = 2..64 on the path its width takes equals the row alone."""
     dev, dt, h = "cuda", torch.bfloat16, 4096
     g = torch.Generator().manual_seed(5)
     x, nw = _r(g, 64, h, dtype=dt, scale=3.0, device=dev), _norm_w(g, h, dt, dev)
@@ -176,7 +176,7 @@ def test_gpu_prenorm_bits_at_the_8b_shapes():
         return torch.cat(outs, dim=1)
 
     for f in (gate_up, eh, q_k_v):
-        for n in (33, 64):
+        for n in (17, 33, 64):
             assert torch.equal(f(n, False), f(n, True)), (f.__name__, n)
         for n in range(2, 65):
             got = f(n, pn.prenorm_pays(n, h))
