@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 
@@ -54,6 +55,14 @@ def _tile(x_ptr, x2_ptr, w_ptr, out_ptr, tile, n_rows, N, K, K1, stride_x, strid
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _pick3(pid, t0, t1, a, b, c):
+    """a for the first grid's programs, b for the second's, c for the third's: a select, so the
+    kernel has one K loop (three inlined loops, one per weight, each kept its own pipeline
+    buffers: at BLOCK_M 64 they did not fit two programs an SM)."""
+    return tl.where(pid < t0, a, tl.where(pid < t0 + t1, b, c))
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def linear_qkv_kernel(x_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, stride_x,
                       sw0, sw1, sw2, so0, so1, so2,
@@ -65,15 +74,11 @@ def linear_qkv_kernel(x_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, stri
     t1 = num_m * tl.cdiv(N1, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-    if pid < t0:
-        _tile(x_ptr, x_ptr, w0, o0, pid, n_rows, N0, K, K, stride_x, stride_x, sw0, so0,
-              False, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif pid < t0 + t1:
-        _tile(x_ptr, x_ptr, w1, o1, pid - t0, n_rows, N1, K, K, stride_x, stride_x, sw1, so1,
-              False, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        _tile(x_ptr, x_ptr, w2, o2, pid - t0 - t1, n_rows, N2, K, K, stride_x, stride_x, sw2, so2,
-              False, BLOCK_M, BLOCK_N, BLOCK_K)
+    tile = _pick3(pid, t0, t1, pid, pid - t0, pid - t0 - t1)
+    _tile(x_ptr, x_ptr, _pick3(pid, t0, t1, w0, w1, w2), _pick3(pid, t0, t1, o0, o1, o2), tile,
+          n_rows, _pick3(pid, t0, t1, N0, N1, N2), K, K, stride_x, stride_x,
+          _pick3(pid, t0, t1, sw0, sw1, sw2), _pick3(pid, t0, t1, so0, so1, so2),
+          False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -91,8 +96,10 @@ def _rows_contiguous(name: str, t: torch.Tensor) -> None:
                                                      "with unit column stride")
 
 
-def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-    """outs[i][n, N_i] = x[n, K] @ weights[i][N_i, K]^T for the three weights, one launch."""
+def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+               tiles: str | None = None) -> None:
+    """outs[i][n, N_i] = x[n, K] @ weights[i][N_i, K]^T for the three weights, one launch. Its
+    row tiles follow kernels.tiles' LINEAR rule (tiles: a mode to force), as kernels.linear's."""
     check(len(weights) == 3 and len(outs) == 3,
           lambda: f"linear_qkv takes three weights and three outputs, got {len(weights)}, {len(outs)}")
     _rows_contiguous("x", x)
@@ -105,14 +112,16 @@ def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[
         check_operand(f"out{i}", o, (n, w.shape[0]), FLOAT_DTYPES, x.device)
     if n == 0:
         return
-    num_m = triton.cdiv(n, BLOCK_M)
+    t = tiling.choose(tiling.LINEAR, n, x, tiles,
+                      programs=sum(triton.cdiv(w.shape[0], BLOCK_N) for w in weights))
+    num_m = triton.cdiv(n, t.block_m)
     grid = (sum(num_m * triton.cdiv(w.shape[0], BLOCK_N) for w in weights),)
     pdl = launch_kwargs(x)
     linear_qkv_kernel[grid](
         x, *weights, *outs, n, *(w.shape[0] for w in weights), k, x.stride(0),
         *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES, **pdl)
 
 
 def linear_concat(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
