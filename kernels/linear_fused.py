@@ -162,8 +162,9 @@ def rmsnorm_linear_qkv_kernel(x_ptr, nw_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0,
     m_mask = offs_m < n_rows
     inv = _inv_rms(x_ptr, offs_m[:, None].to(tl.int64) * stride_x, m_mask, K, eps, BLOCK_M,
                    NORM_BLOCK_K)
-    # three K loops, one per weight: one loop over selected pointers measured slower here at
-    # n = 1 on an H100 (26.1 -> 32.5 us), where kernels.linear_multi's plain kernel gained
+    # three K loops, one per weight: one loop over selected pointers measured slower here (an
+    # H100, one call: 32.0 against 25.9 us at n = 1), where kernels.linear_multi's plain kernel
+    # gained from it at n = 64
     if pid < t0:
         _qkv_tile(x_ptr, nw_ptr, inv, w0, o0, tile, num_m, n_rows, N0, K, stride_x, sw0, so0,
                   BLOCK_M, BLOCK_N, BLOCK_K)

@@ -7,9 +7,10 @@ Why a launch of its own pays at wide n. A prologue linear's every program re-der
 1 / rms (a full pass over the rows) and normalises each x tile again: at n = 64 the 8B gate_up
 (448 programs of 32 columns) reads x twice per program, twice the weight's own bytes, from L2,
 and its K loop cannot let Triton pipeline x. Here the norm runs once per row; the linear after
-it streams x as kernels.linear does. Measured on an H100 (.gpu/prenorm_ab.py, 2026-12-07: us a
-launch pair, a CUDA graph over rotated weights, bf16; one prologue launch -> the norm, then the
-plain kernel; the norm alone 3.4 us, 5.1 for the MTP input's two halves):
+it streams x as kernels.linear does. Measured on an H100 (.gpu/prenorm_ab.py, 2026-12-07, two
+calls: us a launch pair, a CUDA graph over rotated weights, bf16; one prologue launch -> the
+norm, then the plain kernel; the norm alone 3.4 us, 5.1 for the MTP input's two halves; q/k/v's
+plain kernel was since made one K loop: 25.0 at n = 64, benchmarks/RESULTS.md):
 
   n       gate_up + norm + SwiGLU   q/k/v + norm     eh_proj (gather, 2 norms, split-K)
   1       83.5 -> 88.0              26.1 -> 23.8     29.3 -> 33.1
