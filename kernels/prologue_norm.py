@@ -50,14 +50,18 @@ LAUNCHES = 1
 # all three gain, at n = 16 gate_up and eh_proj lose 1-3 us; narrower K re-reads little per
 # program and was not measured: it keeps one launch
 PRENORM_FROM_N, PRENORM_FROM_K = 16, 4096
+# q/k/v's own threshold: its norm as a launch of its own measured faster at every n (23.3
+# against 25.9 us at n = 1), but at n <= 16 it is one more launch a step; kept at the shared
+# threshold until a chain measures it
+QKV_PRENORM_FROM_N = PRENORM_FROM_N
 SLAB = 32  # BLOCK_K chunks of a row loaded at once: 4096 columns, 32 values a thread at 4 warps
 NORM_BLOCK_K = BLOCK_K  # kernels.linear_fused.NORM_BLOCK_K: the chunks of the norm's sum
 
 
-def prenorm_pays(n: int, k: int) -> bool:
-    """Whether a prologue linear of n rows over K = k columns runs its prologue as a launch of
-    its own."""
-    return n > PRENORM_FROM_N and k >= PRENORM_FROM_K
+def prenorm_pays(n: int, k: int, qkv: bool = False) -> bool:
+    """Whether a prologue linear of n rows over K = k columns (q/k/v's: `qkv`) runs its prologue
+    as a launch of its own."""
+    return n > (QKV_PRENORM_FROM_N if qkv else PRENORM_FROM_N) and k >= PRENORM_FROM_K
 
 
 @triton.jit

@@ -63,22 +63,22 @@ def _prefetch_variant(name: str, launch: Callable[..., None], workspace: Any = N
 _k_prenorm_pays = kernel("prologue_norm", "prenorm_pays")
 
 
-def _wide(rows: int | str, k: int | str) -> bool:
-    return isinstance(rows, int) and isinstance(k, int) and bool(_k_prenorm_pays()(rows, k))
+def _wide(rows: int | str, k: int | str, qkv: bool = False) -> bool:
+    return isinstance(rows, int) and isinstance(k, int) and bool(_k_prenorm_pays()(rows, k, qkv))
 
 
-def _normed_ws(dtype: str, n: int, k: int) -> Scratch:
+def _normed_ws(dtype: str, n: int, k: int, qkv: bool = False) -> Scratch:
     """[the normed x buffer] at a width whose prologue runs on its own, else []."""
-    return [(dtype, (n, k))] if _wide(n, k) else []
+    return [(dtype, (n, k))] if _wide(n, k, qkv) else []
 
 
-def _norm_x_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+def _norm_x_ws(ins: Sequence[TensorSpec], env: Env, a: Any, qkv: bool = False) -> Scratch:
     n, k = ins[0].concrete(env)  # x [n, K] with its norm in the prologue
-    return _normed_ws(ins[0].dtype, n, k)
+    return _normed_ws(ins[0].dtype, n, k, qkv)
 
 
-def _norm_x_launches(base: int) -> Callable[[Sequence[TensorSpec], Any], int]:
-    return lambda ins, a: base + _wide(*ins[0].shape)
+def _norm_x_launches(base: int, qkv: bool = False) -> Callable[[Sequence[TensorSpec], Any], int]:
+    return lambda ins, a: base + _wide(ins[0].shape[0], ins[0].shape[1], qkv)
 
 
 def _norm_then(ins: list[TensorSpec], a: EpsAttrs) -> TensorSpec:
@@ -148,7 +148,8 @@ register(OpDef(
     kernels=(KernelBinding("triton_rmsnorm_linear_qkv",
                            lambda i, o, w, a: _k_norm_qkv()(i[0], i[1], a.eps, i[2:], o,
                                                             normed=w[0] if w else None),
-                           Applies(TRITON), workspace=_norm_x_ws, launches=_norm_x_launches(1)),),
+                           Applies(TRITON), workspace=partial(_norm_x_ws, qkv=True),
+                           launches=_norm_x_launches(1, qkv=True)),),
 ))
 
 

@@ -144,8 +144,8 @@ def test_bindings_take_the_norm_launch_exactly_where_it_pays(interpreted_launche
 @pytest.mark.cuda
 @cuda
 def test_gpu_prenorm_bits_at_the_8b_shapes():
-    """bf16, the 8B head's shapes: the prenorm path equals the one-launch prologue at n = 17, 33
-    and 64, and every row of every n = 2..64 on the path its width takes equals the row alone."""
+    """bf16, the 8B head's shapes: the prenorm path equals the one-launch prologue at n = 1, 2,
+    8, 16, 17, 33 and 64 (either path may serve any width: the rule is a measured choice), and every row of every n = 2..64 on the path its width takes equals the row alone."""
     dev, dt, h = "cuda", torch.bfloat16, 4096
     g = torch.Generator().manual_seed(5)
     x, nw = _r(g, 64, h, dtype=dt, scale=3.0, device=dev), _norm_w(g, h, dt, dev)
@@ -176,10 +176,10 @@ def test_gpu_prenorm_bits_at_the_8b_shapes():
         return torch.cat(outs, dim=1)
 
     for f in (gate_up, eh, q_k_v):
-        for n in (17, 33, 64):
+        for n in (1, 2, 8, 16, 17, 33, 64):
             assert torch.equal(f(n, False), f(n, True)), (f.__name__, n)
         for n in range(2, 65):
-            got = f(n, pn.prenorm_pays(n, h))
+            got = f(n, pn.prenorm_pays(n, h, qkv=f is q_k_v))
             for i in (0, n // 2, n - 1):
                 want = _row_alone(f, i, x, x2, ids)
                 assert torch.equal(got[i], want), (f.__name__, n, i)
@@ -193,3 +193,18 @@ def _row_alone(f, i, x, x2, ids):
         return f(1, False)[0]
     finally:
         x[0], x2[0], ids[0] = saved
+
+
+def test_qkv_has_its_own_threshold(monkeypatch):
+    """q/k/v's binding follows QKV_PRENORM_FROM_N (the others PRENORM_FROM_N): lowered to 0,
+    a one-row q/k/v takes the norm's own launch and the gate_up does not."""
+    monkeypatch.setattr(pn, "QKV_PRENORM_FROM_N", 0)
+    specs = [TensorSpec(dtype="bfloat16", shape=(1, 4096)), TensorSpec(dtype="bfloat16", shape=(4096,))]
+    qkv = get_op("rmsnorm_linear_qkv")
+    b = qkv.kernels[0]
+    a = qkv.parse_attrs({"eps": EPS})
+    w = [TensorSpec(dtype="bfloat16", shape=(r, 4096)) for r in (4096, 1024, 1024)]
+    assert b.workspace([*specs, *w], {}, a) == [("bfloat16", (1, 4096))] and b.launch_count([*specs, *w], a) == 2
+    gate = get_op("rmsnorm_linear_silu_mul").kernels[0]
+    gw = [TensorSpec(dtype="bfloat16", shape=(2048, 4096))]
+    assert gate.workspace([*specs, *gw], {}, a) == [] and gate.launch_count([*specs, *gw], a) == 1
