@@ -11,7 +11,7 @@ change, never BLOCK_N, BLOCK_K, the split size or the K order: not the bits. `ti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +30,6 @@ TARGET_PROGRAMS = 512  # the first rule's aim; kept for the tuning script's vari
 SPLIT_FROM_K = 2048  # measured: narrower K gains nothing from splitting
 MIN_SPLIT_K = 128  # one BLOCK_K step: smaller splits only add partials to write and sum
 REDUCE_BLOCK, REDUCE_WARPS = 512, 4
-# the M-loop partials' (block_n, num_warps) where kernels.tiles' SPLITK rule takes MLOOP (n > 16
-# on sm90); None keeps the split config's. Tiles only, not the bits (kernels.tiles says where
-# that was measured); a GPU sweep sets it (.gpu/down_ab.py)
-MLOOP_LAUNCH: tuple[int, int] | None = None
 LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel
 
 
@@ -160,8 +156,6 @@ def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tens
                       programs=triton.cdiv(rows, cfg.block_n) * workspace.shape[0])
     if t.mode == tiling.MLOOP:  # imported here: kernels.linear_wide imports this module
         from draft_circuit.kernels.linear_wide import splitk_partials
-        if MLOOP_LAUNCH is not None and mode is None:
-            cfg = replace(cfg, block_n=MLOOP_LAUNCH[0], num_warps=MLOOP_LAUNCH[1])
         return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl)
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(rows, cfg.block_n), workspace.shape[0])
     return _partial_kernel[grid](

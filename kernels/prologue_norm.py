@@ -19,9 +19,10 @@ plain kernel was since made one K loop: 25.0 at n = 64, benchmarks/RESULTS.md):
   32      100.2 -> 90.3             32.1 -> 24.7     44.6 -> 37.6
   64      125.4 -> 91.0             51.6 -> 39.0     80.4 -> 40.0
 
-`prenorm_pays(n, k)` is the rule (n > 16, K >= 4096) the op bindings apply by handing the
-launchers of kernels.linear_fused and kernels.linear_fused_splitk the `normed` buffer
-(ops/prologue_linear.py's workspace rules); at n <= 16 one launch keeps a narrow chain's count.
+`prenorm_pays(n, k, qkv)` is the rule (K >= 4096 and n > 16; q/k/v at every n) the op bindings
+apply by handing the launchers of kernels.linear_fused and kernels.linear_fused_splitk the
+`normed` buffer (ops/prologue_linear.py's workspace rules); gate_up and eh_proj keep one launch
+at n <= 16, where it is the faster.
 
 Bits: a program owns one row and loads it as [SLAB, BLOCK_K] slabs, SLAB chunks of the
 prologue kernels' NORM_BLOCK_K at once (one memory round trip where `_inv_rms` waits one per
@@ -50,10 +51,10 @@ LAUNCHES = 1
 # all three gain, at n = 16 gate_up and eh_proj lose 1-3 us; narrower K re-reads little per
 # program and was not measured: it keeps one launch
 PRENORM_FROM_N, PRENORM_FROM_K = 16, 4096
-# q/k/v's own threshold: its norm as a launch of its own measured faster at every n (23.3
-# against 25.9 us at n = 1), but at n <= 16 it is one more launch a step; kept at the shared
-# threshold until a chain measures it
-QKV_PRENORM_FROM_N = PRENORM_FROM_N
+# q/k/v's own threshold: at every n. Its norm as a launch of its own measured faster at every n
+# (23.3 against 25.9 us at n = 1), and the 8B chain with it, one more launch a step at n <= 16,
+# 2239.5 -> 2218.6 us at n = 1, 2292.4 -> 2259.8 at n = 8 (H100, one call; RESULTS.md)
+QKV_PRENORM_FROM_N = 0
 SLAB = 32  # BLOCK_K chunks of a row loaded at once: 4096 columns, 32 values a thread at 4 warps
 NORM_BLOCK_K = BLOCK_K  # kernels.linear_fused.NORM_BLOCK_K: the chunks of the norm's sum
 

@@ -237,6 +237,7 @@ def test_the_norm_as_a_launch_of_its_own_keeps_every_bit(monkeypatch):
 
     def run(threshold):
         monkeypatch.setattr(prologue_norm, "PRENORM_FROM_N", threshold)
+        monkeypatch.setattr(prologue_norm, "QKV_PRENORM_FROM_N", threshold)
         compiled = compile_draft(c, params, [3], options=CompileOptions(interpret_kernels=True))
         launches = sum(gpu_launches(x) or 0 for x in compiled.programs[3].launches)
         return launches, _program(compiled, inputs, states)

@@ -196,7 +196,7 @@ def _row_alone(f, i, x, x2, ids):
 
 
 def test_qkv_has_its_own_threshold(monkeypatch):
-    """q/k/v's binding follows QKV_PRENORM_FROM_N (the others PRENORM_FROM_N): lowered to 0,
+    """q/k/v's binding follows QKV_PRENORM_FROM_N (the others PRENORM_FROM_N): at 0 (the rule),
     a one-row q/k/v takes the norm's own launch and the gate_up does not."""
     monkeypatch.setattr(pn, "QKV_PRENORM_FROM_N", 0)
     specs = [TensorSpec(dtype="bfloat16", shape=(1, 4096)), TensorSpec(dtype="bfloat16", shape=(4096,))]
