@@ -19,7 +19,9 @@ order: not the bits; the launchers' `tiles=` forces a mode):
 - `rmsnorm_linear_qkv(...)`: rmsnorm then q/k/v's three products in one launch (three weights as
   bound, no concatenated copy), like kernels.linear_multi.linear_qkv.
 
-Every launcher issues exactly one kernel (what the op bindings declare as their launch count).
+Every launcher issues exactly one kernel, or two when given a `normed` buffer: the prologue is
+then a launch of its own (kernels.prologue_norm) and the kernel reads its output as plain x, at
+the widths where that measured faster (the op bindings declare both counts).
 """
 from __future__ import annotations
 
@@ -35,13 +37,12 @@ from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, ch
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.linear_multi import linear_qkv
 from draft_circuit.kernels.prologue_norm import prologue_norm
-from draft_circuit.kernels.prologue_tiles import (_inv_rms, _mac, _norm_x, _prologue_rows,
-                                                  _raw_x, _x_finish, _x_raw, _x_tile)
+from draft_circuit.kernels.prologue_tiles import (NORM_BLOCK_K, _inv_rms, _mac, _norm_x,
+                                                  _prologue_rows, _raw_x, _x_finish, _x_raw,
+                                                  _x_tile)
 
-LAUNCHES = 1  # kernels each launcher here issues
-# chunk width of a norm prologue's pass over the row (_inv_rms): only the order of that sum
-# depends on it, never on n
-NORM_BLOCK_K = BLOCK_K
+LAUNCHES = 1  # kernels each launcher here issues (two with `normed`: see the module docstring)
+assert NORM_BLOCK_K == BLOCK_K  # the norm's chunks are the K tiles (prologue_tiles defines them)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -278,9 +279,10 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                        tiles: str | None = None, normed: torch.Tensor | None = None) -> None:
     """outs[i][n, N_i] = rmsnorm(x, norm_weight, eps) @ weights[i]^T for three weights, one
-    launch; the normed row is never stored. tiles: a kernels.tiles PROLOGUE mode to force.
-    normed [n, K] (x's dtype): the norm is a launch of its own into it (kernels.prologue_norm),
-    then kernels.linear_multi.linear_qkv reads it; the same bits, two launches."""
+    launch; the normed row is never stored. tiles: a kernels.tiles PROLOGUE mode to force (with
+    `normed`, a LINEAR one). normed [n, K] (x's dtype): the norm is a launch of its own into it
+    (kernels.prologue_norm), then kernels.linear_multi.linear_qkv reads it; the same bits, two
+    launches; the three outputs then share a dtype."""
     check(len(weights) == 3 and len(outs) == 3,
           lambda: f"rmsnorm_linear_qkv takes three weights and three outputs, got {len(weights)}, {len(outs)}")
     _rows_contiguous("x", x)
@@ -296,7 +298,7 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         return
     if normed is not None:
         prologue_norm(x, normed, n=n, k=k, norm1=norm_weight, eps1=eps)
-        linear_qkv(normed, weights, outs)
+        linear_qkv(normed, weights, outs, tiles=tiles)
         return
     t = tiling.choose(tiling.PROLOGUE, n, x, tiles,
                       programs=sum(triton.cdiv(w.shape[0], BLOCK_N) for w in weights))

@@ -26,8 +26,9 @@ So the bits are those of materialising the prologue as linear_prologue computes 
 rounded to x's dtype), then linear_splitk with the same SplitKConfig: the same x tiles, the same
 tl.dot per tile, the same split sums in the same order; and a row's bits never depend on n (a
 row's norm reads only that row; its tiles and sums are the same at every n).
-`linear_prologue_splitk(...)` launches two kernels (LAUNCHES); `splitk_pays(rows, k)` is the
-rule the op binding applies, from the weight's shape only.
+`linear_prologue_splitk(...)` launches two kernels (LAUNCHES; three with a `normed` buffer:
+kernels.prologue_norm, then linear_splitk's plain partials and reduce); `splitk_pays(rows, k)`
+is the rule the op binding applies, from the weight's shape only.
 
 The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
 the interpreter; at n > 16 on an H200 the M-tile loop (`_prologue_partial_mloop_kernel`: a
@@ -55,7 +56,7 @@ from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_
                                                  launch_partials, num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
-LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce
+LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce (+1 with normed)
 SPLIT_FROM_K = 4096  # K below this: the one-launch kernel (small heads, K 2048) keeps its bits
 # linear_prologue's own grid at n = 1, in its BLOCK_N = 32 tiles: from 256 programs (about two
 # per SM of a 132-SM H200) it is taken to fill the GPU without a second launch and a workspace
@@ -285,7 +286,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     tiles: a kernels.tiles SPLITK mode for the partials (None: its rule). Returns Triton's handle
     of the partials launch (the sweep reads its PTX), or None. normed [n, K] (x1's dtype): the
     prologue is a launch of its own into it (kernels.prologue_norm), then linear_splitk's plain
-    partials read it: the bits stated above, by construction; three launches (returns None).
+    partials read it: the bits stated above (the partials' tiles are kernels.tiles' SPLITK
+    rule's, measured not to move a row's bits on sm90); three launches.
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
@@ -302,9 +304,9 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
         prologue_norm(x1, normed, n=n, k=k, ids=ids, norm1=norm1, eps1=eps1, x2=x2, norm2=norm2,
                       eps2=eps2)
         pdl = launch_kwargs(x1)
-        launch_partials(normed, weight, workspace, cfg, pdl, tiles)
+        handle = launch_partials(normed, weight, workspace, cfg, pdl, tiles)
         reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
-        return None
+        return handle
     pdl = launch_kwargs(x1)
     t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiles,
                       programs=triton.cdiv(rows, cfg.block_n) * shape[0])

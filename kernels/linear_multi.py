@@ -98,7 +98,8 @@ def _rows_contiguous(name: str, t: torch.Tensor) -> None:
 
 def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                tiles: str | None = None) -> None:
-    """outs[i][n, N_i] = x[n, K] @ weights[i][N_i, K]^T for the three weights, one launch. Its
+    """outs[i][n, N_i] = x[n, K] @ weights[i][N_i, K]^T for the three weights, one launch; the
+    outputs any float dtype, one for the three (the kernel selects among their pointers). Its
     row tiles follow kernels.tiles' LINEAR rule (tiles: a mode to force), as kernels.linear's."""
     check(len(weights) == 3 and len(outs) == 3,
           lambda: f"linear_qkv takes three weights and three outputs, got {len(weights)}, {len(outs)}")
@@ -110,6 +111,9 @@ def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[
         _rows_contiguous(f"out{i}", o)
         check_operand(f"weight{i}", w, (w.shape[0], k), (x.dtype,), x.device)
         check_operand(f"out{i}", o, (n, w.shape[0]), FLOAT_DTYPES, x.device)
+        check(o.dtype == outs[0].dtype,
+              lambda: f"{describe(f'out{i}', o)}: expected out0's dtype {outs[0].dtype} (one "
+                      "kernel selects among the three outputs)")
     if n == 0:
         return
     t = tiling.choose(tiling.LINEAR, n, x, tiles,

@@ -7,8 +7,8 @@ Why a launch of its own pays at wide n. A prologue linear's every program re-der
 1 / rms (a full pass over the rows) and normalises each x tile again: at n = 64 the 8B gate_up
 (448 programs of 32 columns) reads x twice per program, twice the weight's own bytes, from L2,
 and its K loop cannot let Triton pipeline x. Here the norm runs once per row; the linear after
-it streams x as kernels.linear does. Measured on an H100 (.gpu/prenorm_ab.py, 2026-12-07, two
-calls: us a launch pair, a CUDA graph over rotated weights, bf16; one prologue launch -> the
+it streams x as kernels.linear does. Measured on an H100 (2026-12-07, two calls,
+benchmarks/results/2026-12-07-s8-nvidia-h100-prenorm-ab.json: us a launch pair, a CUDA graph over rotated weights, bf16; one prologue launch -> the
 norm, then the plain kernel; the norm alone 3.4 us, 5.1 for the MTP input's two halves; q/k/v's
 plain kernel was since made one K loop: 25.0 at n = 64, benchmarks/RESULTS.md):
 
@@ -19,31 +19,38 @@ plain kernel was since made one K loop: 25.0 at n = 64, benchmarks/RESULTS.md):
   32      100.2 -> 90.3             32.1 -> 24.7     44.6 -> 37.6
   64      125.4 -> 91.0             51.6 -> 39.0     80.4 -> 40.0
 
-`prenorm_pays(n, k, qkv)` is the rule (K >= 4096 and n > 16; q/k/v at every n) the op bindings
-apply by handing the launchers of kernels.linear_fused and kernels.linear_fused_splitk the
+`prenorm_pays(n, parts, qkv)` is the rule (K >= 4096 in parts of a multiple of 16 columns, and
+n > 16; q/k/v at every n) the op bindings apply by handing the launchers of kernels.linear_fused and kernels.linear_fused_splitk the
 `normed` buffer (ops/prologue_linear.py's workspace rules); gate_up and eh_proj keep one launch
 at n <= 16, where it is the faster.
 
-Bits: a program owns one row and loads it as [SLAB, BLOCK_K] slabs, SLAB chunks of the
-prologue kernels' NORM_BLOCK_K at once (one memory round trip where `_inv_rms` waits one per
-four chunks). Each chunk's sum of squares is a row of `_sum_sq` over [*, BLOCK_K], the layout
-along K that the prologue kernels' [16, BLOCK_K] chunks have, and the chunk sums are added to
+Bits: a program owns one row and loads it as [SLAB, NORM_BLOCK_K] slabs, SLAB of the prologue
+kernels' norm chunks at once (one memory round trip where `_inv_rms` waits one per four
+chunks). Each chunk's sum of squares is a row of `_sum_sq` over [*, NORM_BLOCK_K]: on a GPU
+that sum's tree is the load's layout along K, which is the prologue kernels' [16, NORM_BLOCK_K]
+chunks' where rows start ALIGN-element aligned (a review read the sm90 layouts: with a stride
+off 16 the prologue's loads lose their vector width and sum across warps; so the rule asks for
+aligned parts and the launcher refuses unaligned rows on a GPU). The chunk sums are added to
 the fp32 total one at a time in K order from zero, exactly `_inv_rms`'s sequence of adds (a
 chunk is taken out of the slab's vector by a masked sum, the chunk plus zeros: exact). The
 normalisation is `_norm_x`'s arithmetic on each element. So the linear after it sees the values
-the prologue kernel multiplied, and with the same BLOCK_K, K order and tl.dot shape its products
-are the prologue kernel's: a row's bits do not depend on n, nor on which of the two paths a
-width takes (tests/kernels/test_prologue_norm.py checks both, the interpreter and the GPU).
+the prologue kernel multiplied, and with the same BLOCK_K and K order its products are the
+prologue kernel's (the tile around a row may differ: kernels.tiles measured that it does not move
+a row's bits on sm90): a row's bits do not depend on n, nor on which of the two paths a width
+takes (tests/kernels/test_prologue_norm.py checks both, the interpreter and the GPU).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import check, check_operand, launch_kwargs
-from draft_circuit.kernels.linear import BLOCK_K, NUM_WARPS
-from draft_circuit.kernels.prologue_tiles import _sum_sq
+from draft_circuit.kernels._common import (check, check_operand, compiled_cuda_index, describe,
+                                           launch_kwargs)
+from draft_circuit.kernels.linear import NUM_WARPS
+from draft_circuit.kernels.prologue_tiles import NORM_BLOCK_K, _sum_sq
 
 LAUNCHES = 1
 # n above this, K from that: the prologue linears take the norm as a launch of its own. Measured
@@ -55,14 +62,18 @@ PRENORM_FROM_N, PRENORM_FROM_K = 16, 4096
 # (23.3 against 25.9 us at n = 1), and the 8B chain with it, one more launch a step at n <= 16,
 # 2239.5 -> 2218.6 us at n = 1, 2292.4 -> 2259.8 at n = 8 (H100, one call; RESULTS.md)
 QKV_PRENORM_FROM_N = 0
-SLAB = 32  # BLOCK_K chunks of a row loaded at once: 4096 columns, 32 values a thread at 4 warps
-NORM_BLOCK_K = BLOCK_K  # kernels.linear_fused.NORM_BLOCK_K: the chunks of the norm's sum
+SLAB = 32  # NORM_BLOCK_K chunks of a row loaded at once: 4096 columns, 32 values a thread
+# a part's columns (and so a contiguous row's stride) a multiple of this: on a GPU the loads of
+# both paths then take the same layout, so the chunk sums add in the same tree (with a stride
+# off it, the prologue kernels' chunk loads lose their vector width and sum across warps)
+ALIGN = 16
 
 
-def prenorm_pays(n: int, k: int, qkv: bool = False) -> bool:
-    """Whether a prologue linear of n rows over K = k columns (q/k/v's: `qkv`) runs its prologue
-    as a launch of its own."""
-    return n > (QKV_PRENORM_FROM_N if qkv else PRENORM_FROM_N) and k >= PRENORM_FROM_K
+def prenorm_pays(n: int, parts: Sequence[int], qkv: bool = False) -> bool:
+    """Whether a prologue linear of n rows whose x is the concat of parts of these widths (one
+    part, or the MTP input's two; q/k/v's: `qkv`) runs its prologue as a launch of its own."""
+    return (n > (QKV_PRENORM_FROM_N if qkv else PRENORM_FROM_N) and sum(parts) >= PRENORM_FROM_K
+            and all(p % ALIGN == 0 for p in parts))
 
 
 @triton.jit
@@ -130,15 +141,47 @@ def prologue_norm_kernel(
         _store_part(x2_ptr, off2, True, K - K1, nw2_ptr, inv2, out_row + K1, NORM2, SLAB, BLOCK_K)
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(0) % ALIGN == 0 and t.data_ptr() % (ALIGN * t.element_size()) == 0
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a's and b's byte ranges in one storage overlap (a conservative check)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def prologue_norm(x1: torch.Tensor, out: torch.Tensor, *, n: int, k: int,
                   ids: torch.Tensor | None = None, norm1: torch.Tensor | None = None,
                   eps1: float = 1e-6, x2: torch.Tensor | None = None,
                   norm2: torch.Tensor | None = None, eps2: float = 1e-6) -> None:
     """out[n, k] = [p1(x1) | p2(x2)] in x1's dtype, one launch: the operands as
-    kernels.linear_fused.linear_prologue takes them, already checked by its
-    check_prologue_operands (n rows, k = K1 + K2 columns); `out` is checked here."""
+    kernels.linear_fused.linear_prologue takes them (its launchers check them first with
+    check_prologue_operands; n rows, k = K1 + K2 columns). Checked here: `out` ("normed"), the
+    parts' shapes, that `out` shares no memory with x1 or x2, and on a GPU that x1's and x2's
+    rows start ALIGN-element aligned (where the bits of the two paths were shown equal).
+    Raises KernelInputError naming the operand."""
+    k1 = x1.shape[1]
     check_operand("normed", out, (n, k), (x1.dtype,), x1.device)
     check(n < 2 or out.stride(0) >= k, lambda: f"normed: rows overlap (stride {out.stride(0)} < {k})")
+    check((x2 is None and k == k1) or (x2 is not None and tuple(x2.shape) == (n, k - k1)),
+          lambda: f"normed: [n, {k}] is not [p1(x1) | p2(x2)] of x1 {list(x1.shape)}"
+                  f"{'' if x2 is None else f' and x2 {list(x2.shape)}'}")
+    check(ids is not None or x1.shape[0] == n, lambda: f"{describe('x1', x1)}: expected {n} rows")
+    check(ids is None or tuple(ids.shape) == (n,), lambda: f"{describe('ids', ids)}: expected [{n}]")
+    for name, w, cols in (("norm1", norm1, k1), ("norm2", norm2, k - k1)):
+        check(w is None or tuple(w.shape) == (cols,), lambda: f"{describe(name, w)}: expected [{cols}]")
+    for name, t in (("x1", x1), ("x2", x2)):
+        check(t is None or not _shares_memory(out, t),
+              lambda: f"normed: shares memory with {describe(name, t)}")
+        check(t is None or compiled_cuda_index(t) is None or _aligned(t),
+              lambda: f"{describe(name, t)}: the prologue's own launch needs rows starting "
+                      f"{ALIGN}-element aligned on a GPU (stride {t.stride(0)})")
     if n == 0 or k == 0:
         return
     pdl = launch_kwargs(x1)

@@ -10,6 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# chunk width of a norm prologue's pass over the row (`_inv_rms`), for every kernel that normalises
+# in a prologue and for kernels.prologue_norm: only the order of that fp32 sum depends on it (never
+# on n), so it is defined once
+NORM_BLOCK_K = 128
+
 
 @triton.jit
 def _inv_rms(x_ptr, row_off, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -18,8 +18,8 @@ BLOCK_N, BLOCK_K, stages, the split config and the K loop stay the pinned ones. 
   (one warpgroup: wgmma). At the 8B shapes, n = 64: gate_up 122.9 -> 72.5 us, down 76.5 -> 42.3,
   q/k/v 31.5 -> 18.1, o 24.1 -> 14.1 (the plain kernel; benchmarks/wide_chain.py has the sweep
   measure the prologue ones, bits included).
-  A prologue linear given kernels.prologue_norm's `normed` buffer (n > 16 at K >= 4096) runs
-  its plain loop and takes the LINEAR rule.
+  A prologue linear given kernels.prologue_norm's `normed` buffer (the widths its prenorm_pays
+  names) runs its plain loop and takes the LINEAR rule (the split-K one: the SPLITK rule).
 - CUDA sm90, n > 16, kind SPLITK (kernels.linear_splitk's partials, kernels.linear_fused_splitk's
   prologue partials): MLOOP by default: BLOCK_M 16 and min(4, cdiv(n, 16)) row tiles
   a program, each weight tile loaded once a K step for all of them and one pinned-shape tl.dot

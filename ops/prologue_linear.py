@@ -1,10 +1,14 @@
-"""Linears with their neighbour folded into a prologue or an epilogue (issue 15: at most 10
-launches a draft step). Each fused op's reference is the composition of its parts' references,
+"""Linears with their neighbour folded into a prologue or an epilogue (issue 15: fewer launches a
+draft step where that is the faster). Each fused op's reference is the composition of its parts' references,
 so a fused circuit's eager run is the unfused one's, bitwise; each has a Triton binding
 (kernels.linear_fused's one launch, or the lm-head's two-launch argmax with the norm in its
 partials kernel), and linear_add and the MTP input a two-launch split-K binding bound before it,
 taken by the weight's shape only where one launch's grid is too small; the lm-head ops likewise
 a three-launch `*_prenorm` binding (the norm a launch of its own) where the weight is large.
+The norm-prologue bindings of q/k/v, SwiGLU and the MTP input take one launch more at the widths
+kernels.prologue_norm.prenorm_pays names (the prologue stored by a launch of its own, then the
+plain kernel: the same bits, measured faster there); their workspace and launch-count rules say
+which widths, the launchers follow the buffer they are given.
 
 - `linear_add(x, weight, residual) -> residual + x @ weight^T` (o_proj / down_proj and the
   residual add after them; split-K where the plain linear would split);
@@ -63,22 +67,24 @@ def _prefetch_variant(name: str, launch: Callable[..., None], workspace: Any = N
 _k_prenorm_pays = kernel("prologue_norm", "prenorm_pays")
 
 
-def _wide(rows: int | str, k: int | str, qkv: bool = False) -> bool:
-    return isinstance(rows, int) and isinstance(k, int) and bool(_k_prenorm_pays()(rows, k, qkv))
+def _wide(rows: int | str, parts: Sequence[int | str], qkv: bool = False) -> bool:
+    concrete = isinstance(rows, int) and all(isinstance(p, int) for p in parts)
+    return concrete and bool(_k_prenorm_pays()(rows, parts, qkv))
 
 
-def _normed_ws(dtype: str, n: int, k: int, qkv: bool = False) -> Scratch:
+def _normed_ws(dtype: str, n: int, parts: Sequence[int], qkv: bool = False) -> Scratch:
     """[the normed x buffer] at a width whose prologue runs on its own, else []."""
-    return [(dtype, (n, k))] if _wide(n, k, qkv) else []
+    return [(dtype, (n, sum(parts)))] if _wide(n, parts, qkv) else []
 
 
 def _norm_x_ws(ins: Sequence[TensorSpec], env: Env, a: Any, qkv: bool = False) -> Scratch:
     n, k = ins[0].concrete(env)  # x [n, K] with its norm in the prologue
-    return _normed_ws(ins[0].dtype, n, k, qkv)
+    return _normed_ws(ins[0].dtype, n, (k,), qkv)
 
 
 def _norm_x_launches(base: int, qkv: bool = False) -> Callable[[Sequence[TensorSpec], Any], int]:
-    return lambda ins, a: base + _wide(ins[0].shape[0], ins[0].shape[1], qkv)
+    # from the specs as given: a plan's per-width launches carry concrete shapes (report.py)
+    return lambda ins, a: base + _wide(ins[0].shape[0], (ins[0].shape[1],), qkv)
 
 
 def _norm_then(ins: list[TensorSpec], a: EpsAttrs) -> TensorSpec:
@@ -199,9 +205,13 @@ def _launch_embed_concat_splitk(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs)
                          norm2=i[4], eps2=a.eps, normed=w[1] if len(w) > 1 else None)
 
 
+def _embed_parts(ins: Sequence[TensorSpec]) -> tuple[int | str, int | str]:
+    return ins[0].shape[1], ins[3].shape[1]  # the table's columns, x2's
+
+
 def _embed_normed_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
-    rows, k = ins[5].shape  # the normed x: [n, K1 + K2], the weight's K
-    return _normed_ws(ins[0].dtype, ins[3].concrete(env)[0], int(k))
+    k1, k2 = (int(k) for k in _embed_parts(ins))  # the normed x: [n, K1 + K2]
+    return _normed_ws(ins[0].dtype, ins[3].concrete(env)[0], (k1, k2))
 
 
 def _embed_concat_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
@@ -211,7 +221,7 @@ def _embed_concat_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
 
 
 def _embed_launches(base: int) -> Callable[[Sequence[TensorSpec], Any], int]:
-    return lambda ins, a: base + _wide(ins[3].shape[0], ins[5].shape[1])  # x2's rows, W's K
+    return lambda ins, a: base + _wide(ins[3].shape[0], _embed_parts(ins))  # n: x2's rows
 
 
 def _embed_concat_splits_pay(ins: Sequence[TensorSpec], a: Any) -> bool:

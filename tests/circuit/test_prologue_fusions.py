@@ -223,24 +223,29 @@ def test_a_norm_with_another_reader_stays_unfused():
     assert [n.op for n in fused.nodes] == ["rmsnorm", "linear_qkv"]
 
 
-def test_the_norm_as_a_launch_of_its_own_keeps_every_bit(monkeypatch):
-    """kernels.prologue_norm's path (forced at width 3 by lowering the rule's threshold) against
-    the one-launch prologues: the interpreted program's outputs and states bitwise, one more GPU
-    launch for each of q/k/v (twice), SwiGLU and the MTP input, and their buffers in the arena."""
+def test_the_norm_as_a_launch_of_its_own_keeps_every_bit(monkeypatch, interpreted_launches):
+    """kernels.prologue_norm's path (forced at width 3 by lowering the rule's thresholds) against
+    the one-launch prologues: the interpreted program's outputs and states bitwise; the norm's
+    kernel runs once for each of q/k/v (twice), SwiGLU and the MTP input, each with its buffer,
+    and the plan counts those launches."""
     from draft_circuit.circuit.report import gpu_launches
     from draft_circuit.kernels import prologue_norm
 
     c = block("float16")
     params, inputs, states = values(c, 3, seed=60, dtype=torch.float16)
-
     monkeypatch.setattr(prologue_norm, "PRENORM_FROM_K", 1)
+    monkeypatch.setattr(prologue_norm, "ALIGN", 1)  # HIDDEN 24: the interpreter's sums ignore it
 
     def run(threshold):
         monkeypatch.setattr(prologue_norm, "PRENORM_FROM_N", threshold)
         monkeypatch.setattr(prologue_norm, "QKV_PRENORM_FROM_N", threshold)
         compiled = compile_draft(c, params, [3], options=CompileOptions(interpret_kernels=True))
-        launches = sum(gpu_launches(x) or 0 for x in compiled.programs[3].launches)
-        return launches, _program(compiled, inputs, states)
-    (one, narrow), (two, wide) = run(64), run(2)
+        launches = compiled.programs[3].launches
+        interpreted_launches.clear()
+        got = _program(compiled, inputs, states)
+        return (sum(gpu_launches(x) or 0 for x in launches), sum(len(x.workspace) for x in launches),
+                interpreted_launches.count("prologue_norm_kernel"), got)
+    (one, ws_one, norms_one, narrow), (two, ws_two, norms_two, wide) = run(64), run(2)
     _equal(*_pair(wide, narrow))
-    assert two - one == 4  # two q/k/v, gate_up, eh_proj
+    assert (norms_one, norms_two) == (0, 4)  # two q/k/v, gate_up, eh_proj
+    assert two - one == 4 and ws_two - ws_one == 4

@@ -93,8 +93,8 @@ def test_qkv_norm_then_plain_is_the_prologue(dtype):
     n, k, rows = 5, 200, (40, 8, 8)
     x, nw = _r(g, n, k, dtype=dtype, scale=2.0), _norm_w(g, k, dtype)
     ws = [_r(g, r, k, dtype=dtype, scale=k ** -0.5) for r in rows]
-    a = [torch.empty(n, r, dtype=dtype) for r in rows]
-    b = [torch.empty(n, r, dtype=dtype) for r in rows]
+    a = [torch.full((n, r), float("nan"), dtype=dtype) for r in rows]
+    b = [torch.full((n, r), float("nan"), dtype=dtype) for r in rows]
     rmsnorm_linear_qkv(x, nw, EPS, ws, a)
     rmsnorm_linear_qkv(x, nw, EPS, ws, b, normed=torch.empty(n, k, dtype=dtype))
     assert all(torch.equal(p, q) for p, q in zip(a, b))
@@ -104,9 +104,30 @@ def test_a_wrong_normed_buffer_is_refused_by_name():
     g = torch.Generator().manual_seed(2)
     x, nw, w, _, _ = _gate_up_cases(g, 3, 64, 16, torch.float32)
     out = torch.empty(3, 16)
-    for bad in (torch.empty(3, 63), torch.empty(3, 64, dtype=torch.float16), torch.empty(2, 64)):
+    bad = (torch.empty(3, 63), torch.empty(3, 64, dtype=torch.float16), torch.empty(2, 64),
+           torch.empty(64, 3).t(),  # the innermost dimension strided
+           torch.empty(200)[:128].as_strided((3, 64), (32, 1)),  # rows overlapping
+           x)  # x itself: the norm would read what it writes
+    for normed in bad:
         with pytest.raises(KernelInputError, match="normed"):
-            linear_prologue(x, w, out, norm1=nw, silu_mul=True, normed=bad)
+            linear_prologue(x, w, out, norm1=nw, silu_mul=True, normed=normed)
+    ws = [torch.empty(r, 64) for r in (16, 8, 8)]
+    with pytest.raises(KernelInputError, match="normed"):
+        rmsnorm_linear_qkv(x, nw, EPS, ws, [torch.empty(3, r) for r in (16, 8, 8)],
+                           normed=torch.empty(3, 32))
+    table, ids = torch.randn(10, 32), torch.tensor([1, 2, 3], dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="normed"):
+        linear_prologue_splitk(table, torch.randn(16, 96), torch.empty(3, 16), ids=ids, norm1=nw[:32],
+                               x2=torch.randn(3, 64), norm2=nw, normed=torch.empty(3, 95))
+
+
+def test_q_k_v_outputs_share_a_dtype():
+    """One kernel selects among the three outputs' pointers: mixed dtypes are refused by name."""
+    from draft_circuit.kernels.linear_multi import linear_qkv
+    x, ws = torch.randn(2, 32), [torch.randn(r, 32) for r in (16, 8, 8)]
+    outs = [torch.empty(2, 16), torch.empty(2, 8, dtype=torch.float16), torch.empty(2, 8)]
+    with pytest.raises(KernelInputError, match="out1"):
+        linear_qkv(x, ws, outs)
 
 
 def test_bindings_take_the_norm_launch_exactly_where_it_pays(interpreted_launches, monkeypatch):
@@ -114,7 +135,11 @@ def test_bindings_take_the_norm_launch_exactly_where_it_pays(interpreted_launche
     threshold only (and K from its own); the binding then launches the norm, then the plain
     kernel."""
     wide, narrow = pn.PRENORM_FROM_N + 1, pn.PRENORM_FROM_N
-    assert not pn.prenorm_pays(wide, pn.PRENORM_FROM_K - 1) and pn.prenorm_pays(wide, pn.PRENORM_FROM_K)
+    k = pn.PRENORM_FROM_K
+    assert not pn.prenorm_pays(wide, (k - pn.ALIGN,)) and pn.prenorm_pays(wide, (k,))
+    # parts a multiple of ALIGN columns only (where the two paths' loads were shown alike)
+    assert not pn.prenorm_pays(wide, (k + 8,)) and pn.prenorm_pays(wide, (k // 2, k // 2))
+    assert not pn.prenorm_pays(wide, (k // 2 + 8, k // 2 - 8))
     monkeypatch.setattr(pn, "PRENORM_FROM_K", 64)
     op = get_op("rmsnorm_linear_silu_mul")
     binding = next(b for b in op.kernels if b.name == "triton_rmsnorm_linear_silu_mul")
@@ -139,6 +164,19 @@ def test_bindings_take_the_norm_launch_exactly_where_it_pays(interpreted_launche
              TensorSpec(dtype="bfloat16", shape=(4096,)), TensorSpec(dtype="bfloat16", shape=(4096, 8192))]
     assert split.launch_count(specs, attrs) == 3
     assert split.workspace(specs, {}, attrs)[1] == ("bfloat16", (wide, 8192))
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_unaligned_rows_are_refused():
+    """On a GPU the norm's own launch takes rows starting ALIGN-element aligned only (its loads'
+    layout, and so its sums' tree, is the prologue's there): a stride off it is refused by name."""
+    x = torch.randn(3, 4104, device="cuda", dtype=torch.bfloat16)[:, :4100]  # stride 4104
+    nw = torch.ones(4100, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 4100, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="aligned"):
+        linear_prologue(x, w, torch.empty(3, 32, device="cuda", dtype=torch.bfloat16), norm1=nw,
+                        silu_mul=True, normed=torch.empty(3, 4100, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.cuda
@@ -179,7 +217,7 @@ def test_gpu_prenorm_bits_at_the_8b_shapes():
         for n in (1, 2, 8, 16, 17, 33, 64):
             assert torch.equal(f(n, False), f(n, True)), (f.__name__, n)
         for n in range(2, 65):
-            got = f(n, pn.prenorm_pays(n, h, qkv=f is q_k_v))
+            got = f(n, pn.prenorm_pays(n, (h, h) if f is eh else (h,), qkv=f is q_k_v))
             for i in (0, n // 2, n - 1):
                 want = _row_alone(f, i, x, x2, ids)
                 assert torch.equal(got[i], want), (f.__name__, n, i)

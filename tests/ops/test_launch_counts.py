@@ -4,7 +4,7 @@ kernels on its op's example (tests/ops/test_registry.py), and each torch binding
 kernel-launching aten ops on real CPU tensors (the declaration counts them on meta tensors)."""
 import torch
 
-from draft_circuit.circuit.types import ROW
+from draft_circuit.circuit.types import ROW, TensorSpec
 from draft_circuit.ops.bindings import aten_kernels
 from draft_circuit.ops.registry import REGISTRY, torch_dtype
 from tests.ops.test_registry import EXAMPLES, _launch_outputs, make_input
@@ -74,3 +74,28 @@ def test_split_kernels_count_two():
     assert {"triton_linear_splitk", "triton_linear_argmax_logprob", "triton_linear_argmax_keep",
             "triton_decode_attention", "triton_mla_decode", "triton_linear_add_splitk",
             "triton_rmsnorm_linear_argmax_keep", "triton_rmsnorm_linear_argmax_logprob"} <= two
+
+
+def test_prologue_bindings_launch_what_they_declare_at_wide_widths(interpreted_launches, monkeypatch):
+    """With kernels.prologue_norm's thresholds lowered so the examples' width takes the norm's
+    own launch, every norm-prologue binding the interpreter runs is handed its `normed` buffer
+    and issues the launches its count declares for the width's concrete specs (one more)."""
+    from draft_circuit.kernels import prologue_norm
+    for name, value in (("PRENORM_FROM_N", 0), ("QKV_PRENORM_FROM_N", 0), ("PRENORM_FROM_K", 1),
+                        ("ALIGN", 1)):
+        monkeypatch.setattr(prologue_norm, name, value)
+    seen, checked = interpreted_launches, set()
+    for name in ("rmsnorm_linear_qkv", "rmsnorm_linear_silu_mul", "embed_rmsnorm_linear_concat",
+                 "rmsnorm_linear_kv"):
+        op, specs, parsed, tensors, outs, env = _example(name)
+        concrete = [TensorSpec(dtype=s.dtype, shape=s.concrete(env)) for s in specs]
+        for binding in op.kernels:
+            if not binding.name.startswith("triton_") or not binding.applies("interpret", specs, parsed):
+                continue
+            seen.clear()
+            binding.launch(tensors, outs, _workspace(binding, specs, env, parsed), parsed)
+            assert seen[0] == "prologue_norm_kernel", (binding.name, seen)
+            assert len(seen) == binding.launch_count(concrete, parsed) == binding.launch_count(specs, parsed) + 1
+            checked.add(binding.name)
+    assert checked == {"triton_rmsnorm_linear_qkv", "triton_rmsnorm_linear_silu_mul",
+                       "triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_kv"}
