@@ -7,23 +7,22 @@ on CUDA its k/v projections ran as three launches and its rope and paged write a
 kernels a run (benchmarks/engine_timeline.py, 2026-12-06, H100: a third of the drafter's
 kernels a step were these). Each op here is the composition of its parts' references, so a
 fused circuit's eager run is the unfused one's, bitwise; and each kernel binding is the full
-step's kernel with the q part empty (with the full step's q/k/v rule for the norm as a launch
-of its own: kernels.prologue_norm), so the k and v rows a catch-up writes are those the full
-step's kernels write: the same K order and sums; the tile shape may differ past n = 32 on sm90
-(kernels.tiles chooses it by the launch's program count, which q no longer adds to), which
+step's kernel with the q part empty, so the k and v rows a catch-up writes are those the full
+step's kernels write: the same K order and sums (where the full step's q/k/v takes the norm as a
+launch of its own, kernels.prologue_norm, the k/v here keep the one-launch prologue: the two
+paths' bits are checked equal on the GPU from n = 1 to 64 by tests/kernels/test_prologue_norm.py);
+the tile shape may differ past n = 32 on sm90 (kernels.tiles chooses it by the launch's program count, which q no longer adds to), which
 kernels.tiles measured not to change a row's bits there (tests/runners/test_kv_only.py checks it
 on the GPU at n = 64):
 
 - `linear_kv(x, w_k, w_v) -> (k, v)`: kernels.linear_multi.linear_qkv over (no rows, w_k, w_v);
 - `rmsnorm_linear_kv(x, norm_weight, w_k, w_v) -> (k, v)`: kernels.linear_fused's
-  rmsnorm_linear_qkv over (no rows, w_k, w_v), input_layernorm in the prologue (or a launch of
-  its own where rmsnorm_linear_qkv's binding takes one);
+  rmsnorm_linear_qkv over (no rows, w_k, w_v), input_layernorm in the prologue;
 - `rope_k_kv_write(k, v, positions, caches, tables, live, [active]) -> caches`: rope(k) and the
   paged write of rope(k) and v, kernels.rope_kv_write with no q heads.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -34,8 +33,7 @@ from draft_circuit.ops.attention import (KvWriteAttrs, RopeAttrs, RopeKvWriteAtt
 from draft_circuit.ops.basic import EpsAttrs, linear_ref, rmsnorm_ref
 from draft_circuit.ops.bindings import TRITON, Applies, KernelBinding, Tensors, kernel
 from draft_circuit.ops.fused_linear import _infer_qkv, _qkv_cost
-from draft_circuit.ops.prologue_linear import (_infer_norm_qkv, _norm_qkv_cost, _norm_qkv_ref,
-                                               _norm_x_launches, _norm_x_ws)
+from draft_circuit.ops.prologue_linear import _infer_norm_qkv, _norm_qkv_cost, _norm_qkv_ref
 from draft_circuit.ops.registry import ATTENTION, FUSED, MATMUL, NORM, REDUCTION, Cost, OpDef, register
 
 _k_qkv = kernel("linear_multi", "linear_qkv")
@@ -64,8 +62,7 @@ register(OpDef(
 
 def _launch_norm_kv(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     w0, o0 = _no_q(ins[2], outs[0])
-    _k_norm_qkv()(ins[0], ins[1], a.eps, (w0, ins[2], ins[3]), (o0, outs[0], outs[1]),
-                  normed=ws[0] if ws else None)
+    _k_norm_qkv()(ins[0], ins[1], a.eps, (w0, ins[2], ins[3]), (o0, outs[0], outs[1]))
 
 
 register(OpDef(
@@ -75,9 +72,7 @@ register(OpDef(
     # number of weights)
     reference=lambda t, a: _norm_qkv_ref(rmsnorm_ref(t[0], t[1], a.eps), t[2:]),
     tags=frozenset({MATMUL, NORM, REDUCTION, FUSED}),
-    kernels=(KernelBinding("triton_rmsnorm_linear_kv", _launch_norm_kv, Applies(TRITON),
-                           workspace=partial(_norm_x_ws, qkv=True),
-                           launches=_norm_x_launches(1, qkv=True)),),
+    kernels=(KernelBinding("triton_rmsnorm_linear_kv", _launch_norm_kv, Applies(TRITON)),),
 ))
 
 

@@ -85,8 +85,7 @@ def test_prologue_bindings_launch_what_they_declare_at_wide_widths(interpreted_l
                         ("ALIGN", 1)):
         monkeypatch.setattr(prologue_norm, name, value)
     seen, checked = interpreted_launches, set()
-    for name in ("rmsnorm_linear_qkv", "rmsnorm_linear_silu_mul", "embed_rmsnorm_linear_concat",
-                 "rmsnorm_linear_kv"):
+    for name in ("rmsnorm_linear_qkv", "rmsnorm_linear_silu_mul", "embed_rmsnorm_linear_concat"):
         op, specs, parsed, tensors, outs, env = _example(name)
         concrete = [TensorSpec(dtype=s.dtype, shape=s.concrete(env)) for s in specs]
         for binding in op.kernels:
@@ -98,4 +97,4 @@ def test_prologue_bindings_launch_what_they_declare_at_wide_widths(interpreted_l
             assert len(seen) == binding.launch_count(concrete, parsed) == binding.launch_count(specs, parsed) + 1
             checked.add(binding.name)
     assert checked == {"triton_rmsnorm_linear_qkv", "triton_rmsnorm_linear_silu_mul",
-                       "triton_embed_rmsnorm_linear_concat", "triton_rmsnorm_linear_kv"}
+                       "triton_embed_rmsnorm_linear_concat"}
