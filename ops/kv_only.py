@@ -11,9 +11,9 @@ step's kernel with the q part empty, so the k and v rows a catch-up writes are t
 step's kernels write: the same K order and sums (where the full step's q/k/v takes the norm as a
 launch of its own, kernels.prologue_norm, the k/v here keep the one-launch prologue: the two
 paths' bits are checked equal on the GPU from n = 1 to 64 by tests/kernels/test_prologue_norm.py);
-the tile shape may differ past n = 32 on sm90 (kernels.tiles chooses it by the launch's program count, which q no longer adds to), which
-kernels.tiles measured not to change a row's bits there (tests/runners/test_kv_only.py checks it
-on the GPU at n = 64):
+the tile shape may differ past n = 32 on sm90 (kernels.tiles chooses it by the launch's program
+count, which q no longer adds to), which kernels.tiles measured not to change a row's bits there
+(tests/runners/test_kv_only.py checks it on the GPU at n = 64):
 
 - `linear_kv(x, w_k, w_v) -> (k, v)`: kernels.linear_multi.linear_qkv over (no rows, w_k, w_v);
 - `rmsnorm_linear_kv(x, norm_weight, w_k, w_v) -> (k, v)`: kernels.linear_fused's
