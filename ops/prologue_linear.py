@@ -37,7 +37,8 @@ from draft_circuit.ops.basic import (EpsAttrs, _infer_add, _infer_linear,
                                      _infer_linear_silu_mul, _infer_rmsnorm, _linear_cost,
                                      _many_splits, _silu_mul, _splitk_workspace, linear_ref,
                                      rmsnorm_ref)
-from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.bindings import (CUDA, TRITON, Applies, Condition, KernelBinding, LaunchCount,
+                                       Scratch, Tensors, WorkspaceRule, kernel)
 from draft_circuit.ops.attention import RopeKvWriteAttrs, _infer_rope_kv_write, _rope_kv_write
 from draft_circuit.ops.fused_linear import _infer_linear_concat, _infer_qkv
 from draft_circuit.ops.registry import (ATTENTION, FUSED, GATHER, LAYOUT, MATMUL, NORM, REDUCTION, Cost,
@@ -54,8 +55,8 @@ _k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 # loads its first weight tile before the PDL wait and releases its dependents after the first K
 # step. The same bits, so it is bound last: only a tuning pass that measures it faster (or
 # CompileOptions.kernels) binds it. CUDA only: the interpreter has no PDL.
-def _prefetch_variant(name: str, launch: Callable[..., None], workspace: Any = None,
-                      launches: Any = 1) -> KernelBinding:
+def _prefetch_variant(name: str, launch: Callable[..., None], workspace: WorkspaceRule | None = None,
+                      launches: int | LaunchCount = 1) -> KernelBinding:
     return KernelBinding(f"{name}_pdl_prefetch", partial(launch, prefetch=True), Applies(CUDA),
                          workspace=workspace, launches=launches)
 
