@@ -52,7 +52,8 @@ from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NOR
                                                 check_prologue_operands)
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
 from draft_circuit.kernels.prologue_norm import prologue_norm
-from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_config,
+from draft_circuit.kernels.linear_splitk import (BLOCK_M, FINISH_TO_N, SplitKConfig, _finish_tile,
+                                                 check_counts, default_config, finishes,
                                                  launch_partials, num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
@@ -106,6 +107,8 @@ def _prologue_partial_kernel(
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, NORM_GROUPS: tl.constexpr = 0,
+    out_ptr=None, res_ptr=None, count_ptr=None, stride_out=0, stride_res=0,
+    NUM_SPLITS: tl.constexpr = 1, FINISH: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     # program = (row tile fastest, N tile) x split, as linear_splitk._partial_kernel
     pid = tl.program_id(0)
@@ -148,6 +151,9 @@ def _prologue_partial_kernel(
     # workspace [num_splits, n, N], linear_splitk's layout (its reduce reads it)
     ws_ptrs = ws_ptr + (split * n_rows + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    if FINISH:  # the reduce in the tile's last split, as linear_splitk's (count_ptr: zeroed)
+        _finish_tile(ws_ptr, out_ptr, res_ptr, count_ptr, pid, offs_m, offs_n, n_rows, N,
+                     stride_out, stride_res, NUM_SPLITS, RESIDUAL)
 
 
 @triton.jit
@@ -270,7 +276,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
                            norm2: torch.Tensor | None = None, eps2: float = 1e-6,
                            silu_mul: bool = False, residual: torch.Tensor | None = None,
                            config: SplitKConfig | None = None,
-                           tiles: str | None = None, normed: torch.Tensor | None = None) -> Any:
+                           tiles: str | None = None, normed: torch.Tensor | None = None,
+                           counts: torch.Tensor | None = None) -> Any:
     """out[n, N] = [p1(x1) | p2(x2)] @ weight^T in two launches: partials with the prologue in
     them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue).
 
@@ -288,6 +295,9 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     prologue is a launch of its own into it (kernels.prologue_norm), then linear_splitk's plain
     partials read it: the bits stated above (the partials' tiles are kernels.tiles' SPLITK
     rule's, measured not to move a row's bits on sm90); three launches.
+    counts: int32 `linear_splitk.counts_shape(weight rows, K, config)`, all zero (and left so),
+    where `linear_splitk.finishes(n)`, without SwiGLU or normed: the reduce runs in each output
+    tile's last split to arrive, one launch (the same bits).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
@@ -296,6 +306,11 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     _check_config(cfg)
     shape = splitk_workspace_shape(n, rows, k, cfg)
     workspace = fp32_workspace(workspace, shape, device)
+    if counts is not None:
+        check(not silu_mul and normed is None and finishes(n) and tiles in (None, tiling.PINNED),
+              lambda: f"split-K counts: the reduce runs in the last split only without SwiGLU or "
+                      f"normed, at pinned tiles and n <= {FINISH_TO_N} (got n = {n}, tiles {tiles})")
+        check_counts(counts, rows, cfg, device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
@@ -308,7 +323,7 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
         reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
         return handle
     pdl = launch_kwargs(x1)
-    t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiles,
+    t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiling.PINNED if counts is not None else tiles,
                       programs=triton.cdiv(rows, cfg.block_n) * shape[0])
     run = LAUNCH
     block_n, warps, stages = cfg.block_n, t.warps(cfg.num_warps), cfg.num_stages
@@ -328,8 +343,15 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if t.mode == tiling.MLOOP:
         handle = _prologue_partial_mloop_kernel[grid](*args, BLOCK_M=BLOCK_M, M_TILES=t.m_tiles,
                                                       **consts)
-    else:
+    else:  # with counts, the reduce's work in each tile's last split (counts >= its N tiles:
+        # the launch's BLOCK_N is at least the config's)
+        fin = dict(out_ptr=out, res_ptr=residual if residual is not None else out, count_ptr=counts,
+                   stride_out=out.stride(0), stride_res=residual.stride(0) if residual is not None else 0,
+                   NUM_SPLITS=shape[0], FINISH=True, RESIDUAL=residual is not None) \
+            if counts is not None else {}
         handle = _prologue_partial_kernel[grid](*args, BLOCK_M=t.block_m,
-                                                NORM_GROUPS=run.norm_groups, **consts)
+                                                NORM_GROUPS=run.norm_groups, **consts, **fin)
+        if counts is not None:
+            return handle
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
     return handle

@@ -71,6 +71,11 @@ Tensors = list[torch.Tensor]
 # (inputs, outputs, workspace, parsed attrs): writes the outputs (and mutated states) in place
 Launch = Callable[[Tensors, Tensors, Tensors, Any], None]
 Scratch = list[tuple[str, tuple[int, ...]]]  # (dtype, shape) of each workspace buffer
+# A scratch dtype: int32 counters that start at zero and that the kernel leaves at zero (a
+# launch's programs count their arrivals on them: kernels.linear_splitk's last-split reduce).
+# They live outside the arena, one buffer a node shared by every width (widths never run at
+# once), zeroed once when the runner binds (circuit/program.py, runners/program.py).
+COUNTERS = "counters"
 # (input specs, symbol values, parsed attrs) -> the scratch buffers a launch needs
 WorkspaceRule = Callable[[Sequence[TensorSpec], dict[str, int], Any], Scratch]
 

@@ -36,7 +36,7 @@ from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import (EpsAttrs, _infer_add, _infer_linear,
                                      _infer_linear_silu_mul, _infer_rmsnorm, _linear_cost,
                                      _many_splits, _silu_mul, _splitk_workspace, linear_ref,
-                                     rmsnorm_ref)
+                                     rmsnorm_ref, splitk_counts, splitk_launches, splitk_scratch)
 from draft_circuit.ops.bindings import (CUDA, TRITON, Applies, Condition, KernelBinding, LaunchCount,
                                        Scratch, Tensors, WorkspaceRule, kernel)
 from draft_circuit.ops.attention import RopeKvWriteAttrs, _infer_rope_kv_write, _rope_kv_write
@@ -50,7 +50,6 @@ _k_norm_qkv = kernel("linear_fused", "rmsnorm_linear_qkv")
 _k_splitk = kernel("linear_splitk", "linear_splitk")
 _k_prologue_splitk = kernel("linear_fused_splitk", "linear_prologue_splitk")
 _k_prologue_splitk_pays = kernel("linear_fused_splitk", "splitk_pays")
-_k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 # PDL weight prefetch (issue 15 item 2): each kernels.linear_fused binding has a variant that
 # loads its first weight tile before the PDL wait and releases its dependents after the first K
 # step. The same bits, so it is bound last: only a tuning pass that measures it faster (or
@@ -123,9 +122,10 @@ register(OpDef(
     kernels=(
         # split-K where kernels.linear would split (the same rule, by the weight's shape only)
         KernelBinding("triton_linear_add_splitk",
-                      lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], residual=i[2]),
+                      lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], residual=i[2],
+                                                     counts=splitk_counts(w)),
                       Applies(TRITON, conditions=(Condition("K in >= 2 splits", _many_splits),)),
-                      workspace=_splitk_workspace, launches=2),
+                      workspace=_splitk_workspace, launches=splitk_launches),
         KernelBinding("triton_linear_add", _launch_linear_add, Applies(TRITON)),
         _prefetch_variant("triton_linear_add", _launch_linear_add),
         # circuit_fast's o_proj / down_proj (what cublas_linear was before the add folded in)
@@ -202,8 +202,10 @@ def _launch_embed_concat(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefet
 
 
 def _launch_embed_concat_splitk(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs) -> None:
+    counts = splitk_counts(w)  # narrow n: the counters; wide: the normed x (or neither)
     _k_prologue_splitk()(i[0], i[5], o[0], w[0], ids=i[1], norm1=i[2], eps1=a.eps, x2=i[3],
-                         norm2=i[4], eps2=a.eps, normed=w[1] if len(w) > 1 else None)
+                         norm2=i[4], eps2=a.eps, counts=counts,
+                         normed=w[1] if len(w) > 1 and counts is None else None)
 
 
 def _embed_parts(ins: Sequence[TensorSpec]) -> tuple[int | str, int | str]:
@@ -216,13 +218,20 @@ def _embed_normed_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
 
 
 def _embed_concat_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
+    """split-K's workspace (its counters at narrow n), and the normed x at wide n."""
     rows, k = ins[5].shape
-    return [("float32", _k_splitk_ws()(ins[3].concrete(env)[0], int(rows), int(k))),
+    return [*splitk_scratch(ins[3].concrete(env)[0], int(rows), int(k)),
             *_embed_normed_ws(ins, env, a)]
 
 
 def _embed_launches(base: int) -> Callable[[Sequence[TensorSpec], Any], int]:
     return lambda ins, a: base + _wide(ins[3].shape[0], _embed_parts(ins))  # n: x2's rows
+
+
+def _embed_splitk_launches(ins: Sequence[TensorSpec], a: Any) -> int:
+    """The partials (the reduce in their last split at narrow n: splitk_launches), and the
+    prologue's own launch at wide n."""
+    return splitk_launches(ins[3:], a) + _wide(ins[3].shape[0], _embed_parts(ins))
 
 
 def _embed_concat_splits_pay(ins: Sequence[TensorSpec], a: Any) -> bool:
@@ -257,7 +266,7 @@ register(OpDef(
         KernelBinding("triton_embed_rmsnorm_linear_concat_splitk", _launch_embed_concat_splitk,
                       Applies(TRITON, conditions=(EMBED_CONCAT_SPLITK,)),
                       # partials (prologue in them), reduce; the prologue first at wide n
-                      workspace=_embed_concat_ws, launches=_embed_launches(2)),
+                      workspace=_embed_concat_ws, launches=_embed_splitk_launches),
         KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON),
                       workspace=_embed_normed_ws, launches=_embed_launches(1)),
         _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat,

@@ -219,7 +219,10 @@ def test_the_rule_is_the_weights_shape():
     assert splitk_pays(8160, 4096) and not splitk_pays(8192, 4096)  # 255 tiles of 32, then 256
 
 
-def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(interpreted_launches):
+def test_the_binding_is_first_by_the_weights_shape_and_finishes_in_the_last_split(interpreted_launches):
+    """...and at narrow n its workspace hands out counters: one launch, the reduce's work in each
+    tile's last split (the counters left at zero); without them, the partials then the reduce
+    kernel, the same bits."""
     from draft_circuit.circuit.ir import ROW, TensorSpec
     from draft_circuit.ops.registry import get_op
 
@@ -237,7 +240,7 @@ def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(inte
         assert first.applies("cuda", specs(7168, 7168, 7168, width), attrs)
         assert not first.applies("cuda", specs(2048, 1024, 1024, width), attrs)
         assert not first.applies("cuda", specs(8192, 2048, 2048, width), attrs)
-    # the interpreter runs it at K = 4096 (4 splits of 1024): two kernels, the op's reference
+    # the interpreter runs it at K = 4096 (4 splits of 1024): one kernel, the op's reference
     seen = interpreted_launches
     g = torch.Generator().manual_seed(3)
     n, k1, k2, rows = 2, 2048, 2048, 8
@@ -245,11 +248,16 @@ def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(inte
               _norm_w(g, k1, torch.float32), _r(g, n, k2, dtype=torch.float32),
               _norm_w(g, k2, torch.float32), _r(g, rows, k1 + k2, dtype=torch.float32, scale=0.02)]
     sp = specs(rows, k1, k2, n)
-    assert first.applies("interpret", sp, attrs) and first.launch_count(sp, attrs) == 2
-    ws = [torch.empty(shape, dtype=getattr(torch, dt)) for dt, shape in first.workspace(sp, {}, attrs)]
-    out = torch.empty(n, rows)
+    assert first.applies("interpret", sp, attrs) and first.launch_count(sp, attrs) == 1
+    assert [dt for dt, _ in first.workspace(sp, {}, attrs)] == ["float32", "counters"]
+    ws = [torch.empty(shape, dtype=torch.float32) if dt == "float32" else torch.zeros(shape, dtype=torch.int32)
+          for dt, shape in first.workspace(sp, {}, attrs)]
+    out, two = torch.empty(n, rows), torch.empty(n, rows)
     first.launch(inputs, [out], ws, attrs)
-    assert seen == ["_prologue_partial_kernel", "_reduce_kernel"]
+    assert seen == ["_prologue_partial_kernel"] and not ws[1].any()
+    seen.clear()
+    first.launch(inputs, [two], ws[:1], attrs)
+    assert seen == ["_prologue_partial_kernel", "_reduce_kernel"] and torch.equal(out, two)
     table, ids = inputs[0], inputs[1]
     emb = table[ids.clamp(min=0).long()].masked_fill((ids < 0)[:, None], 0)
     want = torch.cat([torch.nn.functional.rms_norm(emb, (k1,), inputs[2], EPS),
@@ -257,10 +265,11 @@ def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(inte
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
-def test_plans_of_the_8b_chain_bind_it_and_count_its_two_launches(monkeypatch):
+def test_plans_of_the_8b_chain_bind_it_and_count_its_launches(monkeypatch):
     """An 8B-shaped chain planned for CUDA (meta weights) binds the split kernel for eh_proj at
-    every width and its report counts one launch more a step than the one-launch kernel's plan;
-    a 1024-wide head (K 2048) keeps the one-launch kernel."""
+    every width and its report counts as many launches a step as the one-launch kernel's plan
+    (at these widths the reduce runs in the partials' last split); a 1024-wide head (K 2048)
+    keeps the one-launch kernel."""
     import draft_circuit.ops.prologue_linear as prologue_linear
     from tests.plan_shapes import plan_kernels
 
@@ -275,7 +284,7 @@ def test_plans_of_the_8b_chain_bind_it_and_count_its_two_launches(monkeypatch):
     for w in (1, 8):
         assert big[w][0] == {"triton_embed_rmsnorm_linear_concat_splitk"}
         assert one_launch[w][0] == small[w][0] == {"triton_embed_rmsnorm_linear_concat"}
-        assert big[w][1] == one_launch[w][1] + 1  # two launches where there was one, each step
+        assert big[w][1] == one_launch[w][1]  # one launch where there was one, each step
 
 
 @cuda

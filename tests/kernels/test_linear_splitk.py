@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from draft_circuit.kernels._common import KernelInputError
-from draft_circuit.kernels.linear_splitk import (MIN_SPLIT_K, SplitKConfig, default_config,
-                                   linear_silu_mul_splitk, linear_splitk, num_splits,
-                                   splitk_workspace_shape)
+from draft_circuit.kernels.linear_splitk import (FINISH_TO_N, MIN_SPLIT_K, SplitKConfig, counts_shape,
+                                   default_config, finishes, linear_silu_mul_splitk, linear_splitk,
+                                   num_splits, splitk_workspace_shape)
+from draft_circuit.kernels.linear_splitk import _launch  # the one launcher SwiGLU and counts share
 
 from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
@@ -102,6 +103,45 @@ def test_rejects_bad_inputs():
         linear_splitk(x, torch.randn(10, 64), torch.empty(3, 10), config=SplitKConfig(16, 100, 32))
 
 
+# ---- the reduce in each tile's last split (`counts=`): one launch, the reduce kernel's bits
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [1, 5, FINISH_TO_N])
+@pytest.mark.parametrize("residual", [False, True])
+def test_finishing_in_the_last_split_gives_the_two_launch_bits(dtype, n, residual, interpreted_launches):
+    """Every launch leaves the counters at zero (the next launch, a graph's next replay, starts
+    from them); N off BLOCK_N, K off the split grid; out aliasing the residual, as linear_add's
+    in-place output does."""
+    rows, k = 40, 200  # SMALL: 3 N tiles, 4 splits
+    x, w = _inputs(n, k, rows, dtype, seed=n)
+    res = torch.randn(n, rows, generator=torch.Generator().manual_seed(9)).to(dtype) if residual else None
+    want = _poisoned((n, rows), dtype)
+    linear_splitk(x, w, want, config=SMALL, residual=res)
+    counts = torch.zeros(counts_shape(rows, k, SMALL), dtype=torch.int32)
+    assert counts.shape == (3,)
+    for _ in range(2):
+        out = res.clone() if residual else _poisoned((n, rows), dtype)
+        interpreted_launches.clear()
+        linear_splitk(x, w, out, _poisoned(splitk_workspace_shape(n, rows, k, SMALL)), SMALL,
+                      residual=out if residual else None, counts=counts)
+        assert interpreted_launches == ["_partial_kernel"]
+        assert torch.equal(out, want) and not counts.any()
+
+
+def test_finishing_is_refused_where_it_cannot_run():
+    x, w = _inputs(3, 200, 40, torch.float32, seed=0)
+    ok = torch.zeros(3, dtype=torch.int32)
+    assert finishes(1) and finishes(FINISH_TO_N) and not finishes(FINISH_TO_N + 1) and not finishes(0)
+    with pytest.raises(KernelInputError, match="counts.*int32"):
+        linear_splitk(x, w, torch.empty(3, 40), config=SMALL, counts=torch.zeros(3))
+    with pytest.raises(KernelInputError, match="counts.*>= 3"):
+        linear_splitk(x, w, torch.empty(3, 40), config=SMALL, counts=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="without SwiGLU"):  # its reduce pairs two tiles
+        _launch(x, w, torch.empty(3, 20), None, SMALL, silu_mul=True, counts=ok)
+    wide = torch.randn(FINISH_TO_N + 1, 200)
+    with pytest.raises(KernelInputError, match=f"n <= {FINISH_TO_N}"):
+        linear_splitk(wide, w, torch.empty(FINISH_TO_N + 1, 40), config=SMALL, counts=ok)
+
+
 # the small and 8B configs' linears as (weight rows, K): eh_proj, q = o, k = v, gate_up, down
 SHAPES = {"small": [(1024, 2048), (1024, 1024), (256, 1024), (2 * 2816, 1024), (1024, 2816)],
           "8b": [(4096, 8192), (4096, 4096), (1024, 4096), (2 * 14336, 4096), (4096, 14336)]}
@@ -116,10 +156,10 @@ def test_default_config_follows_the_measured_rule(rows, k):
 
 
 # ---- the bindings: chosen ahead of the single-pass kernels where K splits, run through a Program
-def _one_op_circuit(op: str, k: int, rows: int, attrs: dict | None = None):
+def _one_op_circuit(op: str, k: int, rows: int, attrs: dict | None = None, max_width: int = 4):
     from draft_circuit.circuit.builder import CircuitBuilder
     from draft_circuit.circuit.ir import ROW
-    b = CircuitBuilder("one_linear", max_width=4)
+    b = CircuitBuilder("one_linear", max_width=max_width)
     x = b.input("x", "float32", (ROW, k))
     w = b.param("w", "float32", (rows, k))
     b.output(b.op1(op, [x, w], attrs), "y")
@@ -147,6 +187,31 @@ def test_binding_chosen_and_matches_eager(op, k, rows, attrs, want):
         got = ProgramRunner(compiled, {}).run({"x": x})["y"]
         ref = EagerRunner(c, params, {}).run({"x": x})["y"]
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_program_binds_zeroed_counters_at_narrow_widths():
+    """A program's split-K launch at n <= FINISH_TO_N gets a counter slot (outside the arena,
+    one buffer a node for every width, zeroed when the runner binds and zero after each run);
+    past it, none. Each width's result is the two-launch kernel's, bit for bit."""
+    from draft_circuit.circuit.planner import CompileOptions, compile_draft
+    from draft_circuit.runners.program import ProgramRunner
+    k, rows, widths = 2100, 40, (1, 3, FINISH_TO_N + 1)
+    c = _one_op_circuit("linear", k, rows, max_width=FINISH_TO_N + 1)
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) / k ** 0.5
+    compiled = compile_draft(c, {"w": w}, list(widths), options=CompileOptions(interpret_kernels=True))
+    runner = ProgramRunner(compiled, {})
+    (name,) = runner.counters
+    assert runner.counters[name].dtype == torch.int32 and not runner.counters[name].any()
+    for width in widths:
+        (launch,) = [x for x in compiled.programs[width].launches if x.op == "linear"]
+        counters = [s for s in launch.workspace if s.where == "counter"]
+        assert [s.name for s in counters] == ([name] if finishes(width) else [])
+        x = torch.randn(width, k, generator=torch.Generator().manual_seed(width))
+        want = torch.empty(width, rows)
+        linear_splitk(x, w, want)
+        assert torch.equal(runner.run({"x": x})["y"], want) and not runner.counters[name].any()
+    report = compiled.report()  # what the plan counts (the runner's input guard is not the plan's)
+    assert [report.width(n).gpu_launches for n in widths] == [1, 1, 2]
 
 
 # ---- cuda
