@@ -316,6 +316,29 @@ def test_cuda_bf16_8b_eh_proj(n):
 
 
 @cuda
+def test_cuda_bf16_8b_eh_proj_finishing_in_the_last_split_keeps_the_bits():
+    """At the 8B eh_proj's shape on the GPU (the module's LAUNCH tiles: BLOCK_N 128, so fewer
+    tiles than counters), the one-launch product equals the two-launch one bitwise at every
+    n <= FINISH_TO_N and leaves the counters at zero, launched twice in a row."""
+    from draft_circuit.kernels.linear_splitk import FINISH_TO_N, counts_shape
+    dev, dt, h = "cuda", torch.bfloat16, 4096
+    g = torch.Generator().manual_seed(5)
+    table = _r(g, 1000, h, dtype=dt).to(dev)
+    n1, n2 = _norm_w(g, h, dt).to(dev), _norm_w(g, h, dt).to(dev)
+    w = _r(g, h, 2 * h, dtype=dt, scale=(2 * h) ** -0.5).to(dev)
+    counts = torch.zeros(counts_shape(h, 2 * h), dtype=torch.int32, device=dev)
+    for n in range(1, FINISH_TO_N + 1):
+        ids = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32).to(dev)
+        prologue = dict(ids=ids, norm1=n1, eps1=EPS, x2=_r(g, n, h, dtype=dt).to(dev), norm2=n2, eps2=EPS)
+        want, out = torch.empty(n, h, dtype=dt, device=dev), torch.empty(n, h, dtype=dt, device=dev)
+        linear_prologue_splitk(table, w, want, **prologue)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            linear_prologue_splitk(table, w, out, counts=counts, **prologue)
+            assert torch.equal(out, want) and not counts.any(), n
+
+
+@cuda
 @pytest.mark.parametrize("n", [1, 8, 64])
 def test_cuda_bf16_8b_eh_proj_launch_keeps_the_bits(monkeypatch, n):
     """On the GPU the module's LAUNCH (its tile, warps and stages included) gives the default

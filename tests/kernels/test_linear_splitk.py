@@ -230,6 +230,45 @@ def test_cuda_bf16_matches_fp32_reference(rows, k, n):
 
 
 @cuda
+@pytest.mark.parametrize("rows,k", [(4096, 4096), (4096, 14336), (1024, 2816), (1000, 2100)])
+def test_cuda_finishing_in_the_last_split_keeps_the_bits_in_a_graph(rows, k):
+    """bf16 on the GPU (the counters' ordering is the GPU's to get right: the interpreter runs
+    programs one by one): at every n <= FINISH_TO_N the one-launch product (+ residual, out
+    aliasing it) equals the two-launch one bitwise and leaves the counters at zero; captured
+    in a CUDA graph (PDL launches) and replayed over changing inputs, every replay does."""
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(k)
+    w = (torch.randn(rows, k, device=dev, generator=gen) / k ** 0.5).to(dt)
+    counts = torch.zeros(counts_shape(rows, k), dtype=torch.int32, device=dev)
+    for n in range(1, FINISH_TO_N + 1):
+        x = torch.randn(n, k, device=dev, generator=gen).to(dt)
+        res = torch.randn(n, rows, device=dev, generator=gen).to(dt)
+        want = _poisoned((n, rows), dt, dev)
+        linear_splitk(x, w, want, residual=res)
+        out = res.clone()
+        linear_splitk(x, w, out, residual=out, counts=counts)
+        assert torch.equal(out, want) and not counts.any(), n
+    n = 5
+    x = torch.randn(n, k, device=dev, generator=gen).to(dt)
+    res = torch.randn(n, rows, device=dev, generator=gen).to(dt)
+    out = torch.empty(n, rows, dtype=dt, device=dev)
+    ws = torch.empty(splitk_workspace_shape(n, rows, k), device=dev)
+    linear_splitk(x, w, out, ws, residual=res, counts=counts)  # compile before the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(3):  # back to back: each launch starts from the zeros the last one left
+            linear_splitk(x, w, out, ws, residual=res, counts=counts)
+    for i in range(5):
+        x.copy_(torch.randn(n, k, device=dev, generator=gen))
+        want = _poisoned((n, rows), dt, dev)
+        linear_splitk(x, w, want, residual=res)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and not counts.any(), i
+
+
+@cuda
 @pytest.mark.parametrize("fn", [linear_splitk, linear_silu_mul_splitk])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows,k", [(2000, 2048), (256, 1024), (1024, 2816)])
