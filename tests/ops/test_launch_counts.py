@@ -72,7 +72,7 @@ def test_split_kernels_count_two():
     """The bindings that launch a kernel and its merge (or reduce) declare two."""
     two = {k.name for op in REGISTRY.values() for k in op.kernels
            if not callable(k.launches) and k.launches == 2}
-    assert {"triton_linear_argmax_logprob", "triton_linear_argmax_keep", "triton_mla_decode",
+    assert {"triton_linear_argmax_logprob", "triton_linear_argmax_keep",
             "triton_rmsnorm_linear_argmax_keep", "triton_rmsnorm_linear_argmax_logprob"} <= two
 
 
