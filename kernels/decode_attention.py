@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, check_counters, describe, fp32_workspace, launch_kwargs
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
@@ -332,10 +332,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     shape = decode_attention_workspace_shape(n, num_heads, head_dim, capacity, split_rows)
     workspace = fp32_workspace(workspace, shape, q.device)
     if counts is not None:
-        check(counts.dtype == torch.int32 and counts.dim() == 1 and counts.is_contiguous()
-              and counts.numel() >= n * num_kv_heads and counts.device == q.device,
-              lambda: f"counts must be int32 [>= {n} * {num_kv_heads}] contiguous on {q.device}, "
-                      f"all zero; got {describe('counts', counts)}")
+        check_counters(counts, counts_shape(n, num_kv_heads)[0], q.device)
     if n == 0:
         return
     kw = launch_kwargs(q)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels.linear import check_linear_operands
-from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, check_counters, describe, fp32_workspace, launch_kwargs
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
 # (kernels.tiles widens the program's row tile at n > 16 on an H200; the bits stay these)
@@ -93,11 +93,7 @@ def counts_shape(weight_rows: int, k: int, config: SplitKConfig | None = None) -
 
 
 def check_counts(counts: torch.Tensor, weight_rows: int, cfg: SplitKConfig, device: torch.device) -> None:
-    need = counts_shape(weight_rows, 0, cfg)[0]
-    check(counts.dtype == torch.int32 and counts.dim() == 1 and counts.numel() >= need
-          and counts.is_contiguous() and counts.device == device,
-          lambda: f"{describe('counts', counts)}: expected int32 [>= {need}] contiguous on {device}, "
-                  f"all zero")
+    check_counters(counts, counts_shape(weight_rows, 0, cfg)[0], device)
 
 
 @triton.jit

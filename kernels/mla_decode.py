@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe,
-                                           fp32_workspace, launch_kwargs)
+from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_counters, check_operand,
+                                           describe, fp32_workspace, launch_kwargs)
 from draft_circuit.kernels.decode_attention import _finish, _merge_kernel  # the same (acc, m, l) layout
 
 # Pinned for every n and L (a split size, never a split count): bitwise width independence.
@@ -149,11 +149,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
     shape = mla_decode_workspace_shape(n, heads, r, capacity, split_rows)
     workspace = fp32_workspace(workspace, shape, q_lat.device)
     if counts is not None:
-        need = counts_shape(n, heads)[0]
-        check(counts.dtype == torch.int32 and counts.dim() == 1 and counts.is_contiguous()
-              and counts.numel() >= need and counts.device == q_lat.device,
-              lambda: f"counts must be int32 [>= {need}] contiguous on {q_lat.device}, all zero; "
-                      f"got {describe('counts', counts)}")
+        check_counters(counts, counts_shape(n, heads)[0], q_lat.device)
     if n == 0:
         return
     kw = launch_kwargs(q_lat)
