@@ -53,7 +53,7 @@ from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NOR
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
 from draft_circuit.kernels.prologue_norm import prologue_norm
 from draft_circuit.kernels.linear_splitk import (BLOCK_M, FINISH_TO_N, SplitKConfig, _finish_tile,
-                                                 check_counts, default_config, finishes,
+                                                 check_counts, default_config,
                                                  launch_partials, num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
@@ -263,6 +263,13 @@ def _prologue_partial_mloop_kernel(
         _mt_store(ws_ptr, split, n_rows, N, m3, mm3, offs_n, n_mask, acc3)
 
 
+def finishes(n: int, normed: bool) -> bool:
+    """Whether a launch of n rows may run the reduce in its last split (`counts=`): with the
+    prologue a launch of its own (`normed`: linear_splitk's partials, every tile mode), or in
+    the prologue kernel at its pinned tiles (n <= FINISH_TO_N; not its M-loop)."""
+    return n > 0 and (normed or n <= FINISH_TO_N)
+
+
 def _check_config(cfg: SplitKConfig) -> None:
     pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_n, cfg.block_k))
     check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,
@@ -295,9 +302,9 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     prologue is a launch of its own into it (kernels.prologue_norm), then linear_splitk's plain
     partials read it: the bits stated above (the partials' tiles are kernels.tiles' SPLITK
     rule's, measured not to move a row's bits on sm90); three launches.
-    counts: int32 `linear_splitk.counts_shape(weight rows, K, config)`, all zero (and left so),
-    where `linear_splitk.finishes(n)`, without SwiGLU or normed: the reduce runs in each output
-    tile's last split to arrive, one launch (the same bits).
+    counts: int32 `linear_splitk.counts_shape(n, weight rows, K, config)`, all zero (and left
+    so), where `finishes(n, normed)` and without SwiGLU: the reduce runs in each program tile's
+    last split to arrive, one launch less (the same bits).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
@@ -307,10 +314,12 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     shape = splitk_workspace_shape(n, rows, k, cfg)
     workspace = fp32_workspace(workspace, shape, device)
     if counts is not None:
-        check(not silu_mul and normed is None and finishes(n) and tiles in (None, tiling.PINNED),
-              lambda: f"split-K counts: the reduce runs in the last split only without SwiGLU or "
-                      f"normed, at pinned tiles and n <= {FINISH_TO_N} (got n = {n}, tiles {tiles})")
-        check_counts(counts, rows, cfg, device)
+        check(not silu_mul and finishes(n, normed is not None)
+              and (normed is not None or tiles in (None, tiling.PINNED)),
+              lambda: f"split-K counts: the reduce runs in the last split only without SwiGLU, "
+                      f"with normed or at the prologue kernel's pinned tiles (n <= {FINISH_TO_N}); "
+                      f"got n = {n}, tiles {tiles}, normed {normed is not None}")
+        check_counts(counts, n, rows, cfg, device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
@@ -319,8 +328,10 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
         prologue_norm(x1, normed, n=n, k=k, ids=ids, norm1=norm1, eps1=eps1, x2=x2, norm2=norm2,
                       eps2=eps2)
         pdl = launch_kwargs(x1)
-        handle = launch_partials(normed, weight, workspace, cfg, pdl, tiles)
-        reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
+        finish = (out, residual, counts) if counts is not None else None
+        handle = launch_partials(normed, weight, workspace, cfg, pdl, tiles, finish)
+        if finish is None:
+            reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
         return handle
     pdl = launch_kwargs(x1)
     t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiling.PINNED if counts is not None else tiles,

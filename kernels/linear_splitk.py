@@ -4,13 +4,13 @@ Fixed-size K splits (a split *size*, never a count from n): fp32 partials per sp
 workspace, a second kernel sums them serially in split order and rounds once, so a row's bits
 never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, gate_up, out, ws)`.
 
-At n <= FINISH_TO_N (`finishes(n)`), given `counts` (int32, one a BLOCK_N output tile, zero),
-there is no second kernel: each split stores its partial and counts itself in on its tile's
-counter (a CTA barrier, then an acq_rel atomic at GPU scope: the stores are released before the
-count), and the split that counts last sums the tile's partials in split order, past L1, as the
-reduce kernel does (the same bits), then zeroes the counter for the next launch (or graph
-replay). One launch less a linear, where a chain step is launch-bound. Not for SwiGLU (its
-reduce pairs a gate and an up tile) nor the M-loop tiles of wide n.
+Given `counts` (int32 `counts_shape(n, N, K)`, zero), there is no second kernel: each split
+stores its partial and counts itself in on its program tile's counter (a CTA barrier, then an
+acq_rel atomic at GPU scope: the stores are released before the count), and the split that
+counts last sums the tile's partials in split order, past L1, as the reduce kernel does (the
+same bits), then zeroes the counter for the next launch (or graph replay). At every tile mode
+(the M-loop's program finishes its row tiles one by one); not for SwiGLU (its reduce pairs a
+gate and an up tile). One launch less a linear, where a chain step is launch-bound.
 
 The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
 the interpreter; at n > 16 on an H200 the M-tile loop (kernels.linear_wide: each weight tile
@@ -39,7 +39,7 @@ SPLIT_FROM_K = 2048  # measured: narrower K gains nothing from splitting
 MIN_SPLIT_K = 128  # one BLOCK_K step: smaller splits only add partials to write and sum
 REDUCE_BLOCK, REDUCE_WARPS = 512, 4
 LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel
-FINISH_TO_N = tiling.WIDE_FROM_N[tiling.SPLITK]  # pinned tiles up to here: finishes(n)
+FINISH_TO_N = tiling.WIDE_FROM_N[tiling.SPLITK]  # pinned tiles up to here (the prologue kernel's finish)
 
 
 @dataclass(frozen=True)
@@ -80,47 +80,57 @@ def splitk_workspace_shape(n: int, weight_rows: int, k: int,
 Finish = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]  # (out, residual, counts)
 
 
-def finishes(n: int) -> bool:
-    """Whether a launch of n rows may run the reduce in its last split (`counts=`): at the
-    pinned tiles only, where one row tile spans every row, so the counters (one an N tile)
-    are as many at every such n. Wider launches keep the reduce kernel."""
-    return 0 < n <= FINISH_TO_N
+def counts_shape(n: int, weight_rows: int, k: int, config: SplitKConfig | None = None) -> tuple[int]:
+    """int32 counters a finishing launch of n rows needs: one a program tile, as many as the
+    pinned tiles' (16 rows by BLOCK_N columns; wider row tiles use fewer of them)."""
+    cfg = config or default_config(weight_rows, k)
+    return (triton.cdiv(n, BLOCK_M) * triton.cdiv(weight_rows, cfg.block_n),)
 
 
-def counts_shape(weight_rows: int, k: int, config: SplitKConfig | None = None) -> tuple[int]:
-    """int32 counters a finishing launch needs: one an output tile of BLOCK_N columns."""
-    return (triton.cdiv(weight_rows, (config or default_config(weight_rows, k)).block_n),)
+def check_counts(counts: torch.Tensor, n: int, weight_rows: int, cfg: SplitKConfig,
+                 device: torch.device) -> None:
+    check_counters(counts, counts_shape(n, weight_rows, 0, cfg)[0], device)
 
 
-def check_counts(counts: torch.Tensor, weight_rows: int, cfg: SplitKConfig, device: torch.device) -> None:
-    check_counters(counts, counts_shape(weight_rows, 0, cfg)[0], device)
+@triton.jit
+def _arrive(count_ptr, tile, NUM: tl.constexpr):
+    """Count this program in on its tile's counter; True for the NUM-th, the last to arrive.
+    A CTA barrier first, so every thread's stores precede the count, which is an acq_rel atomic
+    at GPU scope (released to, and acquired by, the last arriver)."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == NUM - 1
+
+
+@triton.jit
+def _reduce_tile(ws_ptr, out_ptr, res_ptr, offs_m, offs_n, n_rows, N, stride_out, stride_res,
+                 NUM_SPLITS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The reduce kernel's work for one [rows, BLOCK_N] tile of the workspace [splits, n, N]:
+    the splits summed in split order (its order: the same bits), the residual, one rounding.
+    The partials are read past L1 (.cg): other programs of this launch wrote them."""
+    mask = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
+    ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    split_stride = n_rows.to(tl.int64) * N
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, NUM_SPLITS):
+        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    if RESIDUAL:  # linear then add, as the reduce kernel: the product rounds, then the sum
+        r = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_res + offs_n[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + r
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _finish_tile(ws_ptr, out_ptr, res_ptr, count_ptr, tile, offs_m, offs_n, n_rows, N, stride_out,
                  stride_res, NUM_SPLITS: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The reduce kernel's work for one [BLOCK_M, BLOCK_N] tile, done by the tile's last split
-    to arrive: each split raises the tile's counter once its partial is stored; the one that
-    sees NUM_SPLITS - 1 before its own sums every split's partial in split order (the reduce
-    kernel's order: the same bits), applies the residual, stores, and zeroes the counter for
-    the next launch. The partials are read past L1 (.cg): other programs wrote them."""
-    tl.debug_barrier()  # every thread's partial stored before the count rises (release below)
-    seen = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if seen == NUM_SPLITS - 1:
+    """The reduce of the tile, by its last split to arrive, which then zeroes the counter for
+    the next launch (every split has counted: none reads it again)."""
+    if _arrive(count_ptr, tile, NUM_SPLITS):
         tl.debug_barrier()  # the acquire above, then every thread's loads
-        mask = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
-        ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        split_stride = n_rows.to(tl.int64) * N
-        acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, NUM_SPLITS):
-            acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-        if RESIDUAL:  # linear then add, as the reduce kernel: the product rounds, then the sum
-            r = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_res + offs_n[None, :],
-                        mask=mask, other=0.0).to(tl.float32)
-            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + r
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + tile, 0)  # every split has counted: none reads it again
+        _reduce_tile(ws_ptr, out_ptr, res_ptr, offs_m, offs_n, n_rows, N, stride_out, stride_res,
+                     NUM_SPLITS, RESIDUAL)
+        tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -208,19 +218,15 @@ def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tens
                     ) -> Any:
     """The first launch: the fp32 partials [splits, n, rows] of x @ weight^T into workspace, at
     the row tiles kernels.tiles picks for n (kind SPLITK; `mode` forces one). With `finish`
-    (only where `finishes(n)`: pinned tiles) each tile's last split also does the reduce's work
-    into finish.out: no second launch. Returns Triton's handle of the launch (the sweep reads
-    its PTX)."""
+    each program tile's last split also does the reduce's work into finish.out: no second
+    launch. Returns Triton's handle of the launch (the sweep reads its PTX)."""
     n, k = x.shape
     rows = weight.shape[0]
     t = tiling.choose(tiling.SPLITK, n, x, mode,
                       programs=triton.cdiv(rows, cfg.block_n) * workspace.shape[0])
-    check(finish is None or t.mode == tiling.PINNED,
-          lambda: f"split-K finish in the last split: needs the pinned tiles (n <= "
-                  f"{FINISH_TO_N}), got {t.mode} at n = {n}")
     if t.mode == tiling.MLOOP:  # imported here: kernels.linear_wide imports this module
         from draft_circuit.kernels.linear_wide import splitk_partials
-        return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl)
+        return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl, finish)
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(rows, cfg.block_n), workspace.shape[0])
     out, res, counts = finish if finish is not None else (workspace, None, workspace)
     return _partial_kernel[grid](
@@ -246,17 +252,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
     shape = splitk_workspace_shape(n, rows, k, cfg)
     workspace = fp32_workspace(workspace, shape, x.device)
     if counts is not None:
-        check(not silu_mul and finishes(n) and mode in (None, tiling.PINNED),
-              lambda: f"split-K counts: the reduce runs in the last split only without SwiGLU, "
-                      f"at pinned tiles and n <= {FINISH_TO_N} (got n = {n}, tiles {mode})")
-        check_counts(counts, rows, cfg, x.device)
+        check(not silu_mul, lambda: "split-K counts: the reduce runs in the last split only "
+                                    "without SwiGLU (its reduce pairs a gate and an up tile)")
+        check_counts(counts, n, rows, cfg, x.device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
         return
     pdl = launch_kwargs(x)
     if counts is not None:
-        launch_partials(x, weight, workspace, cfg, pdl, tiling.PINNED, (out, residual, counts))
+        launch_partials(x, weight, workspace, cfg, pdl, mode, (out, residual, counts))
         return
     launch_partials(x, weight, workspace, cfg, pdl, mode)
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
@@ -272,8 +277,8 @@ def linear_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
 
     workspace: float32 `splitk_workspace_shape(n, N, K, config)`, allocated here if None.
     tiles: a kernels.tiles SPLITK mode for the partials (None: its rule).
-    counts: int32 `counts_shape(N, K, config)`, all zero (and left so), where `finishes(n)`:
-    the reduce runs in each output tile's last split to arrive, one launch (the same bits).
+    counts: int32 `counts_shape(n, N, K, config)`, all zero (and left so): the reduce runs in
+    each program tile's last split to arrive, one launch (the same bits).
     """
     _launch(x, weight, out, workspace, config, silu_mul=False, residual=residual, mode=tiles,
             counts=counts)

@@ -25,7 +25,6 @@ _k_splitk = kernel("linear_splitk", "linear_splitk")
 _k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 _k_splitk_splits = kernel("linear_splitk", "num_splits")
 _k_splitk_counts = kernel("linear_splitk", "counts_shape")
-_k_splitk_finishes = kernel("linear_splitk", "finishes")
 # kernels.rmsnorm normalises a row in one program
 ONE_PROGRAM_ROW = Condition("hidden <= 65536", lambda ins, a: isinstance(ins[0].shape[1], int)
                             and ins[0].shape[1] <= 65536)
@@ -231,26 +230,15 @@ def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:
     return (out + t[2].to(out.dtype) if len(t) > 2 else out,)
 
 
-def _splitk_finishes(n: int | str) -> bool:
-    """Whether a split-K launch of n rows runs its reduce in the last split (one launch, the
-    same bits: kernels.linear_splitk.finishes); a symbolic n counts as not."""
-    return isinstance(n, int) and bool(_k_splitk_finishes()(n))
-
-
-def splitk_scratch(n: int, rows: int, k: int) -> Scratch:
+def splitk_scratch(n: int, rows: int, k: int, finish: bool = True) -> Scratch:
     """A split-K launch's workspace: the fp32 partials, then, where the reduce runs in the last
-    split, its tiles' counters (`splitk_counts` finds them)."""
-    counts: Scratch = [(COUNTERS, _k_splitk_counts()(rows, k))] if _splitk_finishes(n) else []
+    split (`finish`), the program tiles' counters (`splitk_counts` finds them)."""
+    counts: Scratch = [(COUNTERS, _k_splitk_counts()(n, rows, k))] if finish else []
     return [("float32", _k_splitk_ws()(n, rows, k)), *counts]
 
 
 def _splitk_workspace(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     return splitk_scratch(ins[0].concrete(env)[0], int(ins[1].shape[0]), int(ins[1].shape[1]))
-
-
-def splitk_launches(ins: Sequence[TensorSpec], a: Any) -> int:
-    """1 where the reduce runs in the partials' last split, else 2 (partials, then reduce)."""
-    return 1 if _splitk_finishes(ins[0].shape[0]) else 2
 
 
 def splitk_counts(ws: Tensors) -> torch.Tensor | None:
@@ -284,8 +272,8 @@ register(OpDef(
                                     lambda ins, a: a.out_dtype in (None, "float32")),
                           Condition("no bias (its reduction has no epilogue)", lambda ins, a: len(ins) == 2),
                           Condition("K in >= 2 splits", _many_splits))),
-                      # partials, then their reduce (in the last split at narrow n)
-                      workspace=_splitk_workspace, launches=splitk_launches),
+                      # the partials, their reduce in each tile's last split
+                      workspace=_splitk_workspace),
         KernelBinding("triton_linear", lambda i, o, w, a: _k_linear()(i[0], i[1], o[0], *i[2:]),
                       Applies(TRITON)),
         KernelBinding("cublas_linear", _cublas_linear, Applies(CUDA, conditions=(

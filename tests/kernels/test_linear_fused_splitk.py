@@ -265,6 +265,30 @@ def test_the_binding_is_first_by_the_weights_shape_and_finishes_in_the_last_spli
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
+def test_with_normed_the_reduce_runs_in_the_last_split_too(interpreted_launches):
+    """With the prologue a launch of its own (`normed`), counters make it two launches (the
+    norm, the partials finishing in their last split) with the three-launch bits; at wide n
+    without normed the prologue kernel keeps its reduce kernel (counters refused)."""
+    from draft_circuit.kernels.linear_splitk import SplitKConfig, counts_shape
+    g = torch.Generator().manual_seed(8)
+    n, k1, k2, rows = 3, 96, 64, 40
+    cfg = SplitKConfig(block_n=16, split_k=64, block_k=32, num_warps=4, num_stages=2)
+    table, x2 = _r(g, 50, k1, dtype=torch.float32), _r(g, n, k2, dtype=torch.float32)
+    w = _r(g, rows, k1 + k2, dtype=torch.float32, scale=0.05)
+    prologue = dict(ids=torch.tensor([4, 0, 9], dtype=torch.int32), norm1=_norm_w(g, k1, torch.float32),
+                    eps1=EPS, x2=x2, norm2=_norm_w(g, k2, torch.float32), eps2=EPS, config=cfg)
+    want, out = torch.empty(n, rows), torch.empty(n, rows)
+    linear_prologue_splitk(table, w, want, normed=torch.empty(n, k1 + k2), **prologue)
+    counts = torch.zeros(counts_shape(n, rows, k1 + k2, cfg), dtype=torch.int32)
+    interpreted_launches.clear()
+    linear_prologue_splitk(table, w, out, normed=torch.empty(n, k1 + k2), counts=counts, **prologue)
+    assert interpreted_launches == ["prologue_norm_kernel", "_partial_kernel"]
+    assert torch.equal(out, want) and not counts.any()
+    wide = dict(prologue, ids=torch.zeros(17, dtype=torch.int32), x2=_r(g, 17, k2, dtype=torch.float32))
+    with pytest.raises(KernelInputError, match="counts"):
+        linear_prologue_splitk(table, w, torch.empty(17, rows), counts=torch.zeros(30, dtype=torch.int32), **wide)
+
+
 def test_plans_of_the_8b_chain_bind_it_and_count_its_launches(monkeypatch):
     """An 8B-shaped chain planned for CUDA (meta weights) binds the split kernel for eh_proj at
     every width and its report counts as many launches a step as the one-launch kernel's plan
@@ -318,18 +342,21 @@ def test_cuda_bf16_8b_eh_proj(n):
 @cuda
 def test_cuda_bf16_8b_eh_proj_finishing_in_the_last_split_keeps_the_bits():
     """At the 8B eh_proj's shape on the GPU (the module's LAUNCH tiles: BLOCK_N 128, so fewer
-    tiles than counters), the one-launch product equals the two-launch one bitwise at every
-    n <= FINISH_TO_N and leaves the counters at zero, launched twice in a row."""
+    tiles than counters), the product with the reduce in the last split equals the two-launch
+    one bitwise at every n <= FINISH_TO_N and, with the prologue a launch of its own, past it;
+    the counters left at zero, launched twice in a row."""
     from draft_circuit.kernels.linear_splitk import FINISH_TO_N, counts_shape
     dev, dt, h = "cuda", torch.bfloat16, 4096
     g = torch.Generator().manual_seed(5)
     table = _r(g, 1000, h, dtype=dt).to(dev)
     n1, n2 = _norm_w(g, h, dt).to(dev), _norm_w(g, h, dt).to(dev)
     w = _r(g, h, 2 * h, dtype=dt, scale=(2 * h) ** -0.5).to(dev)
-    counts = torch.zeros(counts_shape(h, 2 * h), dtype=torch.int32, device=dev)
-    for n in range(1, FINISH_TO_N + 1):
+    counts = torch.zeros(counts_shape(64, h, 2 * h), dtype=torch.int32, device=dev)
+    for n in [*range(1, FINISH_TO_N + 1), 17, 33, 64]:  # past 16, with the prologue's own launch
         ids = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32).to(dev)
         prologue = dict(ids=ids, norm1=n1, eps1=EPS, x2=_r(g, n, h, dtype=dt).to(dev), norm2=n2, eps2=EPS)
+        if n > FINISH_TO_N:
+            prologue["normed"] = torch.empty(n, 2 * h, dtype=dt, device=dev)
         want, out = torch.empty(n, h, dtype=dt, device=dev), torch.empty(n, h, dtype=dt, device=dev)
         linear_prologue_splitk(table, w, want, **prologue)
         for _ in range(2):
