@@ -15,7 +15,9 @@ profile; this kernel's own time is the GPU's to show). Here a program is
   x tile with linear_fused's prologue helpers (x's next tile loaded a K step ahead by hand: see
   prologue_tiles._raw_x), and stores fp32 partials [num_splits, n, rows] like
   linear_splitk._partial_kernel (tiles past K masked: they add zeros);
-- linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual.
+- linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual;
+  or, given zeroed `counts` (`finishes(n, normed)`), each program tile's last split to finish
+  does that sum itself (linear_splitk._finish_tile): no second launch, the same bits.
 
 How the 16-row kernel runs on Hopper (`LAUNCH`: its columns, warps and stages, and both rows'
 norms in one pass) is measured, not the bits: BLOCK_K, the split size, the norm chunks and every
@@ -27,8 +29,8 @@ rounded to x's dtype), then linear_splitk with the same SplitKConfig: the same x
 tl.dot per tile, the same split sums in the same order; and a row's bits never depend on n (a
 row's norm reads only that row; its tiles and sums are the same at every n).
 `linear_prologue_splitk(...)` launches two kernels (LAUNCHES; three with a `normed` buffer:
-kernels.prologue_norm, then linear_splitk's plain partials and reduce); `splitk_pays(rows, k)`
-is the rule the op binding applies, from the weight's shape only.
+kernels.prologue_norm, then linear_splitk's plain partials and reduce), one fewer with `counts`;
+`splitk_pays(rows, k)` is the rule the op binding applies, from the weight's shape only.
 
 The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
 the interpreter; at n > 16 on an H200 the M-tile loop (`_prologue_partial_mloop_kernel`: a
@@ -47,7 +49,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
-from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, check_counters, fp32_workspace, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
                                                 check_prologue_operands)
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
@@ -57,7 +59,8 @@ from draft_circuit.kernels.linear_splitk import (BLOCK_M, FINISH_TO_N, SplitKCon
                                                  launch_partials, num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
-LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce (+1 with normed)
+LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce (+1 with normed,
+# -1 with counts)
 SPLIT_FROM_K = 4096  # K below this: the one-launch kernel (small heads, K 2048) keeps its bits
 # linear_prologue's own grid at n = 1, in its BLOCK_N = 32 tiles: from 256 programs (about two
 # per SM of a 132-SM H200) it is taken to fill the GPU without a second launch and a workspace
@@ -286,7 +289,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
                            tiles: str | None = None, normed: torch.Tensor | None = None,
                            counts: torch.Tensor | None = None) -> Any:
     """out[n, N] = [p1(x1) | p2(x2)] @ weight^T in two launches: partials with the prologue in
-    them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue).
+    them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue); one with
+    `counts` (below).
 
     Operands exactly as kernels.linear_fused.linear_prologue (ids gather x1's rows, an id outside
     the table a zero row; norm1 / norm2 rmsnorm p1 / p2; x2 optional; silu_mul: weight [Wg; Wu];
@@ -354,8 +358,10 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if t.mode == tiling.MLOOP:
         handle = _prologue_partial_mloop_kernel[grid](*args, BLOCK_M=BLOCK_M, M_TILES=t.m_tiles,
                                                       **consts)
-    else:  # with counts, the reduce's work in each tile's last split (counts >= its N tiles:
-        # the launch's BLOCK_N is at least the config's)
+    else:  # with counts, the reduce's work in each program tile's last split: a counter a tile
+        # of the grid's axis 0 (LAUNCH's BLOCK_N may differ from the config's: checked again)
+        if counts is not None:
+            check_counters(counts, grid[0], device)
         fin = dict(out_ptr=out, res_ptr=residual if residual is not None else out, count_ptr=counts,
                    stride_out=out.stride(0), stride_res=residual.stride(0) if residual is not None else 0,
                    NUM_SPLITS=shape[0], FINISH=True, RESIDUAL=residual is not None) \

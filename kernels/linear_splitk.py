@@ -1,8 +1,8 @@
 """Split-K skinny matmul out[n, N] = x[n, K] @ weight[N, K]^T, optionally fused with SwiGLU.
 
 Fixed-size K splits (a split *size*, never a count from n): fp32 partials per split go to a
-workspace, a second kernel sums them serially in split order and rounds once, so a row's bits
-never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, gate_up, out, ws)`.
+workspace, a second kernel (or, with `counts`, the last split to finish) sums them serially in
+split order and rounds once, so a row's bits never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, gate_up, out, ws)`.
 
 Given `counts` (int32 `counts_shape(n, N, K)`, zero), there is no second kernel: each split
 stores its partial and counts itself in on its program tile's counter (a CTA barrier, then an
@@ -38,7 +38,7 @@ TARGET_PROGRAMS = 512  # the first rule's aim; kept for the tuning script's vari
 SPLIT_FROM_K = 2048  # measured: narrower K gains nothing from splitting
 MIN_SPLIT_K = 128  # one BLOCK_K step: smaller splits only add partials to write and sum
 REDUCE_BLOCK, REDUCE_WARPS = 512, 4
-LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel
+LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel (1 with counts)
 FINISH_TO_N = tiling.WIDE_FROM_N[tiling.SPLITK]  # pinned tiles up to here (the prologue kernel's finish)
 
 
@@ -273,7 +273,8 @@ def linear_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                   counts: torch.Tensor | None = None) -> None:
     """out[n, N] = x[n, K] @ weight[N, K]^T (+ residual [n, N], added in the reduce kernel's
     epilogue after the product rounds: linear then add). x and weight share a float dtype; out
-    any float dtype (the residual out's; out may alias it). Two launches: partials, then reduce.
+    any float dtype (the residual out's; out may alias it). Two launches: partials, then reduce
+    (one with `counts`).
 
     workspace: float32 `splitk_workspace_shape(n, N, K, config)`, allocated here if None.
     tiles: a kernels.tiles SPLITK mode for the partials (None: its rule).

@@ -4,7 +4,8 @@ row tiles of 16, and every row keeps the bits kernels.linear / kernels.linear_sp
 `linear_wide(x, w, out, silu_mul=False, m_tiles=None, config=None)`: out[n, N] = x @ W^T
 (SwiGLU with silu_mul, W = [Wg; Wu]). `linear_wide_splitk(x, w, out, workspace, config,
 silu_mul=False, m_tiles=None)`: the same split into fixed K splits, the partials summed by
-kernels.linear_splitk's reduce kernel; `splitk_partials(...)` is its partials launch alone,
+kernels.linear_splitk's reduce kernel; `splitk_partials(...)` is its partials launch alone (the
+reduce in each program's last split with `finish`),
 which kernels.linear_splitk launches at n > 16 on an H200 (kernels.tiles' SPLITK rule: the M-tile
 loop; tiles only, so not the bits). `linear_tiles(...)`: kernels.linear's own kernel at other
 tiles / warps / stages (the sweep's candidates (a), (c), (d); bits not promised).

@@ -193,3 +193,13 @@ def test_the_8b_chain_over_32768_ids_launches_the_full_chains_11_a_step():
         assert all(n.inputs[-1] == DRAFT_VOCAB_IDS for n in argmax if size)
     assert got[32768] == got[None] == [11, 11]
     assert per_chain[32768] == [x + 1 for x in per_chain[None]] == [41, 41]  # + triton_remap_bitmask
+
+
+def test_the_8b_step_plans_13_launches_past_16_rows():
+    """Past n = 16 the eh_proj's norm, gate_up's norm and q/k/v's norm are launches of their
+    own (kernels.prologue_norm) and every split kernel still ends in its last program: 13 GPU
+    launches a step at n = 17 and 64 (17 before the last-program finishes), 11 at n = 1."""
+    from tests.plan_shapes import plan_kernels
+    got = plan_kernels("", vocab=128256, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128,
+                       widths=(1, 17, 64))
+    assert [got[w][1] for w in (1, 17, 64)] == [11, 13, 13]

@@ -423,19 +423,21 @@ def test_cuda_merging_in_the_last_split_program_gives_the_two_launch_bits(num_he
         want = run(case, live_rows, **attrs)
         assert torch.equal(run(case, live_rows, counts=counts, **attrs), want), n
         assert not counts.any(), n
-    out = torch.empty_like(case["q"])
-    args = (case["q"], case["k_cache"], case["v_cache"], case["block_tables"], live_rows, out)
+    outs = [torch.empty_like(case["q"]) for _ in range(3)]
+    args = (case["q"], case["k_cache"], case["v_cache"], case["block_tables"], live_rows)
     ws = torch.empty(da.decode_attention_workspace_shape(n, num_heads, head_dim,
                                                          case["block_tables"].shape[1] * 16), device="cuda")
-    da.decode_attention(*args, workspace=ws, counts=counts, **attrs)
+    da.decode_attention(*args, outs[0], workspace=ws, counts=counts, **attrs)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(3):
-            da.decode_attention(*args, workspace=ws, counts=counts, **attrs)
+        for out in outs:  # each launch into its own output: every one must merge
+            da.decode_attention(*args, out, workspace=ws, counts=counts, **attrs)
     for i in range(4):
         case["q"].copy_(torch.randn(case["q"].shape, generator=gen).to(torch.bfloat16))
         want = run(case, live_rows, **attrs)
+        for out in outs:
+            out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want) and not counts.any(), i
+        assert all(torch.equal(out, want) for out in outs) and not counts.any(), i

@@ -120,7 +120,7 @@ def test_finishing_in_the_last_split_gives_the_two_launch_bits(dtype, n, tiles, 
     x, w = _inputs(n, k, rows, dtype, seed=n)
     res = torch.randn(n, rows, generator=torch.Generator().manual_seed(9)).to(dtype) if residual else None
     want = _poisoned((n, rows), dtype)
-    linear_splitk(x, w, want, config=SMALL, residual=res)
+    linear_splitk(x, w, want, config=SMALL, residual=res, tiles=tiles)
     counts = torch.zeros(counts_shape(n, rows, k, SMALL), dtype=torch.int32)
     assert counts.shape == (3 * -(-n // 16),)
     for _ in range(2):
@@ -252,21 +252,23 @@ def test_cuda_finishing_in_the_last_split_keeps_the_bits_in_a_graph(rows, k):
     for n in (5, 64):
         x = torch.randn(n, k, device=dev, generator=gen).to(dt)
         res = torch.randn(n, rows, device=dev, generator=gen).to(dt)
-        out = torch.empty(n, rows, dtype=dt, device=dev)
+        outs = [torch.empty(n, rows, dtype=dt, device=dev) for _ in range(3)]
         ws = torch.empty(splitk_workspace_shape(n, rows, k), device=dev)
-        linear_splitk(x, w, out, ws, residual=res, counts=counts)  # compile before the capture
+        linear_splitk(x, w, outs[0], ws, residual=res, counts=counts)  # compile before the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(3):  # back to back: each launch starts from the zeros the last one left
+            for out in outs:  # back to back: each launch starts from the zeros the last one left
                 linear_splitk(x, w, out, ws, residual=res, counts=counts)
         for i in range(4):
             x.copy_(torch.randn(n, k, device=dev, generator=gen))
             want = _poisoned((n, rows), dt, dev)
             linear_splitk(x, w, want, residual=res)
+            for out in outs:
+                out.fill_(float("nan"))
             g.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, want) and not counts.any(), (n, i)
+            assert all(torch.equal(out, want) for out in outs) and not counts.any(), (n, i)
 
 
 @cuda

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from draft_circuit.circuit.types import ROW, TensorSpec
-from draft_circuit.ops.bindings import COUNTERS, aten_kernels
-from draft_circuit.ops.registry import REGISTRY, torch_dtype
+from draft_circuit.ops.bindings import aten_kernels, scratch_tensor
+from draft_circuit.ops.registry import REGISTRY
 from tests.ops.test_registry import EXAMPLES, _launch_outputs, make_input
 
 WIDTH = 3
@@ -25,7 +25,7 @@ def _example(name):
 
 
 def _workspace(binding, specs, env, parsed):
-    return [torch.zeros(shape, dtype=torch.int32) if dt == COUNTERS else torch.empty(shape, dtype=torch_dtype(dt))
+    return [scratch_tensor(dt, shape)
             for dt, shape in (binding.workspace(specs, env, parsed) if binding.workspace else ())]
 
 
