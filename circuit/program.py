@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.ir import ROW, Circuit, CircuitError, Node, TensorSpec
 from draft_circuit.circuit.memory import Buffer, plan_memory
-from draft_circuit.ops.bindings import COUNTERS, KernelBinding
+from draft_circuit.ops.bindings import KernelBinding
 from draft_circuit.ops.registry import CostContext, OpDef, get_op
 
 REFERENCE = "reference"
@@ -25,8 +25,8 @@ class Slot(BaseModel):
     """Where a launch argument lives. Arena slots carry a byte offset; others name their tensor."""
 
     model_config = ConfigDict(frozen=True)
-    where: Literal["arena", "input", "output", "param", "state", "counter"]
-    name: str  # value name; for states the root storage name; counters: `<node>.ws<i>`
+    where: Literal["arena", "input", "output", "param", "state"]
+    name: str  # value name; for states the root storage name
     dtype: str
     shape: tuple[int, ...]
     offset: int = 0
@@ -188,9 +188,7 @@ class ProgramBuilder:
         for i, st in enumerate(self.steps):
             node = st.node
             cost = st.op.cost_at(st.ins, st.outs, st.attrs, ctx, env)
-            ws = tuple(Slot(where="counter", name=name, dtype="int32", shape=shape)
-                       if dt == COUNTERS else
-                       Slot(where="arena", name=name, dtype=dt, shape=shape, offset=offsets[name])
+            ws = tuple(Slot(where="arena", name=name, dtype=dt, shape=shape, offset=offsets[name])
                        for name, dt, shape in workspaces.get(i, ()))
             launches.append(Launch(
                 node=node.name, op=node.op, kernel=st.kernel.name if st.kernel else REFERENCE,
@@ -247,8 +245,6 @@ def _arena_buffers(b: ProgramBuilder, env: dict[str, int],
     buffers = [Buffer(name=r, size_bytes=s, first=lo, last=hi) for r, (lo, hi, s) in span.items()]
     for i, scratch in workspaces.items():
         for name, dt, shape in scratch:
-            if dt == COUNTERS:  # outside the arena: they must keep their zeros between launches
-                continue
             size = TensorSpec(dtype=dt, shape=shape).nbytes({})
             buffers.append(Buffer(name=name, size_bytes=size, first=i, last=i))
             groups[name] = name

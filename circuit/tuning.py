@@ -39,11 +39,11 @@ from draft_circuit.circuit.capture_rng import release_rng_capture
 from draft_circuit.circuit.ir import ROW, Circuit, CircuitError, Node
 from draft_circuit.circuit.report import KernelChoice
 from draft_circuit.circuit.types import TensorSpec
-from draft_circuit.ops.bindings import KernelBinding, scratch_tensor
+from draft_circuit.ops.bindings import KernelBinding
 from draft_circuit.ops.registry import OpDef, get_op, torch_dtype
 
 log = logging.getLogger(__name__)
-TUNING_SCHEMA = 2  # 2: split kernels finish in their last program (one launch): 1's times are stale
+TUNING_SCHEMA = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "draft_circuit" / "tuning.json"
 ROTATE_BYTES = 128 << 20  # > 2x the H200's 50 MB L2
 MIN_LAUNCHES, REPLAYS = 20, 7
@@ -234,8 +234,7 @@ def gpu_measure(op: OpDef, binding: KernelBinding, specs: Sequence[TensorSpec], 
     outs = [torch.empty(tuple(int(d) for d in s.shape), dtype=torch_dtype(s.dtype), device=device)
             for s in op.infer(list(specs), attrs)]
     env = {ROW: int(specs[0].shape[0])} if specs and specs[0].shape else {}
-    # counters zeroed: a kernel finishing in its last program needs them so (ops.bindings)
-    ws = [scratch_tensor(dt, shape, device)
+    ws = [torch.empty(tuple(shape), dtype=torch_dtype(dt), device=device)
           for dt, shape in (binding.workspace(specs, env, attrs) if binding.workspace else ())]
     launches = max(MIN_LAUNCHES, copies)
 

@@ -1,7 +1,7 @@
 """Helpers shared by the kernel launchers: interpreter detection, PDL launch options, input checks.
 
 Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `KernelInputError`, `check`,
-`describe`, `check_operand`, `check_counters`, `unspecialized_jit(ints, pointers)`.
+`describe`, `check_operand`, `unspecialized_jit(ints, pointers)`.
 """
 from __future__ import annotations
 
@@ -111,13 +111,3 @@ def fp32_workspace(workspace: torch.Tensor | None, shape: tuple[int, ...],
           lambda: f"workspace must be float32 {list(shape)} contiguous on {device}; "
                   f"got {describe('workspace', workspace)}")
     return workspace
-
-
-def check_counters(counts: torch.Tensor, need: int, device: torch.device) -> None:
-    """A launch's arrival counters (a split-K reduce or an attention merge run in the last
-    program to finish): int32, 1-d, contiguous, at least `need` of them, on `device`. That they
-    are zero is the caller's contract (ops.bindings.COUNTERS): checking it would read them back."""
-    check(counts.dtype == torch.int32 and counts.dim() == 1 and counts.is_contiguous()
-          and counts.numel() >= need and counts.device == device,
-          lambda: f"counts must be int32 [>= {need}] contiguous on {device}, all zero; "
-                  f"got {describe('counts', counts)}")

@@ -2,8 +2,6 @@
 
 Contract: out[i, h] = softmax(scale * q[i, h] . K[i]^T) V[i] in fp32, cast to q's dtype; only the
 blocks of live rows are read. Fixed-size KV splits merged serially, so a row never depends on n.
-Given zeroed int32 `counts` (one a row and kv head), the merge runs in each (row, kv head)'s last
-split program to finish (`_finish`, as kernels.linear_splitk's last-split reduce): one launch.
 """
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import check, check_counters, describe, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
@@ -74,66 +72,13 @@ def _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m
 
 
 @triton.jit
-def _merge_heads(ws_ptr, out_ptr, seq, heads, head_ok, d, d_ok, L, max_splits, stride_out,
-                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
-                 CG: tl.constexpr):
-    """`_merge_kernel`'s fold for a program's query heads at once ([G] of them): the same
-    operations per head in the same split order, so the same bits. CG: read past L1 (the
-    partials were stored by other programs of this launch)."""
-    num_splits = tl.cdiv(L, SPLIT)
-    base = ws_ptr + (seq * NUM_HEADS + heads) * max_splits * (HEAD_DIM + 2)  # [G]
-    ok = head_ok[:, None] & d_ok[None, :]
-    m = tl.where(head_ok, float("-inf"), 0.0)
-    l = tl.zeros(heads.shape, tl.float32)
-    acc = tl.zeros([heads.shape[0], d.shape[0]], tl.float32)
-    for split in range(0, num_splits):
-        part = base + split * (HEAD_DIM + 2)
-        if CG:
-            acc_s = tl.load(part[:, None] + d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-            m_s = tl.load(part + HEAD_DIM, mask=head_ok, other=0.0, cache_modifier=".cg")
-            l_s = tl.load(part + HEAD_DIM + 1, mask=head_ok, other=0.0, cache_modifier=".cg")
-        else:
-            acc_s = tl.load(part[:, None] + d[None, :], mask=ok, other=0.0)
-            m_s = tl.load(part + HEAD_DIM, mask=head_ok, other=0.0)
-            l_s = tl.load(part + HEAD_DIM + 1, mask=head_ok, other=0.0)
-        m_new = tl.maximum(m, m_s)  # finite: every live split holds a live row
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l = l * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m = m_new
-    # L == 0 (only a clamped, out-of-contract row) has no splits: it writes zeros, never NaN
-    o = tl.where(l[:, None] > 0.0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
-    tl.store(out_ptr + seq * stride_out + heads[:, None] * HEAD_DIM + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _finish(ws_ptr, out_ptr, count_ptr, seq, kv_head, num_kv_heads, grid_splits, heads, head_ok,
-            d, d_ok, L, max_splits, stride_out, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-            SPLIT: tl.constexpr):
-    """The merge in the (sequence, kv head)'s last split program to arrive: every program of
-    the pair counts itself in once its splits are stored (a CTA barrier, then an acq_rel atomic
-    at GPU scope: the stores released before the count); the one that counts last folds the
-    group's heads and zeroes the counter for the next launch."""
-    tl.debug_barrier()
-    count = count_ptr + seq * num_kv_heads + kv_head
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == grid_splits - 1:
-        tl.debug_barrier()  # the acquire above, then every thread's loads
-        _merge_heads(ws_ptr, out_ptr, seq, heads, head_ok, d, d_ok, L, max_splits, stride_out,
-                     NUM_HEADS, HEAD_DIM, SPLIT, True)
-        tl.atomic_xchg(count, 0)  # every program has counted: none reads it again
-
-
-@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
     stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr, out_ptr=None, count_ptr=None, num_kv_heads=1, stride_out=0,
-    FINISH: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     # program = (sequence, kv head, first split); it serves the GROUP query heads that share the
     # kv head, and the live splits first, first + grid_splits, ... of its row (the grid's third
@@ -173,9 +118,6 @@ def _split_kernel(
             m = m_new
         _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m, l,
                      NUM_HEADS, HEAD_DIM)
-    if FINISH:  # the merge in the pair's last program (count_ptr: one zeroed counter a pair)
-        _finish(ws_ptr, out_ptr, count_ptr, seq, kv_head, num_kv_heads, grid_splits, heads,
-                head_ok, d, d_ok, L, max_splits, stride_out, NUM_HEADS, HEAD_DIM, SPLIT)
 
 
 @triton.jit
@@ -185,8 +127,7 @@ def _split_dot_kernel(
     stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr, out_ptr=None, count_ptr=None, num_kv_heads=1, stride_out=0,
-    FINISH: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     # `_split_kernel`'s contract and grid, its two products as tl.dot tiles: the group's query
     # heads padded to GROUP_PAD >= 16 rows, BLOCK_N >= 16 KV rows a step (a whole 32-row split at
@@ -221,9 +162,6 @@ def _split_dot_kernel(
             m = m_new
         _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m, l,
                      NUM_HEADS, HEAD_DIM)
-    if FINISH:  # the merge in the pair's last program (count_ptr: one zeroed counter a pair)
-        _finish(ws_ptr, out_ptr, count_ptr, seq, kv_head, num_kv_heads, grid_splits, heads,
-                head_ok, d, d_ok, L, max_splits, stride_out, NUM_HEADS, HEAD_DIM, SPLIT)
 
 
 @triton.jit
@@ -271,11 +209,6 @@ def decode_attention_workspace_shape(n: int, num_heads: int, head_dim: int, max_
     return (n, num_heads, triton.cdiv(max_rows, split_rows), head_dim + 2)
 
 
-def counts_shape(n: int, num_kv_heads: int) -> tuple[int]:
-    """int32 counters a launch that merges in its last split program needs: one a (row, kv head)."""
-    return (n * num_kv_heads,)
-
-
 def split_programs(n: int, num_kv_heads: int, max_splits: int) -> int:
     """The split axis of the split kernel's grid for n rows (see SPLIT_PROGRAMS)."""
     return max(1, min(max_splits, triton.cdiv(SPLIT_PROGRAMS, max(1, n * num_kv_heads))))
@@ -316,12 +249,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, live_rows: torch.Tensor, out: torch.Tensor, *,
                      num_heads: int, num_kv_heads: int, head_dim: int, scale: float, row_offset: int,
                      workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS,
-                     dot: bool | None = None, counts: torch.Tensor | None = None) -> None:
+                     dot: bool | None = None) -> None:
     """q, out [n, num_heads*head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; no host sync.
     dot: the split's products as tl.dot tiles (`_split_dot_kernel`) or elementwise (`_split_kernel`);
-    None: DOT_SPLIT (the dot kernel needs split_rows a multiple of 16; otherwise elementwise).
-    counts: int32 [>= n * num_kv_heads], all zero (and left so): the merge runs in each (row,
-    kv head)'s last split program to arrive, one launch instead of two (the same bits)."""
+    None: DOT_SPLIT (the dot kernel needs split_rows a multiple of 16; otherwise elementwise)."""
     _check_inputs(q, k_cache, v_cache, block_tables, live_rows, out, num_heads, num_kv_heads, head_dim, row_offset)
     n, block_size = q.shape[0], k_cache.shape[1]
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
@@ -331,8 +262,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     capacity = block_tables.shape[1] * block_size
     shape = decode_attention_workspace_shape(n, num_heads, head_dim, capacity, split_rows)
     workspace = fp32_workspace(workspace, shape, q.device)
-    if counts is not None:
-        check_counters(counts, counts_shape(n, num_kv_heads)[0], q.device)
     if n == 0:
         return
     kw = launch_kwargs(q)
@@ -344,9 +273,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     group = num_heads // num_kv_heads
-    if counts is not None:  # the merge in each pair's last program: no second launch
-        kw = dict(kw, out_ptr=out, count_ptr=counts, num_kv_heads=num_kv_heads,
-                  stride_out=out.stride(0), FINISH=True)
     if (DOT_SPLIT if dot is None else dot) and split_rows % DOT_MIN == 0:
         _split_dot_kernel[(n, num_kv_heads, grid_splits)](
             *args, GROUP=group, GROUP_PAD=max(DOT_MIN, group_pad), BLOCK_SIZE=block_size,
@@ -356,8 +282,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _split_kernel[(n, num_kv_heads, grid_splits)](
             *args, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
             num_warps=SPLIT_NUM_WARPS * (2 if group_pad >= 32 else 1), **shared, **kw)
-    if counts is not None:
-        return
     _merge_kernel[(n, num_heads)](
         workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
         num_warps=MERGE_NUM_WARPS, **shared, **kw,

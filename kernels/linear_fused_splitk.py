@@ -15,9 +15,7 @@ profile; this kernel's own time is the GPU's to show). Here a program is
   x tile with linear_fused's prologue helpers (x's next tile loaded a K step ahead by hand: see
   prologue_tiles._raw_x), and stores fp32 partials [num_splits, n, rows] like
   linear_splitk._partial_kernel (tiles past K masked: they add zeros);
-- linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual;
-  or, given zeroed `counts` (`finishes(n, normed)`), each program tile's last split to finish
-  does that sum itself (linear_splitk._finish_tile): no second launch, the same bits.
+- linear_splitk._reduce_kernel sums the splits in split order and applies SwiGLU / the residual.
 
 How the 16-row kernel runs on Hopper (`LAUNCH`: its columns, warps and stages, and both rows'
 norms in one pass) is measured, not the bits: BLOCK_K, the split size, the norm chunks and every
@@ -29,8 +27,8 @@ rounded to x's dtype), then linear_splitk with the same SplitKConfig: the same x
 tl.dot per tile, the same split sums in the same order; and a row's bits never depend on n (a
 row's norm reads only that row; its tiles and sums are the same at every n).
 `linear_prologue_splitk(...)` launches two kernels (LAUNCHES; three with a `normed` buffer:
-kernels.prologue_norm, then linear_splitk's plain partials and reduce), one fewer with `counts`;
-`splitk_pays(rows, k)` is the rule the op binding applies, from the weight's shape only.
+kernels.prologue_norm, then linear_splitk's plain partials and reduce); `splitk_pays(rows, k)`
+is the rule the op binding applies, from the weight's shape only.
 
 The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
 the interpreter; at n > 16 on an H200 the M-tile loop (`_prologue_partial_mloop_kernel`: a
@@ -49,18 +47,16 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
-from draft_circuit.kernels._common import check, check_counters, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
                                                 check_prologue_operands)
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
 from draft_circuit.kernels.prologue_norm import prologue_norm
-from draft_circuit.kernels.linear_splitk import (BLOCK_M, FINISH_TO_N, SplitKConfig, _finish_tile,
-                                                 check_counts, default_config,
+from draft_circuit.kernels.linear_splitk import (BLOCK_M, SplitKConfig, default_config,
                                                  launch_partials, num_splits, reduce_partials,
                                                  splitk_workspace_shape)
 
-LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce (+1 with normed,
-# -1 with counts)
+LAUNCHES = 2  # the partials kernel (prologue in it), then linear_splitk's reduce (+1 with normed)
 SPLIT_FROM_K = 4096  # K below this: the one-launch kernel (small heads, K 2048) keeps its bits
 # linear_prologue's own grid at n = 1, in its BLOCK_N = 32 tiles: from 256 programs (about two
 # per SM of a 132-SM H200) it is taken to fill the GPU without a second launch and a workspace
@@ -110,8 +106,6 @@ def _prologue_partial_kernel(
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, NORM_GROUPS: tl.constexpr = 0,
-    out_ptr=None, res_ptr=None, count_ptr=None, stride_out=0, stride_res=0,
-    NUM_SPLITS: tl.constexpr = 1, FINISH: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     # program = (row tile fastest, N tile) x split, as linear_splitk._partial_kernel
     pid = tl.program_id(0)
@@ -154,9 +148,6 @@ def _prologue_partial_kernel(
     # workspace [num_splits, n, N], linear_splitk's layout (its reduce reads it)
     ws_ptrs = ws_ptr + (split * n_rows + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
-    if FINISH:  # the reduce in the tile's last split, as linear_splitk's (count_ptr: zeroed)
-        _finish_tile(ws_ptr, out_ptr, res_ptr, count_ptr, pid, offs_m, offs_n, n_rows, N,
-                     stride_out, stride_res, NUM_SPLITS, RESIDUAL)
 
 
 @triton.jit
@@ -266,13 +257,6 @@ def _prologue_partial_mloop_kernel(
         _mt_store(ws_ptr, split, n_rows, N, m3, mm3, offs_n, n_mask, acc3)
 
 
-def finishes(n: int, normed: bool) -> bool:
-    """Whether a launch of n rows may run the reduce in its last split (`counts=`): with the
-    prologue a launch of its own (`normed`: linear_splitk's partials, every tile mode), or in
-    the prologue kernel at its pinned tiles (n <= FINISH_TO_N; not its M-loop)."""
-    return n > 0 and (normed or n <= FINISH_TO_N)
-
-
 def _check_config(cfg: SplitKConfig) -> None:
     pow2 = all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_n, cfg.block_k))
     check(pow2 and cfg.split_k > 0 and cfg.split_k % cfg.block_k == 0,
@@ -286,11 +270,9 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
                            norm2: torch.Tensor | None = None, eps2: float = 1e-6,
                            silu_mul: bool = False, residual: torch.Tensor | None = None,
                            config: SplitKConfig | None = None,
-                           tiles: str | None = None, normed: torch.Tensor | None = None,
-                           counts: torch.Tensor | None = None) -> Any:
+                           tiles: str | None = None, normed: torch.Tensor | None = None) -> Any:
     """out[n, N] = [p1(x1) | p2(x2)] @ weight^T in two launches: partials with the prologue in
-    them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue); one with
-    `counts` (below).
+    them, then linear_splitk's reduce (SwiGLU and the residual in its epilogue).
 
     Operands exactly as kernels.linear_fused.linear_prologue (ids gather x1's rows, an id outside
     the table a zero row; norm1 / norm2 rmsnorm p1 / p2; x2 optional; silu_mul: weight [Wg; Wu];
@@ -306,9 +288,6 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     prologue is a launch of its own into it (kernels.prologue_norm), then linear_splitk's plain
     partials read it: the bits stated above (the partials' tiles are kernels.tiles' SPLITK
     rule's, measured not to move a row's bits on sm90); three launches.
-    counts: int32 `linear_splitk.counts_shape(n, weight rows, K, config)`, all zero (and left
-    so), where `finishes(n, normed)` and without SwiGLU: the reduce runs in each program tile's
-    last split to arrive, one launch less (the same bits).
     """
     n, k, k1, rows, n_out = check_prologue_operands(x1, weight, out, ids, norm1, x2, norm2,
                                                     silu_mul, residual)
@@ -317,13 +296,6 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     _check_config(cfg)
     shape = splitk_workspace_shape(n, rows, k, cfg)
     workspace = fp32_workspace(workspace, shape, device)
-    if counts is not None:
-        check(not silu_mul and finishes(n, normed is not None)
-              and (normed is not None or tiles in (None, tiling.PINNED)),
-              lambda: f"split-K counts: the reduce runs in the last split only without SwiGLU, "
-                      f"with normed or at the prologue kernel's pinned tiles (n <= {FINISH_TO_N}); "
-                      f"got n = {n}, tiles {tiles}, normed {normed is not None}")
-        check_counts(counts, n, rows, cfg, device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
@@ -332,13 +304,11 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
         prologue_norm(x1, normed, n=n, k=k, ids=ids, norm1=norm1, eps1=eps1, x2=x2, norm2=norm2,
                       eps2=eps2)
         pdl = launch_kwargs(x1)
-        finish = (out, residual, counts) if counts is not None else None
-        handle = launch_partials(normed, weight, workspace, cfg, pdl, tiles, finish)
-        if finish is None:
-            reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
+        handle = launch_partials(normed, weight, workspace, cfg, pdl, tiles)
+        reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
         return handle
     pdl = launch_kwargs(x1)
-    t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiling.PINNED if counts is not None else tiles,
+    t = tiling.choose(tiling.PROLOGUE_SPLITK, n, x1, tiles,
                       programs=triton.cdiv(rows, cfg.block_n) * shape[0])
     run = LAUNCH
     block_n, warps, stages = cfg.block_n, t.warps(cfg.num_warps), cfg.num_stages
@@ -358,17 +328,8 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if t.mode == tiling.MLOOP:
         handle = _prologue_partial_mloop_kernel[grid](*args, BLOCK_M=BLOCK_M, M_TILES=t.m_tiles,
                                                       **consts)
-    else:  # with counts, the reduce's work in each program tile's last split: a counter a tile
-        # of the grid's axis 0 (LAUNCH's BLOCK_N may differ from the config's: checked again)
-        if counts is not None:
-            check_counters(counts, grid[0], device)
-        fin = dict(out_ptr=out, res_ptr=residual if residual is not None else out, count_ptr=counts,
-                   stride_out=out.stride(0), stride_res=residual.stride(0) if residual is not None else 0,
-                   NUM_SPLITS=shape[0], FINISH=True, RESIDUAL=residual is not None) \
-            if counts is not None else {}
+    else:
         handle = _prologue_partial_kernel[grid](*args, BLOCK_M=t.block_m,
-                                                NORM_GROUPS=run.norm_groups, **consts, **fin)
-        if counts is not None:
-            return handle
+                                                NORM_GROUPS=run.norm_groups, **consts)
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
     return handle

@@ -1,16 +1,8 @@
 """Split-K skinny matmul out[n, N] = x[n, K] @ weight[N, K]^T, optionally fused with SwiGLU.
 
 Fixed-size K splits (a split *size*, never a count from n): fp32 partials per split go to a
-workspace, a second kernel (or, with `counts`, the last split to finish) sums them serially in
-split order and rounds once, so a row's bits never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, gate_up, out, ws)`.
-
-Given `counts` (int32 `counts_shape(n, N, K)`, zero), there is no second kernel: each split
-stores its partial and counts itself in on its program tile's counter (a CTA barrier, then an
-acq_rel atomic at GPU scope: the stores are released before the count), and the split that
-counts last sums the tile's partials in split order, past L1, as the reduce kernel does (the
-same bits), then zeroes the counter for the next launch (or graph replay). At every tile mode
-(the M-loop's program finishes its row tiles one by one); not for SwiGLU (its reduce pairs a
-gate and an up tile). One launch less a linear, where a chain step is launch-bound.
+workspace, a second kernel sums them serially in split order and rounds once, so a row's bits
+never depend on n. `linear_splitk(x, w, out, ws)`; `linear_silu_mul_splitk(x, gate_up, out, ws)`.
 
 The partials' row tiles follow kernels.tiles' rule (kind SPLITK): BLOCK_M 16 at n <= 16 and under
 the interpreter; at n > 16 on an H200 the M-tile loop (kernels.linear_wide: each weight tile
@@ -28,7 +20,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels.linear import check_linear_operands
-from draft_circuit.kernels._common import check, check_counters, describe, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
 # (kernels.tiles widens the program's row tile at n > 16 on an H200; the bits stay these)
@@ -38,8 +30,7 @@ TARGET_PROGRAMS = 512  # the first rule's aim; kept for the tuning script's vari
 SPLIT_FROM_K = 2048  # measured: narrower K gains nothing from splitting
 MIN_SPLIT_K = 128  # one BLOCK_K step: smaller splits only add partials to write and sum
 REDUCE_BLOCK, REDUCE_WARPS = 512, 4
-LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel (1 with counts)
-FINISH_TO_N = tiling.WIDE_FROM_N[tiling.SPLITK]  # pinned tiles up to here (the prologue kernel's finish)
+LAUNCHES = 2  # every launcher here: the partials kernel, then the reduce kernel
 
 
 @dataclass(frozen=True)
@@ -77,68 +68,12 @@ def splitk_workspace_shape(n: int, weight_rows: int, k: int,
     return (num_splits(weight_rows, k, config), n, weight_rows)
 
 
-Finish = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]  # (out, residual, counts)
-
-
-def counts_shape(n: int, weight_rows: int, k: int, config: SplitKConfig | None = None) -> tuple[int]:
-    """int32 counters a finishing launch of n rows needs: one a program tile, as many as the
-    pinned tiles' (16 rows by BLOCK_N columns; wider row tiles use fewer of them)."""
-    cfg = config or default_config(weight_rows, k)
-    return (triton.cdiv(n, BLOCK_M) * triton.cdiv(weight_rows, cfg.block_n),)
-
-
-def check_counts(counts: torch.Tensor, n: int, weight_rows: int, cfg: SplitKConfig,
-                 device: torch.device) -> None:
-    check_counters(counts, counts_shape(n, weight_rows, 0, cfg)[0], device)
-
-
-@triton.jit
-def _arrive(count_ptr, tile, NUM: tl.constexpr):
-    """Count this program in on its tile's counter; True for the NUM-th, the last to arrive.
-    A CTA barrier first, so every thread's stores precede the count, which is an acq_rel atomic
-    at GPU scope (released to, and acquired by, the last arriver)."""
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == NUM - 1
-
-
-@triton.jit
-def _reduce_tile(ws_ptr, out_ptr, res_ptr, offs_m, offs_n, n_rows, N, stride_out, stride_res,
-                 NUM_SPLITS: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The reduce kernel's work for one [rows, BLOCK_N] tile of the workspace [splits, n, N]:
-    the splits summed in split order (its order: the same bits), the residual, one rounding.
-    The partials are read past L1 (.cg): other programs of this launch wrote them."""
-    mask = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
-    ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    split_stride = n_rows.to(tl.int64) * N
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, NUM_SPLITS):
-        acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-    if RESIDUAL:  # linear then add, as the reduce kernel: the product rounds, then the sum
-        r = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_res + offs_n[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + r
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _finish_tile(ws_ptr, out_ptr, res_ptr, count_ptr, tile, offs_m, offs_n, n_rows, N, stride_out,
-                 stride_res, NUM_SPLITS: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The reduce of the tile, by its last split to arrive, which then zeroes the counter for
-    the next launch (every split has counted: none reads it again)."""
-    if _arrive(count_ptr, tile, NUM_SPLITS):
-        tl.debug_barrier()  # the acquire above, then every thread's loads
-        _reduce_tile(ws_ptr, out_ptr, res_ptr, offs_m, offs_n, n_rows, N, stride_out, stride_res,
-                     NUM_SPLITS, RESIDUAL)
-        tl.atomic_xchg(count_ptr + tile, 0)
-
-
 @triton.jit(do_not_specialize=["n_rows"])
 def _partial_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, count_ptr,
-    n_rows, N, K, stride_x, stride_w, stride_out, stride_res,
+    x_ptr, w_ptr, ws_ptr,
+    n_rows, N, K, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FINISH: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # program = (row tile fastest, N tile) x split: programs sharing a weight tile run together,
     # so at n > 16 the weight streams from memory about once for all row tiles.
@@ -167,9 +102,6 @@ def _partial_kernel(
     # workspace [num_splits, n, N]
     ws_ptrs = (ws_ptr + (split * n_rows + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :])
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
-    if FINISH:  # the reduce in the tile's last split (count_ptr: one zeroed counter a tile)
-        _finish_tile(ws_ptr, out_ptr, res_ptr, count_ptr, pid, offs_m, offs_n, n_rows, N,
-                     stride_out, stride_res, NUM_SPLITS, RESIDUAL)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -214,32 +146,27 @@ def reduce_partials(workspace: torch.Tensor, out: torch.Tensor, residual: torch.
 
 
 def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor, cfg: SplitKConfig,
-                    pdl: dict[str, Any], mode: str | None = None, finish: Finish | None = None
-                    ) -> Any:
+                    pdl: dict[str, Any], mode: str | None = None) -> Any:
     """The first launch: the fp32 partials [splits, n, rows] of x @ weight^T into workspace, at
-    the row tiles kernels.tiles picks for n (kind SPLITK; `mode` forces one). With `finish`
-    each program tile's last split also does the reduce's work into finish.out: no second
-    launch. Returns Triton's handle of the launch (the sweep reads its PTX)."""
+    the row tiles kernels.tiles picks for n (kind SPLITK; `mode` forces one). Returns Triton's
+    handle of the launch (the sweep reads its PTX)."""
     n, k = x.shape
     rows = weight.shape[0]
     t = tiling.choose(tiling.SPLITK, n, x, mode,
                       programs=triton.cdiv(rows, cfg.block_n) * workspace.shape[0])
     if t.mode == tiling.MLOOP:  # imported here: kernels.linear_wide imports this module
         from draft_circuit.kernels.linear_wide import splitk_partials
-        return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl, finish)
+        return splitk_partials(x, weight, workspace, cfg, t.m_tiles, pdl)
     grid = (triton.cdiv(n, t.block_m) * triton.cdiv(rows, cfg.block_n), workspace.shape[0])
-    out, res, counts = finish if finish is not None else (workspace, None, workspace)
     return _partial_kernel[grid](
-        x, weight, workspace, out, res if res is not None else out, counts,
-        n, rows, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0) if res is not None else 0,
+        x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        NUM_SPLITS=workspace.shape[0], FINISH=finish is not None, RESIDUAL=res is not None,
         USE_PDL=bool(pdl), num_warps=t.warps(cfg.num_warps), num_stages=cfg.num_stages, **pdl)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
             config: SplitKConfig | None, silu_mul: bool, residual: torch.Tensor | None = None,
-            mode: str | None = None, counts: torch.Tensor | None = None) -> None:
+            mode: str | None = None) -> None:
     n, k, rows, n_out = check_linear_operands(x, weight, out, silu_mul)
     if residual is not None:
         check(tuple(residual.shape) == (n, n_out) and residual.dtype == out.dtype
@@ -251,38 +178,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace:
           lambda: f"{cfg}: block_n, block_k powers of two >= 16 and split_k a multiple of block_k")
     shape = splitk_workspace_shape(n, rows, k, cfg)
     workspace = fp32_workspace(workspace, shape, x.device)
-    if counts is not None:
-        check(not silu_mul, lambda: "split-K counts: the reduce runs in the last split only "
-                                    "without SwiGLU (its reduce pairs a gate and an up tile)")
-        check_counts(counts, n, rows, cfg, x.device)
     if n == 0 or n_out == 0 or k == 0:
         if n * n_out:  # K = 0: the empty sum (plus the residual, which out may alias)
             out.copy_(residual) if residual is not None else out.zero_()
         return
     pdl = launch_kwargs(x)
-    if counts is not None:
-        launch_partials(x, weight, workspace, cfg, pdl, mode, (out, residual, counts))
-        return
     launch_partials(x, weight, workspace, cfg, pdl, mode)
     reduce_partials(workspace, out, residual, n, n_out, rows, silu_mul, pdl)
 
 
 def linear_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                   workspace: torch.Tensor | None = None, config: SplitKConfig | None = None,
-                  residual: torch.Tensor | None = None, tiles: str | None = None,
-                  counts: torch.Tensor | None = None) -> None:
+                  residual: torch.Tensor | None = None, tiles: str | None = None) -> None:
     """out[n, N] = x[n, K] @ weight[N, K]^T (+ residual [n, N], added in the reduce kernel's
     epilogue after the product rounds: linear then add). x and weight share a float dtype; out
-    any float dtype (the residual out's; out may alias it). Two launches: partials, then reduce
-    (one with `counts`).
+    any float dtype (the residual out's; out may alias it). Two launches: partials, then reduce.
 
     workspace: float32 `splitk_workspace_shape(n, N, K, config)`, allocated here if None.
     tiles: a kernels.tiles SPLITK mode for the partials (None: its rule).
-    counts: int32 `counts_shape(n, N, K, config)`, all zero (and left so): the reduce runs in
-    each program tile's last split to arrive, one launch (the same bits).
     """
-    _launch(x, weight, out, workspace, config, silu_mul=False, residual=residual, mode=tiles,
-            counts=counts)
+    _launch(x, weight, out, workspace, config, silu_mul=False, residual=residual, mode=tiles)
 
 
 def linear_silu_mul_splitk(x: torch.Tensor, gate_up_weight: torch.Tensor, out: torch.Tensor,

@@ -4,8 +4,7 @@ row tiles of 16, and every row keeps the bits kernels.linear / kernels.linear_sp
 `linear_wide(x, w, out, silu_mul=False, m_tiles=None, config=None)`: out[n, N] = x @ W^T
 (SwiGLU with silu_mul, W = [Wg; Wu]). `linear_wide_splitk(x, w, out, workspace, config,
 silu_mul=False, m_tiles=None)`: the same split into fixed K splits, the partials summed by
-kernels.linear_splitk's reduce kernel; `splitk_partials(...)` is its partials launch alone (the
-reduce in each program's last split with `finish`),
+kernels.linear_splitk's reduce kernel; `splitk_partials(...)` is its partials launch alone,
 which kernels.linear_splitk launches at n > 16 on an H200 (kernels.tiles' SPLITK rule: the M-tile
 loop; tiles only, so not the bits). `linear_tiles(...)`: kernels.linear's own kernel at other
 tiles / warps / stages (the sweep's candidates (a), (c), (d); bits not promised).
@@ -81,8 +80,6 @@ def linear_wide_kernel(
     n_rows, N, K, stride_x, stride_w, stride_out, up_offset,
     SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    final_ptr=None, res_ptr=None, count_ptr=None, stride_final=0, stride_res=0,
-    NUM_SPLITS: tl.constexpr = 1, FINISH: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     # grid (row blocks fastest, N tiles) x splits, as kernels.linear / linear_splitk lay theirs
     pid = tl.program_id(0)
@@ -118,7 +115,6 @@ def linear_wide_kernel(
             a3, u3 = _tile_dot(x_ptr, row0 + 3 * BLOCK_M, n_rows, stride_x, kk, K, wt, ut, a3,
                                u3, SILU_MUL, BLOCK_M)
     # split-K: out is the fp32 workspace [splits, n, N], this split's slab
-    ws_ptr = out_ptr
     out_ptr += split.to(tl.int64) * n_rows * N
     _tile_store(out_ptr, row0, n_rows, stride_out, offs_n, n_mask, a0, u0, SILU_MUL, BLOCK_M)
     if M_TILES > 1:
@@ -130,13 +126,6 @@ def linear_wide_kernel(
     if M_TILES > 3:
         _tile_store(out_ptr, row0 + 3 * BLOCK_M, n_rows, stride_out, offs_n, n_mask, a3, u3,
                     SILU_MUL, BLOCK_M)
-    if FINISH:  # split-K's reduce in the program tile's last split, one row tile at a time
-        if sk._arrive(count_ptr, pid, NUM_SPLITS):
-            tl.debug_barrier()  # the acquire, then every thread's loads
-            for t in tl.static_range(M_TILES):
-                sk._reduce_tile(ws_ptr, final_ptr, res_ptr, row0 + t * BLOCK_M + tl.arange(0, BLOCK_M),
-                                offs_n, n_rows, N, stride_final, stride_res, NUM_SPLITS, RESIDUAL)
-            tl.atomic_xchg(count_ptr + pid, 0)  # every split has counted: none reads it again
 
 
 def _m_tiles(n: int, m_tiles: int | None) -> int:
@@ -197,26 +186,18 @@ def linear_wide_splitk(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
 
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor,
-                    cfg: sk.SplitKConfig, m_tiles: int, pdl: dict[str, Any],
-                    finish: "sk.Finish | None" = None) -> Any:
+                    cfg: sk.SplitKConfig, m_tiles: int, pdl: dict[str, Any]) -> Any:
     """kernels.linear_splitk's partials launch (fp32 [splits, n, rows] into workspace, operands
     checked by the caller) with m_tiles row tiles of 16 a program: the M-loop mode of
-    kernels.tiles' SPLITK rule. `finish` (out, residual, counts): the reduce in each program
-    tile's last split, as kernels.linear_splitk's. Returns Triton's handle."""
+    kernels.tiles' SPLITK rule. Returns Triton's handle."""
     n, k = x.shape
     rows = weight.shape[0]
     grid = (triton.cdiv(n, BLOCK_M * m_tiles) * triton.cdiv(rows, cfg.block_n), workspace.shape[0])
-    fin: dict[str, Any] = {}
-    if finish is not None:
-        out, res, counts = finish
-        fin = dict(final_ptr=out, res_ptr=res if res is not None else out, count_ptr=counts,
-                   stride_final=out.stride(0), stride_res=res.stride(0) if res is not None else 0,
-                   NUM_SPLITS=workspace.shape[0], FINISH=True, RESIDUAL=res is not None)
     return linear_wide_kernel[grid](
         x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0), rows, 0,
         SILU_MUL=False, SPLIT_K=cfg.split_k, M_TILES=m_tiles, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=bool(pdl), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl, **fin)
+        num_stages=cfg.num_stages, **pdl)
 
 
 def linear_tiles(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: bool,

@@ -6,8 +6,7 @@ Contract: out[i, h] = softmax(scale * (q_lat[i, h] . c_t + q_pe[i, h] . k_pe_t))
 probabilities meet c in c's dtype, as flash attention does), cast to q_lat's dtype. Programs
 (row, block of HEAD_BLOCK heads, split of SPLIT_ROWS rows) write partial (acc, max, sum) to a
 workspace that kernels.decode_attention's merge kernel folds in split order: a row never depends
-on n, nor on the other rows' lengths. Given zeroed int32 `counts`, the (row, head block)'s last
-split program to finish does that fold (kernels.decode_attention._finish): one launch.
+on n, nor on the other rows' lengths.
 """
 from __future__ import annotations
 
@@ -15,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_counters, check_operand,
-                                           describe, fp32_workspace, launch_kwargs)
-from draft_circuit.kernels.decode_attention import _finish, _merge_kernel  # the same (acc, m, l) layout
+from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe,
+                                           fp32_workspace, launch_kwargs)
+from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (acc, m, l) layout
 
 # Pinned for every n and L (a split size, never a split count): bitwise width independence.
 # HEAD_BLOCK and BLOCK_N are tl.dot's smallest tiles; the [HEAD_BLOCK, R] fp32 accumulator is the
@@ -35,7 +34,6 @@ def _split_kernel(
     stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
-    out_ptr=None, count_ptr=None, stride_out=0, FINISH: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -45,14 +43,13 @@ def _split_kernel(
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
     lo = split * SPLIT
-    heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
-    head_ok = heads < NUM_HEADS
-    d = tl.arange(0, R_PAD)
-    d_ok = d < R
     if lo < L:
         hi = tl.minimum(lo + SPLIT, L)
+        heads = head_block * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
+        head_ok = heads < NUM_HEADS
+        d = tl.arange(0, R_PAD)
         e = tl.arange(0, P_PAD)
-        e_ok = e < P
+        d_ok, e_ok = d < R, e < P
         q_lat = tl.load(q_lat_ptr + seq * stride_ql + heads[:, None] * R + d[None, :],
                         mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [HB, R]
         q_pe = tl.load(q_pe_ptr + seq * stride_qp + heads[:, None] * P + e[None, :],
@@ -86,9 +83,6 @@ def _split_kernel(
         tl.store(part[:, None] + d[None, :], acc, mask=head_ok[:, None] & d_ok[None, :])
         tl.store(part + R, m, mask=head_ok)
         tl.store(part + R + 1, l, mask=head_ok)
-    if FINISH:  # the merge in the (row, head block)'s last split program, every split counted
-        _finish(ws_ptr, out_ptr, count_ptr, seq, head_block, tl.num_programs(1), max_splits, heads,
-                head_ok, d, d_ok, L, max_splits, stride_out, NUM_HEADS, R, SPLIT)
 
 
 def mla_decode_workspace_shape(n: int, num_heads: int, kv_lora_rank: int, max_rows: int,
@@ -96,11 +90,6 @@ def mla_decode_workspace_shape(n: int, num_heads: int, kv_lora_rank: int, max_ro
     """fp32 workspace: per (row, head, split) the unnormalised latent acc [R], max and sum.
     max_rows is the block table's capacity, block_tables.shape[1] * block_size."""
     return (n, num_heads, triton.cdiv(max_rows, split_rows), kv_lora_rank + 2)
-
-
-def counts_shape(n: int, num_heads: int) -> tuple[int]:
-    """int32 counters a launch that merges in its last split program needs: one a (row, head block)."""
-    return (n * triton.cdiv(num_heads, HEAD_BLOCK),)
 
 
 def _check_inputs(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torch.Tensor, latent_cache: torch.Tensor,
@@ -135,12 +124,9 @@ def _check_inputs(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torch.Tenso
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torch.Tensor,
                          latent_cache: torch.Tensor, block_tables: torch.Tensor, live_rows: torch.Tensor,
                          out: torch.Tensor, *, scale: float, row_offset: int = 0,
-                         workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS,
-                         counts: torch.Tensor | None = None) -> None:
+                         workspace: torch.Tensor | None = None, split_rows: int = SPLIT_ROWS) -> None:
     """q_lat, out [n, H*R]; q_pe [n, H*P]; pe_cache [num_blocks, block_size, 1, P]; latent_cache
-    [num_blocks, block_size, 1, R]; no host sync. counts: int32 `counts_shape(n, H)`, all zero
-    (and left so): the merge runs in each (row, head block)'s last split program, one launch
-    instead of two (the same bits)."""
+    [num_blocks, block_size, 1, R]; no host sync."""
     heads, r, p = _check_inputs(q_lat, q_pe, pe_cache, latent_cache, block_tables, live_rows, out, row_offset)
     check(split_rows >= BLOCK_N and split_rows % BLOCK_N == 0,
           lambda: f"split_rows must be a positive multiple of {BLOCK_N}; got {split_rows}")
@@ -148,13 +134,9 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
     capacity = block_tables.shape[1] * block_size
     shape = mla_decode_workspace_shape(n, heads, r, capacity, split_rows)
     workspace = fp32_workspace(workspace, shape, q_lat.device)
-    if counts is not None:
-        check_counters(counts, counts_shape(n, heads)[0], q_lat.device)
     if n == 0:
         return
     kw = launch_kwargs(q_lat)
-    fin = dict(out_ptr=out, count_ptr=counts, stride_out=out.stride(0), FINISH=True) \
-        if counts is not None else {}
     r_pad = max(16, triton.next_power_of_2(r))
     _split_kernel[(n, triton.cdiv(heads, HEAD_BLOCK), shape[2])](
         q_lat, q_pe, pe_cache, latent_cache, block_tables, live_rows, workspace,
@@ -163,10 +145,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
         latent_cache.stride(0), latent_cache.stride(1),
         NUM_HEADS=heads, R=r, P=p, R_PAD=r_pad, P_PAD=max(16, triton.next_power_of_2(p)),
         HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=bool(kw),
-        num_warps=8 if r_pad >= 256 else 4, **kw, **fin,
+        num_warps=8 if r_pad >= 256 else 4, **kw,
     )
-    if counts is not None:
-        return
     _merge_kernel[(n, heads)](
         workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
         NUM_HEADS=heads, HEAD_DIM=r, D_PAD=triton.next_power_of_2(r), SPLIT=split_rows, USE_PDL=bool(kw),

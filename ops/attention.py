@@ -15,8 +15,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import ROW, Dim, TensorSpec
-from draft_circuit.ops.bindings import (COUNTERS, CUDA, TRITON, Applies, Condition, KernelBinding, Scratch,
-                                        Tensors, kernel, traced_launches)
+from draft_circuit.ops.bindings import (CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel,
+                                        traced_launches)
 from draft_circuit.ops.registry import (ATTENTION, FUSED, Cost, CostContext, Env, OpDef, Specs, check, dim_eq,
                                         elt, index_dtype, rank, register, same_dtype)
 from draft_circuit.ops.row_invariant import row_invariant_attention, tiled
@@ -350,7 +350,6 @@ def _attention_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: Env)
 
 _k_attn = kernel("decode_attention", "decode_attention")
 _k_attn_ws = kernel("decode_attention", "decode_attention_workspace_shape")
-_k_attn_counts = kernel("decode_attention", "counts_shape")
 
 
 def _launch_attention(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
@@ -358,17 +357,14 @@ def _launch_attention(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     d = kc.shape[3]
     _k_attn()(q, kc, vc, tables, live, outs[0], num_heads=q.shape[1] // d, num_kv_heads=kc.shape[2],
             head_dim=d, scale=a.scale if a.scale is not None else 1.0 / math.sqrt(d),
-            row_offset=a.row_offset, workspace=ws[0], counts=ws[1] if len(ws) > 1 else None)
+            row_offset=a.row_offset, workspace=ws[0])
 
 
 def _attention_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
-    """The splits' fp32 partials, and a zeroed counter a (row, kv head): the merge runs in
-    each pair's last split program (one launch)."""
     q, kc, tables = ins[0], ins[1], ins[3]
     n, d = q.concrete(env)[0], int(kc.shape[3])
     rows = int(tables.shape[1]) * int(kc.shape[1])
-    return [("float32", _k_attn_ws()(n, int(q.shape[1]) // d, d, rows)),
-            (COUNTERS, _k_attn_counts()(n, int(kc.shape[2])))]
+    return [("float32", _k_attn_ws()(n, int(q.shape[1]) // d, d, rows))]
 
 
 def _pow2_block(ins: Sequence[TensorSpec], a: Any) -> bool:
@@ -386,5 +382,5 @@ register(OpDef(
         Condition("block_size a power of two >= 8", _pow2_block),
         Condition("row_offset >= 0", lambda ins, a: a.row_offset >= 0),
         Condition("block tables of >= 1 column", lambda ins, a: ins[3].shape[1] != 0))),
-        workspace=_attention_ws),),  # the KV splits, their merge in each pair's last one
+        workspace=_attention_ws, launches=2),),  # the KV splits, then their merge
 ))

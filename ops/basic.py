@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from draft_circuit.circuit.types import DTYPES, TensorSpec
-from draft_circuit.ops.bindings import (COUNTERS, CUDA, TRITON, Applies, Condition, KernelBinding, Scratch,
-                                        Tensors, kernel)
+from draft_circuit.ops.bindings import CUDA, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
 from draft_circuit.ops.registry import (ELEMENTWISE, FUSED, LAYOUT, MATMUL, NORM, REDUCTION, Cost, CostContext,
                                         Env, OpDef, Specs, check, default_cost, dim_eq, rank, register, same_dtype,
                                         torch_dtype)
@@ -24,7 +23,6 @@ _k_linear, _k_linear_silu = kernel("linear", "linear"), kernel("linear", "linear
 _k_splitk = kernel("linear_splitk", "linear_splitk")
 _k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 _k_splitk_splits = kernel("linear_splitk", "num_splits")
-_k_splitk_counts = kernel("linear_splitk", "counts_shape")
 # kernels.rmsnorm normalises a row in one program
 ONE_PROGRAM_ROW = Condition("hidden <= 65536", lambda ins, a: isinstance(ins[0].shape[1], int)
                             and ins[0].shape[1] <= 65536)
@@ -230,21 +228,9 @@ def _linear(t: list[torch.Tensor], a: LinearAttrs) -> tuple[torch.Tensor]:
     return (out + t[2].to(out.dtype) if len(t) > 2 else out,)
 
 
-def splitk_scratch(n: int, rows: int, k: int, finish: bool = True) -> Scratch:
-    """A split-K launch's workspace: the fp32 partials, then, where the reduce runs in the last
-    split (`finish`), the program tiles' counters (`splitk_counts` finds them)."""
-    counts: Scratch = [(COUNTERS, _k_splitk_counts()(n, rows, k))] if finish else []
-    return [("float32", _k_splitk_ws()(n, rows, k)), *counts]
-
-
 def _splitk_workspace(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
-    return splitk_scratch(ins[0].concrete(env)[0], int(ins[1].shape[0]), int(ins[1].shape[1]))
-
-
-def splitk_counts(ws: Tensors) -> torch.Tensor | None:
-    """The counters `splitk_scratch` handed a launch after its partials, if it did (the only
-    int32 buffer a split-K workspace holds)."""
-    return ws[1] if len(ws) > 1 and ws[1].dtype == torch.int32 else None
+    rows, k = ins[1].shape
+    return [("float32", _k_splitk_ws()(ins[0].concrete(env)[0], int(rows), int(k)))]
 
 
 def _many_splits(ins: Sequence[TensorSpec], a: Any) -> bool:
@@ -265,15 +251,13 @@ register(OpDef(
     kernels=(
         # split-K first: chosen where the plain kernel's grid is too small and the output is the
         # fp32-accumulating result rounded once; the single-pass kernel serves the rest
-        KernelBinding("triton_linear_splitk",
-                      lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], counts=splitk_counts(w)),
+        KernelBinding("triton_linear_splitk", lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0]),
                       Applies(TRITON, conditions=(
                           Condition("out_dtype None or float32",
                                     lambda ins, a: a.out_dtype in (None, "float32")),
                           Condition("no bias (its reduction has no epilogue)", lambda ins, a: len(ins) == 2),
                           Condition("K in >= 2 splits", _many_splits))),
-                      # the partials, their reduce in each tile's last split
-                      workspace=_splitk_workspace),
+                      workspace=_splitk_workspace, launches=2),  # partials, then their reduce
         KernelBinding("triton_linear", lambda i, o, w, a: _k_linear()(i[0], i[1], o[0], *i[2:]),
                       Applies(TRITON)),
         KernelBinding("cublas_linear", _cublas_linear, Applies(CUDA, conditions=(

@@ -71,21 +71,6 @@ Tensors = list[torch.Tensor]
 # (inputs, outputs, workspace, parsed attrs): writes the outputs (and mutated states) in place
 Launch = Callable[[Tensors, Tensors, Tensors, Any], None]
 Scratch = list[tuple[str, tuple[int, ...]]]  # (dtype, shape) of each workspace buffer
-# A scratch dtype: int32 counters that start at zero and that the kernel leaves at zero (a
-# launch's programs count their arrivals on them, and the last to arrive finishes the work:
-# kernels.linear_splitk's reduce, kernels.decode_attention's / mla_decode's merge). They live
-# outside the arena, one buffer a node shared by every width (widths never run at once), zeroed
-# once when the runner binds (circuit/program.py, runners/program.py).
-COUNTERS = "counters"
-
-
-def scratch_tensor(dtype: str, shape: Sequence[int], device: "str | torch.device" = "cpu") -> torch.Tensor:
-    """A workspace buffer as a binding's rule describes it, outside a program (tests, the tuner):
-    counters zeroed (their kernels need it), any other dtype uninitialised."""
-    if dtype == COUNTERS:
-        return torch.zeros(tuple(shape), dtype=torch.int32, device=device)
-    from draft_circuit.ops.registry import torch_dtype  # the registry imports this module
-    return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
 # (input specs, symbol values, parsed attrs) -> the scratch buffers a launch needs
 WorkspaceRule = Callable[[Sequence[TensorSpec], dict[str, int], Any], Scratch]
 

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from draft_circuit.circuit.types import ROW, TensorSpec
-from draft_circuit.ops.bindings import COUNTERS, TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
+from draft_circuit.ops.bindings import TRITON, Applies, Condition, KernelBinding, Scratch, Tensors, kernel
 from draft_circuit.ops.registry import (ATTENTION, MATMUL, Cost, CostContext, Env, OpDef, Specs, check,
                                         default_cost, dim_eq, elt, rank, register, same_dtype)
 
@@ -220,23 +220,19 @@ def _mla_attention_cost(ins: Specs, outs: Specs, a: Any, ctx: CostContext, env: 
 
 _k_attn = kernel("mla_decode", "mla_decode_attention")
 _k_attn_ws = kernel("mla_decode", "mla_decode_workspace_shape")
-_k_attn_counts = kernel("mla_decode", "counts_shape")
 
 
 def _launch_attention(ins: Tensors, outs: Tensors, ws: Tensors, a: Any) -> None:
     q_lat, q_pe, pe_cache, latent_cache, tables, live = ins
     _k_attn()(q_lat, q_pe, pe_cache, latent_cache, tables, live, outs[0], scale=a.scale,
-              row_offset=a.row_offset, workspace=ws[0], counts=ws[1] if len(ws) > 1 else None)
+              row_offset=a.row_offset, workspace=ws[0])
 
 
 def _attention_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
-    """The splits' fp32 partials, and a zeroed counter a (row, head block): the merge runs in
-    each pair's last split program (one launch)."""
     q_lat, _, pe_cache, latent_cache, tables = ins[:5]
     heads, r, _ = mla_heads(q_lat, pe_cache, latent_cache)
     capacity = int(tables.shape[1]) * int(pe_cache.shape[1])
-    n = q_lat.concrete(env)[0]
-    return [("float32", _k_attn_ws()(n, heads, r, capacity)), (COUNTERS, _k_attn_counts()(n, heads))]
+    return [("float32", _k_attn_ws()(q_lat.concrete(env)[0], heads, r, capacity))]
 
 
 register(OpDef(
@@ -250,5 +246,5 @@ register(OpDef(
     kernels=(KernelBinding("triton_mla_decode", _launch_attention, Applies(TRITON, conditions=(
         Condition("row_offset >= 0", lambda ins, a: a.row_offset >= 0),
         Condition("block tables of >= 1 column", lambda ins, a: ins[4].shape[1] != 0))),
-        workspace=_attention_ws),),  # the KV splits, their merge in each pair's last one
+        workspace=_attention_ws, launches=2),),  # the KV splits, then their merge
 ))

@@ -36,7 +36,7 @@ from draft_circuit.circuit.types import TensorSpec
 from draft_circuit.ops.basic import (EpsAttrs, _infer_add, _infer_linear,
                                      _infer_linear_silu_mul, _infer_rmsnorm, _linear_cost,
                                      _many_splits, _silu_mul, _splitk_workspace, linear_ref,
-                                     rmsnorm_ref, splitk_counts, splitk_scratch)
+                                     rmsnorm_ref)
 from draft_circuit.ops.bindings import (CUDA, TRITON, Applies, Condition, KernelBinding, LaunchCount,
                                        Scratch, Tensors, WorkspaceRule, kernel)
 from draft_circuit.ops.attention import RopeKvWriteAttrs, _infer_rope_kv_write, _rope_kv_write
@@ -50,7 +50,7 @@ _k_norm_qkv = kernel("linear_fused", "rmsnorm_linear_qkv")
 _k_splitk = kernel("linear_splitk", "linear_splitk")
 _k_prologue_splitk = kernel("linear_fused_splitk", "linear_prologue_splitk")
 _k_prologue_splitk_pays = kernel("linear_fused_splitk", "splitk_pays")
-_k_prologue_splitk_finishes = kernel("linear_fused_splitk", "finishes")
+_k_splitk_ws = kernel("linear_splitk", "splitk_workspace_shape")
 # PDL weight prefetch (issue 15 item 2): each kernels.linear_fused binding has a variant that
 # loads its first weight tile before the PDL wait and releases its dependents after the first K
 # step. The same bits, so it is bound last: only a tuning pass that measures it faster (or
@@ -123,10 +123,9 @@ register(OpDef(
     kernels=(
         # split-K where kernels.linear would split (the same rule, by the weight's shape only)
         KernelBinding("triton_linear_add_splitk",
-                      lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], residual=i[2],
-                                                     counts=splitk_counts(w)),
+                      lambda i, o, w, a: _k_splitk()(i[0], i[1], o[0], w[0], residual=i[2]),
                       Applies(TRITON, conditions=(Condition("K in >= 2 splits", _many_splits),)),
-                      workspace=_splitk_workspace),  # the reduce in each tile's last split
+                      workspace=_splitk_workspace, launches=2),
         KernelBinding("triton_linear_add", _launch_linear_add, Applies(TRITON)),
         _prefetch_variant("triton_linear_add", _launch_linear_add),
         # circuit_fast's o_proj / down_proj (what cublas_linear was before the add folded in)
@@ -203,10 +202,8 @@ def _launch_embed_concat(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs, prefet
 
 
 def _launch_embed_concat_splitk(i: Tensors, o: Tensors, w: Tensors, a: EpsAttrs) -> None:
-    counts = splitk_counts(w)  # the counters (where handed out), then the normed x (wide n)
-    rest = w[1 + (counts is not None):]
     _k_prologue_splitk()(i[0], i[5], o[0], w[0], ids=i[1], norm1=i[2], eps1=a.eps, x2=i[3],
-                         norm2=i[4], eps2=a.eps, counts=counts, normed=rest[0] if rest else None)
+                         norm2=i[4], eps2=a.eps, normed=w[1] if len(w) > 1 else None)
 
 
 def _embed_parts(ins: Sequence[TensorSpec]) -> tuple[int | str, int | str]:
@@ -218,31 +215,14 @@ def _embed_normed_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
     return _normed_ws(ins[0].dtype, ins[3].concrete(env)[0], (k1, k2))
 
 
-def _embed_finishes(ins: Sequence[TensorSpec]) -> bool:
-    """Whether the split eh_proj runs its reduce in the last split at this width (kernels.
-    linear_fused_splitk.finishes: with the prologue a launch of its own, or at narrow n)."""
-    n = ins[3].shape[0]  # x2's rows
-    return isinstance(n, int) and bool(_k_prologue_splitk_finishes()(n, _wide(n, _embed_parts(ins))))
-
-
 def _embed_concat_ws(ins: Sequence[TensorSpec], env: Env, a: Any) -> Scratch:
-    """split-K's workspace (its counters where the reduce runs in the last split), and the
-    normed x at wide n."""
     rows, k = ins[5].shape
-    concrete = [TensorSpec(dtype=s.dtype, shape=s.concrete(env)) for s in ins]
-    n = ins[3].concrete(env)[0]  # x2's rows
-    return [*splitk_scratch(n, int(rows), int(k), _embed_finishes(concrete)),
+    return [("float32", _k_splitk_ws()(ins[3].concrete(env)[0], int(rows), int(k))),
             *_embed_normed_ws(ins, env, a)]
 
 
 def _embed_launches(base: int) -> Callable[[Sequence[TensorSpec], Any], int]:
     return lambda ins, a: base + _wide(ins[3].shape[0], _embed_parts(ins))  # n: x2's rows
-
-
-def _embed_splitk_launches(ins: Sequence[TensorSpec], a: Any) -> int:
-    """The partials, their reduce unless it runs in the last split, and the prologue's own
-    launch at wide n."""
-    return 2 - _embed_finishes(ins) + _wide(ins[3].shape[0], _embed_parts(ins))
 
 
 def _embed_concat_splits_pay(ins: Sequence[TensorSpec], a: Any) -> bool:
@@ -277,7 +257,7 @@ register(OpDef(
         KernelBinding("triton_embed_rmsnorm_linear_concat_splitk", _launch_embed_concat_splitk,
                       Applies(TRITON, conditions=(EMBED_CONCAT_SPLITK,)),
                       # partials (prologue in them), reduce; the prologue first at wide n
-                      workspace=_embed_concat_ws, launches=_embed_splitk_launches),
+                      workspace=_embed_concat_ws, launches=_embed_launches(2)),
         KernelBinding("triton_embed_rmsnorm_linear_concat", _launch_embed_concat, Applies(TRITON),
                       workspace=_embed_normed_ws, launches=_embed_launches(1)),
         _prefetch_variant("triton_embed_rmsnorm_linear_concat", _launch_embed_concat,

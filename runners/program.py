@@ -180,9 +180,6 @@ class ProgramRunner:
         self._guarded = {k: torch.empty_like(self.static_inputs[k]) for k in GUARDED} \
             if self.guard is not None else {}
         self._views: dict[tuple[Slot, int], torch.Tensor] = {}
-        # zeroed counters a node's kernel counts arrivals on and leaves at zero (ops.bindings
-        # COUNTERS): one buffer a node, the largest any width asks for, made before any capture
-        self.counters = _counters(compiled, self.device)
         self._bound = {w: [*self._bind_guard(w), *(self._bind(x, w) for x in p.launches)]
                        for w, p in compiled.programs.items()}
         self._outputs = {w: {n: self._view(s, w) for n, s in p.outputs.items()
@@ -326,25 +323,12 @@ class ProgramRunner:
             return self.arena[s.offset:s.offset + nbytes].view(dtype).view(s.shape)
         if s.where == "param":
             return self.compiled.params[s.name]
-        if s.where == "counter":
-            return _leading(self.counters[s.name], s.shape)
         if s.where == "state":
             return state_view(self.circuit, s.name, self.states[s.name], width)
         if s.where == "input" and s.name in self._guarded:
             return _leading(self._guarded[s.name], s.shape)
         return _leading((self.static_inputs if s.where == "input" else self.static_outputs)[s.name],
                         s.shape)
-
-
-def _counters(compiled: CompiledDraft, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every counter slot's buffer, by name: int32 zeros of the largest numel a width binds."""
-    numel: dict[str, int] = {}
-    for p in compiled.programs.values():
-        for x in p.launches:
-            for s in x.workspace:
-                if s.where == "counter":
-                    numel[s.name] = max(numel.get(s.name, 0), _numel(s.shape))
-    return {name: torch.zeros(k, dtype=torch.int32, device=device) for name, k in numel.items()}
 
 
 def _select_for(compiled: CompiledDraft) -> str:

@@ -29,11 +29,10 @@ K, MAX_WIDTH = 3, 8
 # per step, as the GPU runs it: eh_proj with the embedding and both norms in its prologue (1),
 # q/k/v with input_layernorm in its prologue (1), rope + the paged KV write (1; the opt-in
 # fuse_qkv_rope_kv_write folds it into q/k/v, see circuit.passes.OPT_IN), decode attention's
-# splits with their merge in each (row, kv head)'s last split program (1), o_proj + residual
-# (1), gate_up + SwiGLU with post_attention_layernorm in its prologue (1), down_proj + residual
-# (1), the lm-head's argmax partials with the final norm in their prologue, then the merge with
-# keep_if_active (2)
-NODES_PER_STEP, GPU_LAUNCHES_PER_STEP, MAX_GPU_LAUNCHES_PER_STEP = 8, 9, 10
+# splits and merge (2), o_proj + residual (1), gate_up + SwiGLU with
+# post_attention_layernorm in its prologue (1), down_proj + residual (1), the lm-head's argmax
+# partials with the final norm in their prologue, then the merge with keep_if_active (2)
+NODES_PER_STEP, GPU_LAUNCHES_PER_STEP, MAX_GPU_LAUNCHES_PER_STEP = 8, 10, 10
 PER_CHAIN = 2  # the two stacks, once a chain (references)
 
 

@@ -365,79 +365,8 @@ def test_fewer_split_programs_than_splits_give_the_same_bits(monkeypatch, split_
     assert torch.equal(run(case, live_rows, **attrs), every)
 
 
-@pytest.mark.parametrize("heads,split_programs", [((4, 2, 64), 3), ((8, 2, 80), 2048), ((2, 2, 80), 1)])
-def test_merging_in_the_last_split_program_gives_the_two_launch_bits(monkeypatch, interpreted_launches,
-                                                                    heads, split_programs) -> None:
-    """Given zeroed counters, the merge runs in each (row, kv head)'s last split program: one
-    launch, bitwise the split-then-merge launches' (rows of 1 to 6 splits, fewer split
-    programs than splits, a GQA group padded, a row of no live rows), the counters left at zero
-    for the next launch (launched twice)."""
-    import draft_circuit.kernels.decode_attention as da
-    monkeypatch.setattr(da, "SPLIT_PROGRAMS", split_programs)
-    num_heads, num_kv_heads, head_dim = heads
-    lengths = [1, 32, 33, 100, 190, 4]
-    case = make_case(lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     block_size=16, dtype=torch.float16, tail=-1, seed=12, spare_blocks=3)
-    live_rows = torch.tensor(lengths, dtype=torch.int32) - 1
-    live_rows[-1] = -1  # out of contract (no live row): zeros either way
-    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=0.2,
-                 row_offset=0, split_rows=32)
-    want = run(case, live_rows, **attrs)
-    counts = torch.zeros(da.counts_shape(len(lengths), num_kv_heads), dtype=torch.int32)
-    for _ in range(2):
-        interpreted_launches.clear()
-        assert torch.equal(run(case, live_rows, counts=counts, **attrs), want)
-        assert len(interpreted_launches) == 1 and "_merge_kernel" not in interpreted_launches
-        assert not counts.any()
-    with pytest.raises(KernelInputError, match="counts"):
-        run(case, live_rows, counts=counts[:-1], **attrs)
-    with pytest.raises(KernelInputError, match="counts"):
-        run(case, live_rows, counts=counts.long(), **attrs)
-
-
 def test_split_programs_follow_the_width() -> None:
     from draft_circuit.kernels.decode_attention import SPLIT_PROGRAMS, split_programs
     assert split_programs(1, 8, 32) == 32 and split_programs(8, 8, 32) == 32
     assert split_programs(64, 8, 32) == SPLIT_PROGRAMS // 512 == 4
     assert split_programs(4096, 8, 32) == 1 and split_programs(1, 1, 1) == 1
-
-
-@cuda
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (4, 2, 32), (16, 1, 64)])
-def test_cuda_merging_in_the_last_split_program_gives_the_two_launch_bits(num_heads: int, num_kv_heads: int,
-                                                                         head_dim: int) -> None:
-    """On the GPU (where the counters' ordering is tested: the interpreter runs programs one by
-    one): at n = 1 .. 64 with rows of 1 to 32 splits, the one-launch attention equals the
-    split-then-merge launches bitwise and leaves the counters at zero; captured in a CUDA graph
-    (PDL launches) and replayed three launches at a time over changing queries, every replay does."""
-    import draft_circuit.kernels.decode_attention as da
-    gen = torch.Generator().manual_seed(num_heads)
-    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 scale=head_dim ** -0.5, row_offset=1)
-    counts = torch.zeros(da.counts_shape(64, num_kv_heads), dtype=torch.int32, device="cuda")
-    for n in (1, 2, 7, 16, 17, 64):
-        lengths = torch.randint(1, 1000, (n,), generator=gen).tolist()
-        case = to_cuda(make_case(lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 block_size=16, dtype=torch.bfloat16, tail=-1, seed=n))
-        live_rows = (torch.tensor(lengths, dtype=torch.int32) - 2).clamp(min=-1).cuda()
-        want = run(case, live_rows, **attrs)
-        assert torch.equal(run(case, live_rows, counts=counts, **attrs), want), n
-        assert not counts.any(), n
-    outs = [torch.empty_like(case["q"]) for _ in range(3)]
-    args = (case["q"], case["k_cache"], case["v_cache"], case["block_tables"], live_rows)
-    ws = torch.empty(da.decode_attention_workspace_shape(n, num_heads, head_dim,
-                                                         case["block_tables"].shape[1] * 16), device="cuda")
-    da.decode_attention(*args, outs[0], workspace=ws, counts=counts, **attrs)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for out in outs:  # each launch into its own output: every one must merge
-            da.decode_attention(*args, out, workspace=ws, counts=counts, **attrs)
-    for i in range(4):
-        case["q"].copy_(torch.randn(case["q"].shape, generator=gen).to(torch.bfloat16))
-        want = run(case, live_rows, **attrs)
-        for out in outs:
-            out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(out, want) for out in outs) and not counts.any(), i

@@ -219,10 +219,7 @@ def test_the_rule_is_the_weights_shape():
     assert splitk_pays(8160, 4096) and not splitk_pays(8192, 4096)  # 255 tiles of 32, then 256
 
 
-def test_the_binding_is_first_by_the_weights_shape_and_finishes_in_the_last_split(interpreted_launches):
-    """...and at narrow n its workspace hands out counters: one launch, the reduce's work in each
-    tile's last split (the counters left at zero); without them, the partials then the reduce
-    kernel, the same bits."""
+def test_the_binding_is_first_by_the_weights_shape_and_launches_two_kernels(interpreted_launches):
     from draft_circuit.circuit.ir import ROW, TensorSpec
     from draft_circuit.ops.registry import get_op
 
@@ -240,7 +237,7 @@ def test_the_binding_is_first_by_the_weights_shape_and_finishes_in_the_last_spli
         assert first.applies("cuda", specs(7168, 7168, 7168, width), attrs)
         assert not first.applies("cuda", specs(2048, 1024, 1024, width), attrs)
         assert not first.applies("cuda", specs(8192, 2048, 2048, width), attrs)
-    # the interpreter runs it at K = 4096 (4 splits of 1024): one kernel, the op's reference
+    # the interpreter runs it at K = 4096 (4 splits of 1024): two kernels, the op's reference
     seen = interpreted_launches
     g = torch.Generator().manual_seed(3)
     n, k1, k2, rows = 2, 2048, 2048, 8
@@ -248,16 +245,11 @@ def test_the_binding_is_first_by_the_weights_shape_and_finishes_in_the_last_spli
               _norm_w(g, k1, torch.float32), _r(g, n, k2, dtype=torch.float32),
               _norm_w(g, k2, torch.float32), _r(g, rows, k1 + k2, dtype=torch.float32, scale=0.02)]
     sp = specs(rows, k1, k2, n)
-    assert first.applies("interpret", sp, attrs) and first.launch_count(sp, attrs) == 1
-    assert [dt for dt, _ in first.workspace(sp, {}, attrs)] == ["float32", "counters"]
-    ws = [torch.empty(shape, dtype=torch.float32) if dt == "float32" else torch.zeros(shape, dtype=torch.int32)
-          for dt, shape in first.workspace(sp, {}, attrs)]
-    out, two = torch.empty(n, rows), torch.empty(n, rows)
+    assert first.applies("interpret", sp, attrs) and first.launch_count(sp, attrs) == 2
+    ws = [torch.empty(shape, dtype=getattr(torch, dt)) for dt, shape in first.workspace(sp, {}, attrs)]
+    out = torch.empty(n, rows)
     first.launch(inputs, [out], ws, attrs)
-    assert seen == ["_prologue_partial_kernel"] and not ws[1].any()
-    seen.clear()
-    first.launch(inputs, [two], ws[:1], attrs)
-    assert seen == ["_prologue_partial_kernel", "_reduce_kernel"] and torch.equal(out, two)
+    assert seen == ["_prologue_partial_kernel", "_reduce_kernel"]
     table, ids = inputs[0], inputs[1]
     emb = table[ids.clamp(min=0).long()].masked_fill((ids < 0)[:, None], 0)
     want = torch.cat([torch.nn.functional.rms_norm(emb, (k1,), inputs[2], EPS),
@@ -265,35 +257,10 @@ def test_the_binding_is_first_by_the_weights_shape_and_finishes_in_the_last_spli
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
-def test_with_normed_the_reduce_runs_in_the_last_split_too(interpreted_launches):
-    """With the prologue a launch of its own (`normed`), counters make it two launches (the
-    norm, the partials finishing in their last split) with the three-launch bits; at wide n
-    without normed the prologue kernel keeps its reduce kernel (counters refused)."""
-    from draft_circuit.kernels.linear_splitk import SplitKConfig, counts_shape
-    g = torch.Generator().manual_seed(8)
-    n, k1, k2, rows = 3, 96, 64, 40
-    cfg = SplitKConfig(block_n=16, split_k=64, block_k=32, num_warps=4, num_stages=2)
-    table, x2 = _r(g, 50, k1, dtype=torch.float32), _r(g, n, k2, dtype=torch.float32)
-    w = _r(g, rows, k1 + k2, dtype=torch.float32, scale=0.05)
-    prologue = dict(ids=torch.tensor([4, 0, 9], dtype=torch.int32), norm1=_norm_w(g, k1, torch.float32),
-                    eps1=EPS, x2=x2, norm2=_norm_w(g, k2, torch.float32), eps2=EPS, config=cfg)
-    want, out = torch.empty(n, rows), torch.empty(n, rows)
-    linear_prologue_splitk(table, w, want, normed=torch.empty(n, k1 + k2), **prologue)
-    counts = torch.zeros(counts_shape(n, rows, k1 + k2, cfg), dtype=torch.int32)
-    interpreted_launches.clear()
-    linear_prologue_splitk(table, w, out, normed=torch.empty(n, k1 + k2), counts=counts, **prologue)
-    assert interpreted_launches == ["prologue_norm_kernel", "_partial_kernel"]
-    assert torch.equal(out, want) and not counts.any()
-    wide = dict(prologue, ids=torch.zeros(17, dtype=torch.int32), x2=_r(g, 17, k2, dtype=torch.float32))
-    with pytest.raises(KernelInputError, match="counts"):
-        linear_prologue_splitk(table, w, torch.empty(17, rows), counts=torch.zeros(30, dtype=torch.int32), **wide)
-
-
-def test_plans_of_the_8b_chain_bind_it_and_count_its_launches(monkeypatch):
+def test_plans_of_the_8b_chain_bind_it_and_count_its_two_launches(monkeypatch):
     """An 8B-shaped chain planned for CUDA (meta weights) binds the split kernel for eh_proj at
-    every width and its report counts as many launches a step as the one-launch kernel's plan
-    (at these widths the reduce runs in the partials' last split); a 1024-wide head (K 2048)
-    keeps the one-launch kernel."""
+    every width and its report counts one launch more a step than the one-launch kernel's plan;
+    a 1024-wide head (K 2048) keeps the one-launch kernel."""
     import draft_circuit.ops.prologue_linear as prologue_linear
     from tests.plan_shapes import plan_kernels
 
@@ -308,7 +275,7 @@ def test_plans_of_the_8b_chain_bind_it_and_count_its_launches(monkeypatch):
     for w in (1, 8):
         assert big[w][0] == {"triton_embed_rmsnorm_linear_concat_splitk"}
         assert one_launch[w][0] == small[w][0] == {"triton_embed_rmsnorm_linear_concat"}
-        assert big[w][1] == one_launch[w][1]  # one launch where there was one, each step
+        assert big[w][1] == one_launch[w][1] + 1  # two launches where there was one, each step
 
 
 @cuda
@@ -337,32 +304,6 @@ def test_cuda_bf16_8b_eh_proj(n):
         linear_prologue_splitk(table, w, alone, ids=ids[i:i + 1], norm1=n1, eps1=EPS,
                                x2=x2[i:i + 1], norm2=n2, eps2=EPS)
         assert torch.equal(alone[0], out[i])
-
-
-@cuda
-def test_cuda_bf16_8b_eh_proj_finishing_in_the_last_split_keeps_the_bits():
-    """At the 8B eh_proj's shape on the GPU (the module's LAUNCH tiles: BLOCK_N 128, so fewer
-    tiles than counters), the product with the reduce in the last split equals the two-launch
-    one bitwise at every n <= FINISH_TO_N and, with the prologue a launch of its own, past it;
-    the counters left at zero, launched twice in a row."""
-    from draft_circuit.kernels.linear_splitk import FINISH_TO_N, counts_shape
-    dev, dt, h = "cuda", torch.bfloat16, 4096
-    g = torch.Generator().manual_seed(5)
-    table = _r(g, 1000, h, dtype=dt).to(dev)
-    n1, n2 = _norm_w(g, h, dt).to(dev), _norm_w(g, h, dt).to(dev)
-    w = _r(g, h, 2 * h, dtype=dt, scale=(2 * h) ** -0.5).to(dev)
-    counts = torch.zeros(counts_shape(64, h, 2 * h), dtype=torch.int32, device=dev)
-    for n in [*range(1, FINISH_TO_N + 1), 17, 33, 64]:  # past 16, with the prologue's own launch
-        ids = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32).to(dev)
-        prologue = dict(ids=ids, norm1=n1, eps1=EPS, x2=_r(g, n, h, dtype=dt).to(dev), norm2=n2, eps2=EPS)
-        if n > FINISH_TO_N:
-            prologue["normed"] = torch.empty(n, 2 * h, dtype=dt, device=dev)
-        want, out = torch.empty(n, h, dtype=dt, device=dev), torch.empty(n, h, dtype=dt, device=dev)
-        linear_prologue_splitk(table, w, want, **prologue)
-        for _ in range(2):
-            out.fill_(float("nan"))
-            linear_prologue_splitk(table, w, out, counts=counts, **prologue)
-            assert torch.equal(out, want) and not counts.any(), n
 
 
 @cuda

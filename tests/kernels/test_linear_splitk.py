@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from draft_circuit.kernels._common import KernelInputError
-from draft_circuit.kernels.linear_splitk import (FINISH_TO_N, MIN_SPLIT_K, SplitKConfig, counts_shape,
-                                   default_config, linear_silu_mul_splitk, linear_splitk,
-                                   num_splits, splitk_workspace_shape)
-from draft_circuit.kernels.linear_splitk import _launch  # the one launcher SwiGLU and counts share
+from draft_circuit.kernels.linear_splitk import (MIN_SPLIT_K, SplitKConfig, default_config,
+                                   linear_silu_mul_splitk, linear_splitk, num_splits,
+                                   splitk_workspace_shape)
 
 from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
 
@@ -103,46 +102,6 @@ def test_rejects_bad_inputs():
         linear_splitk(x, torch.randn(10, 64), torch.empty(3, 10), config=SplitKConfig(16, 100, 32))
 
 
-# ---- the reduce in each tile's last split (`counts=`): one launch, the reduce kernel's bits
-FINISH_KERNEL = {"pinned": "_partial_kernel", "bm64": "_partial_kernel", "mloop": "linear_wide_kernel"}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,tiles", [(1, None), (5, None), (FINISH_TO_N, None), (17, "pinned"),
-                                     (40, "bm64"), (40, "mloop"), (70, "mloop")])
-@pytest.mark.parametrize("residual", [False, True])
-def test_finishing_in_the_last_split_gives_the_two_launch_bits(dtype, n, tiles, residual, interpreted_launches):
-    """At every tile mode (the M-loop's program finishes its row tiles one by one; past 64 rows
-    several programs along M): every launch leaves the counters at zero (the next launch, a
-    graph's next replay, starts from them); N off BLOCK_N, K off the split grid; out aliasing
-    the residual, as linear_add's in-place output does."""
-    rows, k = 40, 200  # SMALL: 3 N tiles, 4 splits
-    x, w = _inputs(n, k, rows, dtype, seed=n)
-    res = torch.randn(n, rows, generator=torch.Generator().manual_seed(9)).to(dtype) if residual else None
-    want = _poisoned((n, rows), dtype)
-    linear_splitk(x, w, want, config=SMALL, residual=res, tiles=tiles)
-    counts = torch.zeros(counts_shape(n, rows, k, SMALL), dtype=torch.int32)
-    assert counts.shape == (3 * -(-n // 16),)
-    for _ in range(2):
-        out = res.clone() if residual else _poisoned((n, rows), dtype)
-        interpreted_launches.clear()
-        linear_splitk(x, w, out, _poisoned(splitk_workspace_shape(n, rows, k, SMALL)), SMALL,
-                      residual=out if residual else None, tiles=tiles, counts=counts)
-        assert interpreted_launches == [FINISH_KERNEL[tiles or "pinned"]]
-        assert torch.equal(out, want) and not counts.any()
-
-
-def test_finishing_is_refused_where_it_cannot_run():
-    x, w = _inputs(17, 200, 40, torch.float32, seed=0)
-    ok = torch.zeros(6, dtype=torch.int32)
-    with pytest.raises(KernelInputError, match="counts.*int32"):
-        linear_splitk(x, w, torch.empty(17, 40), config=SMALL, counts=torch.zeros(6))
-    with pytest.raises(KernelInputError, match="counts.*>= 6"):  # 2 row tiles x 3 N tiles
-        linear_splitk(x, w, torch.empty(17, 40), config=SMALL, counts=ok[:3])
-    with pytest.raises(KernelInputError, match="without SwiGLU"):  # its reduce pairs two tiles
-        _launch(x, w, torch.empty(17, 20), None, SMALL, silu_mul=True, counts=ok)
-
-
 # the small and 8B configs' linears as (weight rows, K): eh_proj, q = o, k = v, gate_up, down
 SHAPES = {"small": [(1024, 2048), (1024, 1024), (256, 1024), (2 * 2816, 1024), (1024, 2816)],
           "8b": [(4096, 8192), (4096, 4096), (1024, 4096), (2 * 14336, 4096), (4096, 14336)]}
@@ -157,10 +116,10 @@ def test_default_config_follows_the_measured_rule(rows, k):
 
 
 # ---- the bindings: chosen ahead of the single-pass kernels where K splits, run through a Program
-def _one_op_circuit(op: str, k: int, rows: int, attrs: dict | None = None, max_width: int = 4):
+def _one_op_circuit(op: str, k: int, rows: int, attrs: dict | None = None):
     from draft_circuit.circuit.builder import CircuitBuilder
     from draft_circuit.circuit.ir import ROW
-    b = CircuitBuilder("one_linear", max_width=max_width)
+    b = CircuitBuilder("one_linear", max_width=4)
     x = b.input("x", "float32", (ROW, k))
     w = b.param("w", "float32", (rows, k))
     b.output(b.op1(op, [x, w], attrs), "y")
@@ -190,31 +149,6 @@ def test_binding_chosen_and_matches_eager(op, k, rows, attrs, want):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-3, rtol=2e-3)
 
 
-def test_program_binds_zeroed_counters_at_every_width():
-    """A program's split-K launch gets a counter slot (outside the arena, one buffer a node for
-    every width, the widest's size, zeroed when the runner binds and zero after each run): one
-    launch at every width, each width's result the two-launch kernel's, bit for bit."""
-    from draft_circuit.circuit.planner import CompileOptions, compile_draft
-    from draft_circuit.runners.program import ProgramRunner
-    k, rows, widths = 2100, 40, (1, 3, FINISH_TO_N + 1)
-    c = _one_op_circuit("linear", k, rows, max_width=FINISH_TO_N + 1)
-    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) / k ** 0.5
-    compiled = compile_draft(c, {"w": w}, list(widths), options=CompileOptions(interpret_kernels=True))
-    runner = ProgramRunner(compiled, {})
-    (name,) = runner.counters
-    assert runner.counters[name].shape == counts_shape(FINISH_TO_N + 1, rows, k)
-    assert runner.counters[name].dtype == torch.int32 and not runner.counters[name].any()
-    for width in widths:
-        (launch,) = [x for x in compiled.programs[width].launches if x.op == "linear"]
-        assert [s.name for s in launch.workspace if s.where == "counter"] == [name]
-        x = torch.randn(width, k, generator=torch.Generator().manual_seed(width))
-        want = torch.empty(width, rows)
-        linear_splitk(x, w, want)
-        assert torch.equal(runner.run({"x": x})["y"], want) and not runner.counters[name].any()
-    report = compiled.report()  # what the plan counts (the runner's input guard is not the plan's)
-    assert [report.width(n).gpu_launches for n in widths] == [1, 1, 1]
-
-
 # ---- cuda
 @cuda
 @pytest.mark.parametrize("rows,k", SHAPES["small"] + SHAPES["8b"][:3] + [(334, 200)])
@@ -228,47 +162,6 @@ def test_cuda_bf16_matches_fp32_reference(rows, k, n):
     linear_silu_mul_splitk(x, w, gate_up_out)
     torch.testing.assert_close(gate_up_out.float(), reference_linear_silu_mul(x, w, torch.float32),
                                **TOL[torch.bfloat16])
-
-
-@cuda
-@pytest.mark.parametrize("rows,k", [(4096, 4096), (4096, 14336), (1024, 2816), (1000, 2100)])
-def test_cuda_finishing_in_the_last_split_keeps_the_bits_in_a_graph(rows, k):
-    """bf16 on the GPU (the counters' ordering is the GPU's to get right: the interpreter runs
-    programs one by one): at every n <= 64 the one-launch product (+ residual, out aliasing
-    it) equals the two-launch one bitwise and leaves the counters at zero; captured
-    in a CUDA graph (PDL launches) and replayed over changing inputs, every replay does."""
-    dev, dt = "cuda", torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(k)
-    w = (torch.randn(rows, k, device=dev, generator=gen) / k ** 0.5).to(dt)
-    counts = torch.zeros(counts_shape(64, rows, k), dtype=torch.int32, device=dev)
-    for n in range(1, 65):  # the pinned tiles to n = 16, then the GPU's wide ones
-        x = torch.randn(n, k, device=dev, generator=gen).to(dt)
-        res = torch.randn(n, rows, device=dev, generator=gen).to(dt)
-        want = _poisoned((n, rows), dt, dev)
-        linear_splitk(x, w, want, residual=res)
-        out = res.clone()
-        linear_splitk(x, w, out, residual=out, counts=counts)
-        assert torch.equal(out, want) and not counts.any(), n
-    for n in (5, 64):
-        x = torch.randn(n, k, device=dev, generator=gen).to(dt)
-        res = torch.randn(n, rows, device=dev, generator=gen).to(dt)
-        outs = [torch.empty(n, rows, dtype=dt, device=dev) for _ in range(3)]
-        ws = torch.empty(splitk_workspace_shape(n, rows, k), device=dev)
-        linear_splitk(x, w, outs[0], ws, residual=res, counts=counts)  # compile before the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for out in outs:  # back to back: each launch starts from the zeros the last one left
-                linear_splitk(x, w, out, ws, residual=res, counts=counts)
-        for i in range(4):
-            x.copy_(torch.randn(n, k, device=dev, generator=gen))
-            want = _poisoned((n, rows), dt, dev)
-            linear_splitk(x, w, want, residual=res)
-            for out in outs:
-                out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(out, want) for out in outs) and not counts.any(), (n, i)
 
 
 @cuda

@@ -53,29 +53,6 @@ def test_kernel_matches_reference_fp32(lives, heads, r, p, block_size, max_block
         assert torch.equal(alone, out[i:i + 1])
 
 
-@pytest.mark.parametrize("lives, heads, r, p, block_size, max_blocks, row_offset", [
-    ([0, 7, 130, 257, 9], 20, 32, 16, 16, 17, 1),  # 2 head blocks, rows of 1 to 3 splits
-    ([5, 11], 3, 12, 6, 6, 4, 2),
-])
-def test_merging_in_the_last_split_program_gives_the_two_launch_bits(lives, heads, r, p, block_size,
-                                                                    max_blocks, row_offset, interpreted_launches):
-    """Given zeroed counters the merge runs in each (row, head block)'s last split program: one
-    launch, the two launches' bits, the counters left at zero (launched twice)."""
-    from draft_circuit.kernels.mla_decode import counts_shape
-    q_lat, q_pe, pc, lc, tables, live = _case(lives, heads, r, p, block_size, max_blocks, seed=4)
-    want = torch.empty_like(q_lat)
-    mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, want, scale=0.3, row_offset=row_offset)
-    counts = torch.zeros(counts_shape(len(lives), heads), dtype=torch.int32)
-    for _ in range(2):
-        out = torch.full_like(q_lat, float("nan"))
-        interpreted_launches.clear()
-        mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, out, scale=0.3, row_offset=row_offset,
-                             counts=counts)
-        assert interpreted_launches == ["_split_kernel"] and torch.equal(out, want) and not counts.any()
-    with pytest.raises(KernelInputError, match="counts"):
-        mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, out, scale=0.3, counts=counts[:-1])
-
-
 def test_bad_operands_are_refused_by_name():
     q_lat, q_pe, pc, lc, tables, live = _case([3, 4], 2, 16, 8, 8, 2)
     with pytest.raises(KernelInputError, match="do not split into the same heads"):
@@ -128,23 +105,6 @@ def test_bf16_at_deepseek_shapes_and_rows_alone_are_bitwise(lives):
         mla_decode_attention(q_lat[i:i + 1], q_pe[i:i + 1], pc, lc, tables[i:i + 1], live[i:i + 1], alone,
                              scale=scale)
         assert torch.equal(alone, out[i:i + 1])
-
-
-@cuda
-def test_bf16_merging_in_the_last_split_program_keeps_the_bits():
-    """At DeepSeek-V3's shapes on the GPU (the counters' ordering is the GPU's): the one-launch
-    decode equals the two-launch one bitwise, the counters left at zero, twice in a row."""
-    from draft_circuit.kernels.mla_decode import counts_shape
-    heads, r, p = 128, 512, 64
-    q_lat, q_pe, pc, lc, tables, live = _case([1, 100, 1023, 4000, 64], heads, r, p, 64, 65,
-                                              torch.bfloat16, "cuda", seed=2)
-    want = torch.empty_like(q_lat)
-    mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, want, scale=0.1352)
-    counts = torch.zeros(counts_shape(5, heads), dtype=torch.int32, device="cuda")
-    for _ in range(2):
-        out = torch.full_like(q_lat, float("nan"))
-        mla_decode_attention(q_lat, q_pe, pc, lc, tables, live, out, scale=0.1352, counts=counts)
-        assert torch.equal(out, want) and not counts.any()
 
 
 @cuda

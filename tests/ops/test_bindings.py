@@ -152,14 +152,3 @@ def test_cuda_plans_for_any_block_size_run(block_size):
     compare_drafts(got, want, top2[..., 0] - top2[..., 1], conf_atol=1e-4)
     for k in want_states:
         torch.testing.assert_close(got_states[k], want_states[k], atol=1e-4, rtol=1e-4)
-
-
-def test_scratch_tensors_zero_the_counters():
-    """Outside a program (tests, the tuner) a binding's workspace is built by scratch_tensor:
-    counters zeroed (the kernels finishing in their last program need them so; the tuner once
-    built them as a torch dtype it does not know, and dropped every such candidate), other
-    dtypes as named."""
-    from draft_circuit.ops.bindings import COUNTERS, scratch_tensor
-    c = scratch_tensor(COUNTERS, (5,))
-    assert c.dtype == torch.int32 and c.shape == (5,) and not c.any()
-    assert scratch_tensor("bfloat16", [2, 3]).dtype == torch.bfloat16

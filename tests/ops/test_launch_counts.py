@@ -2,12 +2,11 @@
 GPU launches, not nodes): each Triton binding the interpreter can run issues exactly that many
 kernels on its op's example (tests/ops/test_registry.py), and each torch binding runs that many
 kernel-launching aten ops on real CPU tensors (the declaration counts them on meta tensors)."""
-import pytest
 import torch
 
 from draft_circuit.circuit.types import ROW, TensorSpec
-from draft_circuit.ops.bindings import aten_kernels, scratch_tensor
-from draft_circuit.ops.registry import REGISTRY
+from draft_circuit.ops.bindings import aten_kernels
+from draft_circuit.ops.registry import REGISTRY, torch_dtype
 from tests.ops.test_registry import EXAMPLES, _launch_outputs, make_input
 
 WIDTH = 3
@@ -25,7 +24,7 @@ def _example(name):
 
 
 def _workspace(binding, specs, env, parsed):
-    return [scratch_tensor(dt, shape)
+    return [torch.empty(shape, dtype=torch_dtype(dt))
             for dt, shape in (binding.workspace(specs, env, parsed) if binding.workspace else ())]
 
 
@@ -72,36 +71,9 @@ def test_split_kernels_count_two():
     """The bindings that launch a kernel and its merge (or reduce) declare two."""
     two = {k.name for op in REGISTRY.values() for k in op.kernels
            if not callable(k.launches) and k.launches == 2}
-    assert {"triton_linear_argmax_logprob", "triton_linear_argmax_keep",
+    assert {"triton_linear_splitk", "triton_linear_argmax_logprob", "triton_linear_argmax_keep",
+            "triton_decode_attention", "triton_mla_decode", "triton_linear_add_splitk",
             "triton_rmsnorm_linear_argmax_keep", "triton_rmsnorm_linear_argmax_logprob"} <= two
-
-
-@pytest.mark.parametrize("name,binding", [("linear", "triton_linear_splitk"),
-                                          ("linear_add", "triton_linear_add_splitk")])
-def test_split_k_bindings_finish_in_the_last_split(name, binding, interpreted_launches):
-    """Split-K's reduce runs in each program tile's last split at every width (its counters
-    handed out as a COUNTERS workspace and left at zero): one launch, as declared, with the
-    partials-then-reduce bits (the launch without the counters: two)."""
-    op = REGISTRY[name]
-    rows = 24
-    (b,) = [k for k in op.kernels if k.name == binding]
-    parsed = op.parse_attrs({})
-    for n in (1, 16, 17):
-        g = torch.Generator().manual_seed(n)
-        ts = [torch.randn(n, 2100, generator=g), torch.randn(rows, 2100, generator=g) / 50]
-        if name == "linear_add":
-            ts.append(torch.randn(n, rows, generator=g))
-        specs = [TensorSpec(dtype="float32", shape=tuple(t.shape)) for t in ts]
-        assert b.applies("interpret", specs, parsed)
-        ws = _workspace(b, specs, {}, parsed)
-        assert [w.dtype for w in ws] == [torch.float32, torch.int32]
-        out, ref = torch.empty(n, rows), torch.empty(n, rows)
-        interpreted_launches.clear()
-        b.launch(ts, [out], ws, parsed)
-        assert len(interpreted_launches) == b.launch_count(specs, parsed) == 1 and not ws[1].any()
-        interpreted_launches.clear()
-        b.launch(ts, [ref], ws[:1], parsed)  # no counters handed out: partials, then reduce
-        assert len(interpreted_launches) == 2 and torch.equal(out, ref)
 
 
 def test_prologue_bindings_launch_what_they_declare_at_wide_widths(interpreted_launches, monkeypatch):

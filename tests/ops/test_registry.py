@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draft_circuit.circuit.ir import DTYPES, ROW, TensorSpec
-from draft_circuit.ops.bindings import FLOAT_DTYPES, Applies, KernelBinding, scratch_tensor
+from draft_circuit.ops.bindings import FLOAT_DTYPES, Applies, KernelBinding
 from draft_circuit.ops.registry import REGISTRY, TAGS, WRITES_STATE, CostContext, OpDef, get_op, torch_dtype
 
 NB, BS, HKV, D = 12, 4, 2, 8
@@ -232,7 +232,7 @@ def test_interpretable_bindings_match_their_references():
             clones = [t.clone() for t in tensors]
             want = op.reference(clones, parsed)
             outs = _launch_outputs(op, op.infer(specs, parsed), tensors, env)
-            ws = [scratch_tensor(dt, shape)
+            ws = [torch.empty(shape, dtype=torch_dtype(dt))
                   for dt, shape in (binding.workspace(specs, env, parsed) if binding.workspace else ())]
             binding.launch(tensors, outs, ws, parsed)
             for got, exp in zip(outs, want):
