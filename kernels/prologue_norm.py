@@ -10,7 +10,7 @@ and its K loop cannot let Triton pipeline x. Here the norm runs once per row; th
 it streams x as kernels.linear does. Measured on an H100 (2026-12-07, two calls,
 benchmarks/results/2026-12-07-s8-nvidia-h100-prenorm-ab.json: us a launch pair, a CUDA graph over rotated weights, bf16; one prologue launch -> the
 norm, then the plain kernel; the norm alone 3.4 us, 5.1 for the MTP input's two halves; q/k/v's
-plain kernel was since made one K loop: 25.0 at n = 64, benchmarks/RESULTS.md):
+plain kernel was since made one K loop: 20.6 us alone at n = 64, benchmarks/RESULTS.md):
 
   n       gate_up + norm + SwiGLU   q/k/v + norm     eh_proj (gather, 2 norms, split-K)
   1       83.5 -> 88.0              26.1 -> 23.8     29.3 -> 33.1
