@@ -1,7 +1,7 @@
 """Helpers shared by the kernel launchers: interpreter detection, PDL launch options, input checks.
 
-Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `KernelInputError`, `check`,
-`describe`, `check_operand`, `unspecialized_jit(ints, pointers)`.
+Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `pdl_level(launch, rows)`,
+`KernelInputError`, `check`, `describe`, `check_operand`, `unspecialized_jit(ints, pointers)`.
 """
 from __future__ import annotations
 
@@ -80,9 +80,30 @@ def launch_kwargs(t: torch.Tensor) -> dict:
     """Extra kwargs for `kernel[grid](...)`: {"launch_pdl": True} only where PDL is supported.
 
     A kernel launched this way must call `tl.extra.cuda.gdc_wait()` before it reads anything a
-    previous kernel wrote; launchers pass `USE_PDL=bool(launch_kwargs(t))` for that.
+    previous kernel wrote; launchers pass `USE_PDL=pdl_level(launch_kwargs(t), n)` for that.
     """
     return {"launch_pdl": True} if pdl_supported(t) else {}
+
+
+#: the values of a kernel's `USE_PDL` constexpr (`pdl_level`): no PDL; wait for the previous
+#: launch (`gdc_wait`) before reading what it wrote, the next launch starting as this grid ends;
+#: and also release the next launch right after that wait (`gdc_launch_dependents`), so its
+#: launch and its weight prefetch overlap this grid's whole run, not only its tail
+PDL_OFF, PDL_WAIT, PDL_EARLY = 0, 1, 2
+#: the widest row count a launch releases its successor early at. Measured on the H100
+#: (.gpu/run30.sh, benchmarks/RESULTS.md "2026-12-07 (tenth session)"): the small head's 4-step
+#: chain 6-7% faster at n = 1 and 8 with every kernel releasing early, 7% slower at n = 64; the 8B
+#: head within 0.3% at every width. Scheduling only: a row's bits do not depend on it.
+EARLY_RELEASE_MAX_ROWS = 16
+
+
+def pdl_level(launch: dict, rows: int) -> int:
+    """A launch's `USE_PDL` value: PDL_OFF without PDL (`launch` is `launch_kwargs`' empty
+    dict), PDL_EARLY at most EARLY_RELEASE_MAX_ROWS rows, else PDL_WAIT. Kernels test
+    `if USE_PDL:` before their wait and `if USE_PDL == 2:` (PDL_EARLY) before the release."""
+    if not launch:
+        return PDL_OFF
+    return PDL_EARLY if rows <= EARLY_RELEASE_MAX_ROWS else PDL_WAIT
 
 
 def check_operand(

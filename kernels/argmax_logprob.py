@@ -10,7 +10,7 @@ import triton.language as tl
 import torch
 
 from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
-                                           fp32_workspace, launch_kwargs)
+                                           pdl_level, fp32_workspace, launch_kwargs)
 from draft_circuit.kernels.prologue_tiles import _inv_rms, _norm_x, _raw_x
 from draft_circuit.kernels.rmsnorm import rmsnorm
 
@@ -105,6 +105,8 @@ def _argmax_logprob_kernel(
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     m_run = tl.full([], float("-inf"), tl.float32)
     tok_run = tl.full([], _NO_TOKEN, tl.int32)
     s_run = tl.zeros([], tl.float32)
@@ -139,6 +141,8 @@ def _linear_partials_kernel(
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)  # logits tile [rows, vocab], fp32
     row_off = rows.to(tl.int64)[:, None] * stride_x
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -184,6 +188,8 @@ def _merge_partials_kernel(
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     m_run = tl.full([], float("-inf"), tl.float32)
     tok_run = tl.full([], _NO_TOKEN, tl.int32)
     s_run = tl.zeros([], tl.float32)
@@ -247,7 +253,7 @@ def argmax_logprob(logits: torch.Tensor, token_out: torch.Tensor, logprob_out: t
     _argmax_logprob_kernel[(n,)](
         logits, bitmask if bitmask is not None else token_out, token_out, logprob_out,
         V, logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,
-        HAS_MASK=bitmask is not None, CHUNK=CHUNK, USE_PDL=bool(kw),
+        HAS_MASK=bitmask is not None, CHUNK=CHUNK, USE_PDL=pdl_level(kw, n),
         num_warps=CHUNK_NUM_WARPS, **kw,
     )
 
@@ -329,7 +335,7 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
             norm_weight if norm_weight is not None else x, float(eps),
             n, V, K, x.stride(0), weight.stride(0), bitmask.stride(0) if bitmask is not None else 0,
             HAS_MASK=bitmask is not None, NORM=norm_weight is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_V=LINEAR_BLOCK_V,
-            BLOCK_K=LINEAR_BLOCK_K, NORM_BLOCK_K=LINEAR_NORM_BLOCK_K, USE_PDL=bool(kw),
+            BLOCK_K=LINEAR_BLOCK_K, NORM_BLOCK_K=LINEAR_NORM_BLOCK_K, USE_PDL=pdl_level(kw, n),
             num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
         )
     if log_tau is not None:
@@ -344,5 +350,5 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
         log_tau if log_tau is not None else logprob_out,
         active_out if active_out is not None else token_out, ids if ids is not None else token_out,
         MERGE_BLOCK=MERGE_BLOCK, KEEP=keep, LAST=fallback is not None, GATE=log_tau is not None,
-        HAS_IDS=ids is not None, USE_PDL=bool(kw), num_warps=MERGE_NUM_WARPS, **kw,
+        HAS_IDS=ids is not None, USE_PDL=pdl_level(kw, n), num_warps=MERGE_NUM_WARPS, **kw,
     )

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs, pdl_level
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
@@ -44,6 +44,8 @@ def _program_rows(live_ptr, row_offset, capacity, GROUP: tl.constexpr, GROUP_PAD
     first = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -178,6 +180,8 @@ def _merge_kernel(
     d_ok = d < HEAD_DIM
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
     num_splits = tl.cdiv(L, SPLIT)
     base = ws_ptr + (seq * NUM_HEADS + head) * max_splits * (HEAD_DIM + 2)
@@ -266,7 +270,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return
     kw = launch_kwargs(q)
     shared = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-                  SPLIT=split_rows, USE_PDL=bool(kw))
+                  SPLIT=split_rows, USE_PDL=pdl_level(kw, n))
     grid_splits = split_programs(n, num_kv_heads, shape[2])
     args = (q, k_cache, v_cache, block_tables, live_rows, workspace,
             row_offset, capacity, shape[2], grid_splits, scale * _LOG2E,

@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+)
 
 # Pinned, as kernels.linear's: BLOCK_M = 16 is the smallest tl.dot tile.
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
@@ -36,6 +38,8 @@ def head_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -59,6 +63,6 @@ def head_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Non
     grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, BLOCK_N), heads)
     head_linear_kernel[grid](
         x, weight, out, n, rows, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl,
     )

@@ -15,7 +15,9 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+)
 
 # Pinned: changing BLOCK_N or BLOCK_K changes the bits of every result (but never makes them
 # depend on n). BLOCK_M = 16 is the smallest tl.dot tile (the tile at n <= 16; kernels.tiles
@@ -54,6 +56,8 @@ def linear_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -100,7 +104,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: 
     linear_kernel[grid](
         x, weight, out, bias if bias is not None else weight, n, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0), n_out * weight.stride(0) if silu_mul else 0,
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        USE_PDL=pdl_level(pdl, n),
         num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES,
         **pdl,
     )

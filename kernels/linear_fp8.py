@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+)
 
 SCALE_BLOCK = 128
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, SCALE_BLOCK  # a K tile is one scale block
@@ -36,6 +38,8 @@ def linear_fp8_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kb * BLOCK_K
         k_mask = (k0 + offs_k) < K
@@ -64,6 +68,6 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, o
     grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, BLOCK_N),)
     linear_fp8_kernel[grid](
         x, weight, row_scale, out, n, rows, k, x.stride(0), weight.stride(0), row_scale.stride(0), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl,
     )

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           describe, launch_kwargs)
+                                           pdl_level, describe, launch_kwargs)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.linear_multi import linear_qkv
 from draft_circuit.kernels.prologue_norm import prologue_norm
@@ -76,6 +76,8 @@ def linear_prologue_kernel(
             u0 = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_ok0, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids and the residual may come from the previous launch
+        if USE_PDL == 2 and not PREFETCH:  # PDL_EARLY (_common.pdl_level): the next launch
+            tl.extra.cuda.gdc_launch_dependents()  # may start now (PREFETCH: after 1 K step)
     off1, ok1, off2, inv1, inv2 = _prologue_rows(
         x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
         eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K)
@@ -157,6 +159,8 @@ def rmsnorm_linear_qkv_kernel(x_ptr, nw_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0,
     t1 = num_m * tl.cdiv(N1, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     # the tile's rows are pid % num_m in every one of the three grids laid end to end
     tile = tl.where(pid < t0, pid, tl.where(pid < t0 + t1, pid - t0, pid - t0 - t1))
     offs_m = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,7 +273,7 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
         n_out * weight.stride(0) if silu_mul else 0,
         GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
         NORM2=norm2 is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
         PREFETCH=prefetch, NORM_BLOCK_K=NORM_BLOCK_K, num_warps=t.warps(NUM_WARPS),
         num_stages=NUM_STAGES,
         **pdl)
@@ -308,5 +312,5 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     rmsnorm_linear_qkv_kernel[grid](
         x, norm_weight, *weights, *outs, n, *(w.shape[0] for w in weights), k, float(eps),
         x.stride(0), *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
-        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
         NORM_BLOCK_K=NORM_BLOCK_K, num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES, **pdl)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
-from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs
+from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs, pdl_level
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
                                                 check_prologue_operands)
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
@@ -121,6 +121,8 @@ def _prologue_partial_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     # the norms over the full rows (every split needs them), in linear_prologue's chunks
     off1, ok1, off2, inv1, inv2 = _prologue_rows(
         x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
@@ -206,6 +208,8 @@ def _prologue_partial_mloop_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     m0, mm0, o10, k10, o20, i10, i20, a0, na0, b0, nb0 = _mt_rows(
         x1_ptr, ids_ptr, x2_ptr, row0, n_rows, stride_x1, stride_x2, table_rows, K, K1, eps1,
         eps2, nw1_ptr, nw2_ptr, offs_k, GATHER, NORM1, TWO_X, NORM2, BLOCK_M, NORM_BLOCK_K)
@@ -322,7 +326,7 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
             x1.stride(0), x2.stride(0) if x2 is not None else 0, weight.stride(0))
     consts = dict(GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
                   NORM2=norm2 is not None, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
+                  SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=pdl_level(pdl, n),
                   num_warps=warps, num_stages=stages, **pdl)
     grid = (triton.cdiv(n, t.rows_per_program) * triton.cdiv(rows, block_n), shape[0])
     if t.mode == tiling.MLOOP:

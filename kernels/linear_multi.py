@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 
 
@@ -74,6 +76,8 @@ def linear_qkv_kernel(x_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, stri
     t1 = num_m * tl.cdiv(N1, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     tile = _pick3(pid, t0, t1, pid, pid - t0, pid - t0 - t1)
     _tile(x_ptr, x_ptr, _pick3(pid, t0, t1, w0, w1, w2), _pick3(pid, t0, t1, o0, o1, o2), tile,
           n_rows, _pick3(pid, t0, t1, N0, N1, N2), K, K, stride_x, stride_x,
@@ -87,6 +91,8 @@ def linear_concat_kernel(x1_ptr, x2_ptr, w_ptr, out_ptr, n_rows, N, K, K1, strid
                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     _tile(x1_ptr, x2_ptr, w_ptr, out_ptr, tl.program_id(0), n_rows, N, K, K1, stride_x1, stride_x2,
           stride_w, stride_out, True, BLOCK_M, BLOCK_N, BLOCK_K)
 
@@ -124,7 +130,7 @@ def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[
     linear_qkv_kernel[grid](
         x, *weights, *outs, n, *(w.shape[0] for w in weights), k, x.stride(0),
         *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
-        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=bool(pdl),
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
         num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES, **pdl)
 
 
@@ -145,4 +151,4 @@ def linear_concat(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, out:
     linear_concat_kernel[grid](
         x1, x2, weight, out, n, weight.shape[0], k, k1, x1.stride(0), x2.stride(0),
         weight.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        USE_PDL=bool(pdl), num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
+        USE_PDL=pdl_level(pdl, n), num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe,
+from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe, pdl_level,
                                            fp32_workspace, launch_kwargs)
 from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (acc, m, l) layout
 
@@ -40,6 +40,8 @@ def _split_kernel(
     split = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
     lo = split * SPLIT
@@ -144,11 +146,12 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
         q_lat.stride(0), q_pe.stride(0), block_tables.stride(0), pe_cache.stride(0), pe_cache.stride(1),
         latent_cache.stride(0), latent_cache.stride(1),
         NUM_HEADS=heads, R=r, P=p, R_PAD=r_pad, P_PAD=max(16, triton.next_power_of_2(p)),
-        HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=bool(kw),
+        HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=pdl_level(kw, n),
         num_warps=8 if r_pad >= 256 else 4, **kw,
     )
     _merge_kernel[(n, heads)](
         workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
-        NUM_HEADS=heads, HEAD_DIM=r, D_PAD=triton.next_power_of_2(r), SPLIT=split_rows, USE_PDL=bool(kw),
+        NUM_HEADS=heads, HEAD_DIM=r, D_PAD=triton.next_power_of_2(r), SPLIT=split_rows,
+        USE_PDL=pdl_level(kw, n),
         num_warps=MERGE_NUM_WARPS, **kw,
     )

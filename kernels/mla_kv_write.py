@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+)
 
 
 @triton.jit
@@ -24,6 +26,8 @@ def mla_kv_write_kernel(
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the latent, k_pe and the tables come from earlier launches
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     write = True
     if HAS_ACTIVE:
         write = tl.load(active_ptr + row) != 0
@@ -70,5 +74,6 @@ def mla_kv_write(pe_cache: torch.Tensor, latent_cache: torch.Tensor, latent: tor
         pe_cache.stride(0), pe_cache.stride(1), latent_cache.stride(0), latent_cache.stride(1),
         latent.stride(0), k_pe.stride(0), block_tables.stride(0), int(row_offset), pe_cache.shape[1],
         R=r, P=p, R_PAD=triton.next_power_of_2(r), P_PAD=triton.next_power_of_2(p),
-        HAS_ACTIVE=active is not None, USE_PDL=bool(pdl), num_warps=4 if r >= 256 else 1, **pdl,
+        HAS_ACTIVE=active is not None,
+        USE_PDL=pdl_level(pdl, n), num_warps=4 if r >= 256 else 1, **pdl,
     )

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (check, check_operand, compiled_cuda_index, describe,
-                                           launch_kwargs)
+                                           pdl_level, launch_kwargs)
 from draft_circuit.kernels.linear import NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import NORM_BLOCK_K, _sum_sq
 
@@ -121,6 +121,8 @@ def prologue_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x1, x2 and ids may come from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     ok1 = row < n_rows
     row1 = row
     if GATHER:  # prologue_tiles._rows: an id outside the table reads a zero row
@@ -193,5 +195,5 @@ def prologue_norm(x1: torch.Tensor, out: torch.Tensor, *, n: int, k: int,
         n, k, x1.shape[1], x1.shape[0], float(eps1), float(eps2),
         x1.stride(0), x2.stride(0) if x2 is not None else 0, out.stride(0),
         GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
-        NORM2=norm2 is not None, SLAB=SLAB, BLOCK_K=NORM_BLOCK_K, USE_PDL=bool(pdl),
+        NORM2=norm2 is not None, SLAB=SLAB, BLOCK_K=NORM_BLOCK_K, USE_PDL=pdl_level(pdl, n),
         num_warps=NUM_WARPS, **pdl)

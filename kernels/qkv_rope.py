@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           interpreting, launch_kwargs)
+                                           pdl_level, interpreting, launch_kwargs)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import _inv_rms, _load_x
 from draft_circuit.kernels.rope_kv_write import rope_cos_sin, rope_inv_freq, theta_parts
@@ -101,6 +101,8 @@ def qkv_rope_kernel(
     t_k = num_m * NUM_KV_HEADS * CHUNKS
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, positions and the tables may come from earlier launches
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     tile = tl.where(pid < t_q, pid, tl.where(pid < t_q + t_k, pid - t_q, pid - t_q - t_k))
     offs_m = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < n_rows
@@ -199,5 +201,5 @@ def rmsnorm_qkv_rope_kv_write(
         int(pos_offset), int(row_offset), k_cache.shape[1], th, hi, lo,
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
         BLOCK_HALF=block_half, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_ACTIVE=active is not None,
-        LIBDEVICE=not interpreting(), USE_PDL=bool(pdl), num_warps=NUM_WARPS,
+        LIBDEVICE=not interpreting(), USE_PDL=pdl_level(pdl, n), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, **pdl)

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import FLOAT_DTYPES, check, check_operand, describe, launch_kwargs
+from draft_circuit.kernels._common import (
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+)
 
 
 @triton.jit
@@ -29,6 +31,8 @@ def rmsnorm_kernel(
     mask = cols < hidden
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x / residual may come from the previous launch
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -75,7 +79,8 @@ def _launch(x, residual, sum_out, norm_out, weight, eps: float, zero_centred: bo
         x.stride(0), residual.stride(0) if has_residual else 0,
         sum_out.stride(0) if has_residual else 0, norm_out.stride(0),
         hidden, float(eps),  # an int eps would reach the kernel as i32
-        HAS_RESIDUAL=has_residual, ZERO_CENTRED=zero_centred, BLOCK=block, USE_PDL=bool(pdl),
+        HAS_RESIDUAL=has_residual, ZERO_CENTRED=zero_centred, BLOCK=block,
+        USE_PDL=pdl_level(pdl, n),
         num_warps=min(max(block // 512, 1), 16),
         **pdl,
     )

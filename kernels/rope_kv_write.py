@@ -15,6 +15,7 @@ import triton.language as tl
 
 from draft_circuit.kernels._common import (
     FLOAT_DTYPES, INDEX_DTYPES, check, check_operand, describe, interpreting, launch_kwargs,
+    pdl_level,
 )
 
 
@@ -82,6 +83,8 @@ def rope_kv_write_kernel(
 
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v, positions and the tables come from earlier launches
+        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+            tl.extra.cuda.gdc_launch_dependents()
     pos = (tl.load(pos_ptr + row) + pos_offset).to(tl.float32)
     cos, sin = rope_cos_sin(pos * inv_freq, LIBDEVICE)
 
@@ -190,7 +193,7 @@ def rope_kv_write(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
-        HAS_ACTIVE=active is not None, LIBDEVICE=not interpreting(), USE_PDL=bool(pdl),
+        HAS_ACTIVE=active is not None, LIBDEVICE=not interpreting(), USE_PDL=pdl_level(pdl, n),
         num_warps=1 if head_dim <= 128 else 2,
         **pdl,
     )
