@@ -90,11 +90,14 @@ def launch_kwargs(t: torch.Tensor) -> dict:
 #: and also release the next launch right after that wait (`gdc_launch_dependents`), so its
 #: launch and its weight prefetch overlap this grid's whole run, not only its tail
 PDL_OFF, PDL_WAIT, PDL_EARLY = 0, 1, 2
-#: the widest row count a launch releases its successor early at. Measured on the H100
-#: (.gpu/run30.sh, benchmarks/RESULTS.md "2026-12-07 (tenth session)"): the small head's 4-step
-#: chain 6-7% faster at n = 1 and 8 with every kernel releasing early, 7% slower at n = 64; the 8B
-#: head within 0.3% at every width. Scheduling only: a row's bits do not depend on it.
-EARLY_RELEASE_MAX_ROWS = 16
+#: the widest row count a launch releases its successor early at. Measured on the H100 with every
+#: kernel releasing early at every width (.gpu/run30.sh; benchmarks/RESULTS.md, "2026-12-07
+#: (tenth session)"): the small head's 4-step chain -6.8% at n = 1 and -5.6% at n = 8, +7.1% at
+#: n = 64; the 8B head -0.3%, -0.3%, 0.0%. Up to 8 rows every launch is what that run measured;
+#: past 8 every launch is what it was before (PDL_WAIT), until widths 9..63 are measured.
+#: Scheduling only: the next launch still waits for this grid before it reads or writes anything
+#: (no kernel stores before its wait: tests/kernels/test_pdl_level.py), so no row's bits move.
+EARLY_RELEASE_MAX_ROWS = 8
 
 
 def pdl_level(launch: dict, rows: int) -> int:

@@ -1,8 +1,10 @@
 """The PDL level a launch gives its kernel (`kernels._common.pdl_level`): no PDL, wait only, or
-wait and release the next launch early (at most EARLY_RELEASE_MAX_ROWS rows). Three checks:
-the rule itself; every chain kernel's early release sits behind the level (an AST walk over
-kernels/, so a new kernel cannot release at every width by accident); and the levels compile to
-the PTX they name (sm90, no GPU needed, in an interpreter-free process)."""
+wait and release the next launch early (at most EARLY_RELEASE_MAX_ROWS rows). Checked here: the
+rule itself; that every chain kernel's early release sits behind the level (an AST walk over
+kernels/, so a new kernel cannot release at every width by accident) and every launch passes the
+level; that no kernel does anything before its wait that a still-running launch before it could
+see or spoil (what makes the early release safe); and that the levels compile to the PTX they
+name (sm90, no GPU needed, in an interpreter-free process)."""
 from __future__ import annotations
 
 import ast
@@ -71,6 +73,42 @@ def test_every_pdl_launch_passes_the_level() -> None:
             if isinstance(node, ast.keyword) and node.arg == "USE_PDL":
                 assert ast.unparse(node.value).startswith("pdl_level("), \
                     f"{path.name}:{node.lineno}: USE_PDL={ast.unparse(node.value)}"
+
+
+#: the loads a kernel makes before its PDL wait, each of a parameter no launch writes (with an
+#: early release the launch before may still be running then): a new one must be added here
+PRE_WAIT_LOADS = {("linear_fused.py", "linear_prologue_kernel", "w_ptrs"),
+                  ("linear_fused.py", "linear_prologue_kernel", "w_ptrs + up_offset"),
+                  ("remap_bitmask.py", "remap_bitmask_kernel", "ids_ptr + s"),
+                  ("rope_freqs.py", "rope_freqs_kernel", "freq_ptr + j")}
+
+
+def _before_wait(fn: ast.FunctionDef) -> list[ast.stmt]:
+    """fn's statements before the first one that holds its PDL wait (a gdc_wait call, or the
+    attention kernels' `_program_rows`, which waits first thing)."""
+    def waits(node: ast.AST) -> bool:
+        return any(isinstance(c, ast.Call) and ast.unparse(c.func).split(".")[-1]
+                   in ("gdc_wait", "_program_rows") for c in ast.walk(node))
+    body = fn.body
+    return body[:next((i for i, s in enumerate(body) if waits(s)), len(body))]
+
+
+def test_nothing_is_written_or_read_from_a_launch_before_the_wait() -> None:
+    """The early release is safe because a kernel does nothing before its wait that the launch
+    before it (still running, once released early) could see or spoil: no store, no atomic,
+    and loads of parameters only (PRE_WAIT_LOADS)."""
+    loads = set()
+    for path in sorted(KERNELS.glob("*.py")):
+        for fn in (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
+                   and any(isinstance(a, ast.arg) and a.arg == "USE_PDL" for a in n.args.args)):
+            for stmt in _before_wait(fn):
+                for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
+                    name = ast.unparse(call.func)
+                    assert not (name.endswith(".store") or "atomic" in name), \
+                        f"{path.name}:{fn.name}:{call.lineno}: {name} before the PDL wait"
+                    if name.endswith(".load"):
+                        loads.add((path.name, fn.name, ast.unparse(call.args[0])))
+    assert loads == PRE_WAIT_LOADS
 
 
 # rmsnorm's kernel alone (not its launcher module: the process never imports torch), compiled
