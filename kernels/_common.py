@@ -95,15 +95,18 @@ PDL_OFF, PDL_WAIT, PDL_EARLY = 0, 1, 2
 #: (tenth session)"): the small head's 4-step chain -6.8% at n = 1 and -5.6% at n = 8, +7.1% at
 #: n = 64; the 8B head -0.3%, -0.3%, 0.0%. Up to 8 rows every launch is what that run measured;
 #: past 8 every launch is what it was before (PDL_WAIT), until widths 9..63 are measured.
-#: Scheduling only: the next launch still waits for this grid before it reads or writes anything
-#: (no kernel stores before its wait: tests/kernels/test_pdl_level.py), so no row's bits move.
+#: Scheduling only: before its wait a kernel loads parameters only and stores nothing
+#: (tests/kernels/test_pdl_level.py), so a launch released early meets nothing of the one still
+#: running before it, and no row's bits move.
 EARLY_RELEASE_MAX_ROWS = 8
 
 
 def pdl_level(launch: dict, rows: int) -> int:
     """A launch's `USE_PDL` value: PDL_OFF without PDL (`launch` is `launch_kwargs`' empty
     dict), PDL_EARLY at most EARLY_RELEASE_MAX_ROWS rows, else PDL_WAIT. Kernels test
-    `if USE_PDL:` before their wait and `if USE_PDL == 2:` (PDL_EARLY) before the release."""
+    `if USE_PDL:` before their wait and `if USE_PDL == 2:` (PDL_EARLY) before the release; the
+    prefetching prologue linear (kernels/linear_fused.py, PREFETCH) releases after its first K
+    step at any level, as it did before levels."""
     if not launch:
         return PDL_OFF
     return PDL_EARLY if rows <= EARLY_RELEASE_MAX_ROWS else PDL_WAIT

@@ -10,7 +10,7 @@ import triton.language as tl
 import torch
 
 from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
-                                           pdl_level, fp32_workspace, launch_kwargs)
+                                           fp32_workspace, launch_kwargs, pdl_level)
 from draft_circuit.kernels.prologue_tiles import _inv_rms, _norm_x, _raw_x
 from draft_circuit.kernels.rmsnorm import rmsnorm
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           pdl_level, describe, launch_kwargs)
+                                           describe, launch_kwargs, pdl_level)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.linear_multi import linear_qkv
 from draft_circuit.kernels.prologue_norm import prologue_norm

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe, pdl_level,
-                                           fp32_workspace, launch_kwargs)
+from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe,
+                                           fp32_workspace, launch_kwargs, pdl_level)
 from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (acc, m, l) layout
 
 # Pinned for every n and L (a split size, never a split count): bitwise width independence.

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (check, check_operand, compiled_cuda_index, describe,
-                                           pdl_level, launch_kwargs)
+                                           launch_kwargs, pdl_level)
 from draft_circuit.kernels.linear import NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import NORM_BLOCK_K, _sum_sq
 

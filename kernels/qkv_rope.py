@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           pdl_level, interpreting, launch_kwargs)
+                                           interpreting, launch_kwargs, pdl_level)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import _inv_rms, _load_x
 from draft_circuit.kernels.rope_kv_write import rope_cos_sin, rope_inv_freq, theta_parts

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           pdl_level, interpreting, launch_kwargs)
+                                           interpreting, launch_kwargs, pdl_level)
 
 
 @triton.jit

@@ -20,10 +20,24 @@ from draft_circuit.kernels._common import (EARLY_RELEASE_MAX_ROWS, PDL_EARLY, PD
                                            pdl_level)
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
-#: kernels releasing their successor unconditionally, and why: the input guard is a step's first
-#: launch and reads nothing a launch before it wrote; the prologue linear's PREFETCH path releases
-#: after its first K step at every width (its prefetch is the point of the overlap)
-UNGATED = {("input_guard.py", "input_guard_kernel"), ("linear_fused.py", "linear_prologue_kernel")}
+#: releases of the next launch not behind `USE_PDL == 2`, and why: the input guard is a step's
+#: first launch and reads nothing a launch before it wrote; the prologue linear's PREFETCH path
+#: releases after its first K step at every PDL level (its prefetch is the point of the overlap)
+UNGATED = {("input_guard.py", "input_guard_kernel", "TRIGGER"),
+           ("linear_fused.py", "linear_prologue_kernel", "PREFETCH and USE_PDL")}
+#: the kernels (or the attention kernels' shared helper) releasing behind `USE_PDL == 2`
+GATED = 27
+#: the loads a kernel makes before its PDL wait, each of a parameter no launch writes (with an
+#: early release the launch before may still be running then): weights, the draft vocabulary's
+#: ids (DRAFT_VOCAB_IDS, circuit/layers/mtp.py) and RoPE's inv_freq (INV_FREQ, a bound param).
+#: A new one must be added here, and must be such a parameter
+PRE_WAIT_LOADS = {("linear_fused.py", "linear_prologue_kernel", "w_ptrs"),
+                  ("linear_fused.py", "linear_prologue_kernel", "w_ptrs + up_offset"),
+                  ("remap_bitmask.py", "remap_bitmask_kernel", "ids_ptr + s"),
+                  ("rope_freqs.py", "rope_freqs_kernel", "freq_ptr + j")}
+#: jit helpers a kernel may call before its wait: arithmetic on its arguments, no memory
+PURE_HELPERS = {"rope_inv_freq"}
+WAITS = ("gdc_wait", "_program_rows")  # _program_rows: the attention kernels' wait, first thing
 
 
 def test_the_level_follows_the_rows() -> None:
@@ -33,82 +47,133 @@ def test_the_level_follows_the_rows() -> None:
     assert pdl_level(pdl, EARLY_RELEASE_MAX_ROWS + 1) == pdl_level(pdl, 4096) == PDL_WAIT == 1
 
 
-def _release_calls(fn: ast.FunctionDef) -> list[tuple[ast.Call, list[ast.expr]]]:
+def _functions() -> list[tuple[str, ast.FunctionDef]]:
+    return [(path.name, n) for path in sorted(KERNELS.glob("*.py"))
+            for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+
+
+def _calls(fn: ast.FunctionDef) -> list[ast.Call]:
+    """Every call in fn's body (not its decorators), in source order."""
+    calls = [c for stmt in fn.body for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+    return sorted(calls, key=lambda c: (c.lineno, c.col_offset))
+
+
+def _name(call: ast.Call) -> str:
+    return ast.unparse(call.func).split(".")[-1]
+
+
+def _releases(fn: ast.FunctionDef) -> list[tuple[ast.Call, list[ast.expr]]]:
     """Every gdc_launch_dependents() call in fn with the `if` tests enclosing it."""
     found: list[tuple[ast.Call, list[ast.expr]]] = []
 
     def walk(node: ast.AST, tests: list[ast.expr]) -> None:
-        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("gdc_launch_dependents"):
+        if isinstance(node, ast.Call) and _name(node) == "gdc_launch_dependents":
             found.append((node, tests))
         for name, value in ast.iter_fields(node):
-            children = value if isinstance(value, list) else [value]
             inner = tests + [node.test] if isinstance(node, ast.If) and name == "body" else tests
-            for child in children:
+            for child in value if isinstance(value, list) else [value]:
                 if isinstance(child, ast.AST):
                     walk(child, inner)
-    walk(fn, [])
+    for stmt in fn.body:
+        walk(stmt, [])
     return found
 
 
-def test_every_early_release_is_behind_the_level() -> None:
+def _is_level_2(test: ast.expr) -> bool:
+    """`USE_PDL == 2`, alone or as a term of an `and`."""
+    terms = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    return any(ast.unparse(t) == "USE_PDL == 2" for t in terms)
+
+
+def test_every_early_release_follows_the_wait_behind_the_level() -> None:
     """A release outside `if USE_PDL == 2` would release at every width, which measured slower
-    on the small head at n = 64 (RESULTS.md, the tenth session): only UNGATED may."""
+    on the small head at n = 64 (RESULTS.md, the tenth session): only UNGATED may. Every
+    release comes after the kernel's wait (else the next launch could start before this one
+    has waited for its own predecessor)."""
     gated, ungated = 0, set()
-    for path in sorted(KERNELS.glob("*.py")):
-        for fn in (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)):
-            for _, tests in _release_calls(fn):
-                if any("USE_PDL == 2" in ast.unparse(t) for t in tests):
-                    gated += 1
-                else:
-                    ungated.add((path.name, fn.name))
+    for file, fn in _functions():
+        calls = _calls(fn)
+        for release, tests in _releases(fn):
+            waited = [c for c in calls if _name(c) in WAITS
+                      and (c.lineno, c.col_offset) < (release.lineno, release.col_offset)]
+            if file != "input_guard.py":  # the guard, a step's first launch, waits for nothing
+                assert waited, f"{file}:{fn.name}:{release.lineno}: a release before the wait"
+            if any(_is_level_2(t) for t in tests):
+                gated += 1
+            else:
+                ungated.add((file, fn.name, " and ".join(map(ast.unparse, tests)) or "always"))
     assert ungated == UNGATED
-    assert gated >= 25  # every chain kernel of kernels/ (27 when this was written)
+    assert gated == GATED
 
 
-def test_every_pdl_launch_passes_the_level() -> None:
-    """`USE_PDL=` at a launch is `pdl_level(...)`, never a bare bool (which would read as
-    PDL_WAIT at every width, and silently drop the early release)."""
-    for path in sorted(KERNELS.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.keyword) and node.arg == "USE_PDL":
-                assert ast.unparse(node.value).startswith("pdl_level("), \
-                    f"{path.name}:{node.lineno}: USE_PDL={ast.unparse(node.value)}"
+def _use_pdl(call: ast.Call, fn: ast.FunctionDef) -> str | None:
+    """The USE_PDL a launch passes: its keyword, or one of a dict it spreads (`**shared` with
+    `shared = dict(..., USE_PDL=...)` in fn, or `**{**shared, ...}`)."""
+    assigned = {t.id: node.value for node in ast.walk(fn) if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+
+    def find(keywords: list[ast.keyword], spread: list[ast.expr]) -> str | None:
+        for k in keywords:
+            if k.arg == "USE_PDL":
+                return ast.unparse(k.value)
+        for value in spread:
+            if isinstance(value, ast.Name) and isinstance(assigned.get(value.id), ast.Call):
+                found = find(assigned[value.id].keywords, [])  # type: ignore[union-attr]
+            elif isinstance(value, ast.Dict):
+                found = find([], [v for k, v in zip(value.keys, value.values) if k is None])
+            else:
+                found = None
+            if found:
+                return found
+        return None
+    return find(call.keywords, [k.value for k in call.keywords if k.arg is None])
 
 
-#: the loads a kernel makes before its PDL wait, each of a parameter no launch writes (with an
-#: early release the launch before may still be running then): a new one must be added here
-PRE_WAIT_LOADS = {("linear_fused.py", "linear_prologue_kernel", "w_ptrs"),
-                  ("linear_fused.py", "linear_prologue_kernel", "w_ptrs + up_offset"),
-                  ("remap_bitmask.py", "remap_bitmask_kernel", "ids_ptr + s"),
-                  ("rope_freqs.py", "rope_freqs_kernel", "freq_ptr + j")}
-
-
-def _before_wait(fn: ast.FunctionDef) -> list[ast.stmt]:
-    """fn's statements before the first one that holds its PDL wait (a gdc_wait call, or the
-    attention kernels' `_program_rows`, which waits first thing)."""
-    def waits(node: ast.AST) -> bool:
-        return any(isinstance(c, ast.Call) and ast.unparse(c.func).split(".")[-1]
-                   in ("gdc_wait", "_program_rows") for c in ast.walk(node))
-    body = fn.body
-    return body[:next((i for i, s in enumerate(body) if waits(s)), len(body))]
+def test_every_pdl_launch_passes_the_level_of_its_rows() -> None:
+    """A launch with PDL (`**pdl` / `**kw`: a name bound to launch_kwargs(...)) passes
+    `USE_PDL=pdl_level(that, n)` (the launcher's row count): never a bare bool, which would read
+    as PDL_WAIT at every width and silently drop the early release."""
+    launches = 0
+    for file, fn in _functions():
+        pdl_names = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Call) and _name(node.value) == "launch_kwargs"
+                     for t in node.targets if isinstance(t, ast.Name)} | {"pdl"}
+        for call in _calls(fn):
+            spread = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+            pdl = [name for name in spread if name in pdl_names]
+            if not pdl or not isinstance(call.func, ast.Subscript):  # not kernel[grid](...)
+                continue
+            launches += 1
+            level = _use_pdl(call, fn)
+            assert level == f"pdl_level({pdl[0]}, n)", \
+                f"{file}:{call.lineno}: a PDL launch with USE_PDL={level}"
+    assert launches >= GATED
 
 
 def test_nothing_is_written_or_read_from_a_launch_before_the_wait() -> None:
     """The early release is safe because a kernel does nothing before its wait that the launch
-    before it (still running, once released early) could see or spoil: no store, no atomic,
-    and loads of parameters only (PRE_WAIT_LOADS)."""
-    loads = set()
-    for path in sorted(KERNELS.glob("*.py")):
-        for fn in (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
-                   and any(isinstance(a, ast.arg) and a.arg == "USE_PDL" for a in n.args.args)):
-            for stmt in _before_wait(fn):
-                for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
-                    name = ast.unparse(call.func)
-                    assert not (name.endswith(".store") or "atomic" in name), \
-                        f"{path.name}:{fn.name}:{call.lineno}: {name} before the PDL wait"
-                    if name.endswith(".load"):
-                        loads.add((path.name, fn.name, ast.unparse(call.args[0])))
+    before it (still running, once released early) could see or spoil: no store, no atomic, no
+    helper that could do either (PURE_HELPERS only), and loads of parameters only
+    (PRE_WAIT_LOADS)."""
+    loads, kernels = set(), 0
+    for file, fn in _functions():
+        if not any(a.arg == "USE_PDL" for a in fn.args.args):
+            continue
+        calls = _calls(fn)
+        wait = next((c for c in calls if _name(c) in WAITS), None)
+        assert wait is not None, f"{file}:{fn.name}: USE_PDL but no wait"
+        kernels += 1
+        for call in calls:
+            if (call.lineno, call.col_offset) >= (wait.lineno, wait.col_offset):
+                break
+            name = ast.unparse(call.func)
+            where = f"{file}:{fn.name}:{call.lineno}: {name} before the PDL wait"
+            assert name.startswith("tl.") or _name(call) == "to" or name in PURE_HELPERS, where
+            assert not (name.endswith(".store") or "atomic" in name), where
+            if name.endswith(".load"):
+                loads.add((file, fn.name, ast.unparse(call.args[0])))
     assert loads == PRE_WAIT_LOADS
+    assert kernels >= GATED
 
 
 # rmsnorm's kernel alone (not its launcher module: the process never imports torch), compiled
@@ -134,16 +199,19 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sig = dict.fromkeys(["x_ptr", "res_ptr", "sum_ptr", "out_ptr", "w_ptr"], "*bf16")
-    sig.update(dict.fromkeys(["stride_x", "stride_res", "stride_sum", "stride_out", "hidden"], "i32"))
+    sig.update(dict.fromkeys(["stride_x", "stride_res", "stride_sum", "stride_out"], "i32"))
+    sig["hidden"] = "i32"
     sig["eps"] = "fp32"
     for level in (0, 1, 2):
         const = dict(HAS_RESIDUAL=False, ZERO_CENTRED=False, BLOCK=128, USE_PDL=level)
         kernel = triton.compile(
-            ASTSource(fn=module.rmsnorm_kernel, signature=dict(sig, **dict.fromkeys(const, "constexpr")),
-                      constexprs=const),
+            ASTSource(fn=module.rmsnorm_kernel, constexprs=const,
+                      signature=dict(sig, **dict.fromkeys(const, "constexpr"))),
             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         ptx = kernel.asm["ptx"]
-        print("level", level, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
+        wait = ptx.find("griddepcontrol.wait")
+        release = ptx.find("griddepcontrol.launch_dependents")
+        print("level", level, wait >= 0, release >= 0, "in order" if wait < release else "")
 """)
 
 
@@ -155,6 +223,6 @@ def test_the_levels_compile_to_their_ptx() -> None:
         pytest.skip(f"no Triton NVIDIA backend to compile with: {proc.stdout.strip()}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("level")]
-    assert lines == ["level 0 False False",   # PDL_OFF: neither
-                     "level 1 True False",    # PDL_WAIT: the wait only
-                     "level 2 True True"]     # PDL_EARLY: the wait, then the release
+    assert lines == ["level 0 False False ",          # PDL_OFF: neither
+                     "level 1 True False ",           # PDL_WAIT: the wait only
+                     "level 2 True True in order"]    # PDL_EARLY: the wait, then the release
