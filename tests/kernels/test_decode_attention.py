@@ -1,10 +1,6 @@
 """decode_attention (paged, GQA, split-KV) against a plain torch reference (interpreter on CPU)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,6 +9,7 @@ import torch
 from draft_circuit.kernels._common import KernelInputError
 from draft_circuit.kernels.decode_attention import decode_attention, decode_attention_workspace_shape
 from draft_circuit.runners.testing import cuda  # marks `cuda` and skips without a GPU
+from tests import sm90_compile
 
 # the interpreter evaluates both sides of tl.where, so masked-off lanes may warn; they are expected
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -154,36 +151,13 @@ def test_large_gqa_groups_match_reference(dtype: torch.dtype, heads: tuple[int, 
 # how many tt.dot ops its TTGIR holds. The kernel is meant to be elementwise products + tl.sum only:
 # Triton's combine pass turns sum(x[:, :, None] * y[None, :, :], 1) into a tt.dot when M, N >= 16
 # whatever K is, and with K = rows per step (2 at G=16, 1 at G=32) Triton 3.6 lowers it to a tf32
-# mma (k = 8) that gives wrong results on the GPU, which the interpreter never shows. Only the
-# kernel's own source is loaded (not the launcher module), so the process never imports torch.
-_COMPILE_SCRIPT = textwrap.dedent("""
-    import ast, importlib.util, pathlib, re, shutil, sys, tempfile
-    import triton
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError as e:
-        print(e)
-        sys.exit(77)
-    path = pathlib.Path(sys.argv[1])
-    text = path.read_text()
-    tree = ast.parse(text)
+# mma (k = 8) that gives wrong results on the GPU, which the interpreter never shows. Run after
+# tests/sm90_compile.py's preamble (the module's jit functions alone, as `module`): each GQA
+# group's tt.dot count and their least dimension.
+_SPLIT_DOTS = """
     name = sys.argv[2]
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     step = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                 and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["STEP_ROWS_X_HEADS"])
-    # every @triton.jit function of the module (the kernel and the helpers it inlines), alone
-    jitted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.decorator_list
-              and "jit" in ast.unparse(n.decorator_list[0])]
-    lines = []
-    for n in jitted:
-        lines += text.splitlines()[n.decorator_list[0].lineno - 1:n.end_lineno] + ["", ""]
-    tmp = pathlib.Path(tempfile.mkdtemp()) / "split_kernel_only.py"
-    tmp.write_text("import triton\\nimport triton.language as tl\\n\\n\\n" + "\\n".join(lines) + "\\n")
-    spec = importlib.util.spec_from_file_location("split_kernel_only", tmp)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     names = ["q_ptr", "k_ptr", "v_ptr", "tables_ptr", "live_ptr", "ws_ptr", "row_offset", "capacity",
              "max_splits", "grid_splits", "qk_scale_log2", "stride_q", "stride_table", "stride_kb", "stride_ks", "stride_kh",
              "stride_vb", "stride_vs", "stride_vh"]
@@ -210,21 +184,12 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                 for line in ir.splitlines() if " tt.dot " in line]
         print("group", group, "dots", len(dims), "least", min(dims, default=0))
     shutil.rmtree(tmp.parent)
-""")
-
-
-def compile_split_kernel(source: Path, name: str = "_split_kernel") -> subprocess.CompletedProcess:
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(source), name], env=env,
-                          capture_output=True, text=True, timeout=600)
+"""
 
 
 def _compiled(name: str) -> list[str]:
     source = Path(__file__).resolve().parents[2] / "kernels" / "decode_attention.py"
-    proc = compile_split_kernel(source, name)
-    if proc.returncode == 77:
-        pytest.skip(f"no Triton NVIDIA backend to compile with: {proc.stdout.strip()}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = sm90_compile.run(_SPLIT_DOTS, source, name)
     return [line for line in proc.stdout.splitlines() if line.startswith("group")]
 
 

@@ -8,16 +8,11 @@ name (sm90, no GPU needed, in an interpreter-free process)."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
-
-import pytest
 
 from draft_circuit.kernels._common import (EARLY_RELEASE_MAX_ROWS, PDL_EARLY, PDL_OFF, PDL_WAIT,
                                            pdl_level)
+from tests import sm90_compile
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 #: releases of the next launch not behind `USE_PDL == 2`, and why: the input guard is a step's
@@ -176,28 +171,9 @@ def test_nothing_is_written_or_read_from_a_launch_before_the_wait() -> None:
     assert kernels >= GATED
 
 
-# rmsnorm's kernel alone (not its launcher module: the process never imports torch), compiled
-# for sm90 at each level; prints what the PTX holds
-_COMPILE_SCRIPT = textwrap.dedent("""
-    import ast, importlib.util, pathlib, sys, tempfile
-    import triton
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError as e:
-        print(e)
-        sys.exit(77)
-    path = pathlib.Path(sys.argv[1])
-    text = path.read_text()
-    fn = next(n for n in ast.parse(text).body
-              if isinstance(n, ast.FunctionDef) and n.name == "rmsnorm_kernel")
-    source = "\\n".join(text.splitlines()[fn.decorator_list[0].lineno - 1:fn.end_lineno])
-    tmp = pathlib.Path(tempfile.mkdtemp()) / "rmsnorm_only.py"
-    tmp.write_text("import triton\\nimport triton.language as tl\\n\\n\\n" + source + "\\n")
-    spec = importlib.util.spec_from_file_location("rmsnorm_only", tmp)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+# rmsnorm's kernel, compiled for sm90 at each level after tests/sm90_compile.py's preamble: whether
+# the PTX holds the wait and the release, and in which order
+_LEVELS = """
     sig = dict.fromkeys(["x_ptr", "res_ptr", "sum_ptr", "out_ptr", "w_ptr"], "*bf16")
     sig.update(dict.fromkeys(["stride_x", "stride_res", "stride_sum", "stride_out"], "i32"))
     sig["hidden"] = "i32"
@@ -212,16 +188,11 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         wait = ptx.find("griddepcontrol.wait")
         release = ptx.find("griddepcontrol.launch_dependents")
         print("level", level, wait >= 0, release >= 0, "in order" if wait < release else "")
-""")
+"""
 
 
 def test_the_levels_compile_to_their_ptx() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(KERNELS / "rmsnorm.py")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode == 77:
-        pytest.skip(f"no Triton NVIDIA backend to compile with: {proc.stdout.strip()}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = sm90_compile.run(_LEVELS, KERNELS / "rmsnorm.py")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("level")]
     assert lines == ["level 0 False False ",          # PDL_OFF: neither
                      "level 1 True False ",           # PDL_WAIT: the wait only
