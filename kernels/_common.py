@@ -90,15 +90,20 @@ def launch_kwargs(t: torch.Tensor) -> dict:
 #: and also release the next launch right after that wait (`gdc_launch_dependents`), so its
 #: launch and its weight prefetch overlap this grid's whole run, not only its tail
 PDL_OFF, PDL_WAIT, PDL_EARLY = 0, 1, 2
-#: the widest row count a launch releases its successor early at. Measured on the H100 with every
-#: kernel releasing early at every width (.gpu/run30.sh; benchmarks/RESULTS.md, "2026-12-07
-#: (tenth session)"): the small head's 4-step chain -6.8% at n = 1 and -5.6% at n = 8, +7.1% at
-#: n = 64; the 8B head -0.3%, -0.3%, 0.0%. Up to 8 rows every launch is what that run measured;
-#: past 8 every launch is what it was before (PDL_WAIT), until widths 9..63 are measured.
-#: Scheduling only: before its wait a kernel loads parameters only and stores nothing
-#: (tests/kernels/test_pdl_level.py), so a launch released early meets nothing of the one still
-#: running before it, and no row's bits move.
-EARLY_RELEASE_MAX_ROWS = 8
+#: the widest row count a launch releases its successor early at. Placed by two runs:
+#: - the H100 with every kernel releasing early at every width (.gpu/run30.sh; benchmarks/
+#:   RESULTS.md, "2026-12-07 (tenth session)"): the small head's 4-step chain -6.8% at n = 1,
+#:   -5.6% at n = 8, +7.1% at n = 64; the 8B head within 0.3%;
+#: - the H200 ("2026-12-07 (eleventh session)"), 960c88b / release at n <= 8 / at every width,
+#:   two rounds each (the same code's rounds differ by up to ~1.5%): small -5% at n = 1 either
+#:   way; at n = 9 / 16 / 32 the every-width tree -1.1 / -0.5 / -2.0% against n <= 8, at n = 64
+#:   +12.9%; the 32k-vocabulary 8B chain -1.2 / -0.5 / -1.4% at n = 9 / 16 / 32, -1 to -2% at 64.
+#: So up to 32 rows every launch releases early (what the every-width tree ran there); past 32
+#: it waits (PDL_WAIT, what 960c88b ran): n = 64 loses 13% on the small head, and 33..63 are
+#: not measured. Scheduling only: before its wait a kernel loads parameters only and stores
+#: nothing (tests/kernels/test_pdl_level.py), so a launch released early meets nothing of the
+#: one still running before it, and no row's bits move.
+EARLY_RELEASE_MAX_ROWS = 32
 
 
 def pdl_level(launch: dict, rows: int) -> int:
