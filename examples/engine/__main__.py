@@ -18,6 +18,7 @@ import torch
 
 from draft_circuit.circuit.cli_args import (DEFAULT_WIDTHS, MAX_NUM_DRAFTS, device, int_in,
                                              require_usable_device, widths, writable_file)
+from draft_circuit.circuit.layers.draft_vocab import DraftVocab
 from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts, draft_vocab_for,
                                          encode_prompts, load_checkpoint, read_prompts)
 from examples.engine.compare import OutputsDifferError, check_identical, release_device_memory, run_baseline
@@ -135,6 +136,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_config(args: argparse.Namespace, draft_vocab: DraftVocab | None = None) -> EngineConfig:
+    """The engine's settings from the command line (`parser`'s arguments, checked)."""
+    target_forward: Literal["eager", "circuit"] = args.target_forward or (
+        "circuit" if args.device.startswith("cuda") else "eager")
+    return EngineConfig(speculate=not args.no_speculation, forward=args.forward,
+                        target_forward=target_forward,
+                        num_drafts=args.num_drafts if args.num_drafts is not None
+                        else default_num_drafts(args.device),
+                        draft_confidence_stop=args.draft_confidence_stop,
+                        widths=args.widths, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
+                        max_rows=args.max_rows,
+                        dtype=getattr(torch, args.dtype), device=args.device,
+                        draft_vocab=draft_vocab, tp=args.tp)
+
+
 def run(args: argparse.Namespace) -> dict:
     silent = args.tp > 1 and start_tp(args.tp, args.device) != 0  # under torchrun rank 0 reports
     if silent:
@@ -151,17 +167,7 @@ def run(args: argparse.Namespace) -> dict:
     vocab = draft_vocab_for(args.draft_vocab, checkpoint, args.draft_vocab_corpus) \
         if args.draft_vocab is not None and not args.no_speculation else None
     torch.set_num_threads(args.threads)
-    target_forward: Literal["eager", "circuit"] = args.target_forward or (
-        "circuit" if args.device.startswith("cuda") else "eager")
-    config = EngineConfig(speculate=not args.no_speculation, forward=args.forward,
-                          target_forward=target_forward,
-                          num_drafts=args.num_drafts if args.num_drafts is not None
-                          else default_num_drafts(args.device),
-                          draft_confidence_stop=args.draft_confidence_stop,
-                          widths=args.widths, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
-                          max_rows=args.max_rows,
-                          dtype=getattr(torch, args.dtype), device=args.device, draft_vocab=vocab,
-                          tp=args.tp)
+    config = engine_config(args, vocab)
     engine = Engine(checkpoint, config)
     if args.draft_before_read is not None:
         engine.draft_before_read = args.draft_before_read
