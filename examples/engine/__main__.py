@@ -123,6 +123,10 @@ def parser() -> argparse.ArgumentParser:
                          "verify before reading it (accepted counts on the device; "
                          "MtpProposer.step_ahead); default on, --no-draft-before-read reads "
                          "each verify first")
+    ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                    help="before the first request, generate for a few dummy ones and forget "
+                         "them, so the first request does not pay the process's one-time work "
+                         "(default: on CUDA only; Engine.warm_up)")
     ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="after a speculative run, run target-only greedy on the same prompts in "
                          "this process, check the outputs are identical (exit 1 if not) and report "
@@ -148,7 +152,7 @@ def engine_config(args: argparse.Namespace, draft_vocab: DraftVocab | None = Non
                         widths=args.widths, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
                         max_rows=args.max_rows,
                         dtype=getattr(torch, args.dtype), device=args.device,
-                        draft_vocab=draft_vocab, tp=args.tp)
+                        draft_vocab=draft_vocab, tp=args.tp, warm_up=args.warm_up)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -57,6 +57,7 @@ class EngineConfig:
     device: str = "cpu"
     draft_vocab: DraftVocab | None = None  # draft over these target ids only (subset lm-head)
     tp: int = 1                       # tensor-parallel ranks (examples/engine/tp.py: under torchrun)
+    warm_up: bool | None = None       # `Engine.warm_up` at construction; None: on CUDA only
 
 
 @dataclass
@@ -117,6 +118,8 @@ class Engine:
         self.stats = Stats()
         self._cuda = torch.device(config.device).type == "cuda"  # read twice a step
         self._ahead: Ahead | None = None  # the next step's drafts, proposed at this one's end
+        if config.warm_up if config.warm_up is not None else self._cuda:
+            self.warm_up()
 
     def _proposer(self, checkpoint: Checkpoint, kv: KvLayout) -> MtpProposer:
         """The drafter's head as the checkpoint describes it (`heads.head_for`: dense, MoE, MLA,
@@ -157,6 +160,37 @@ class Engine:
             proposer.set_circuit_draft(compile_chain(kv_only, kv_only.widths or proposer.widths,
                                                      device=cfg.device), kv_only=True)
         return proposer
+
+    def warm_up(self) -> None:
+        """Generate for a few dummy requests and forget them, so that the first real request
+        does not pay the process's one-time work: CUDA's lazily loaded kernel modules (torch's
+        and Triton's launched outside the graphs), pinned buffers made at first use, the first
+        launch of each kind of pass. On the H100 a fresh quick-start engine's first generate took
+        ~7 ms more than its second; its first prefill, catch-up, propose and verify each ran
+        0.7-2.7 ms over their later calls (benchmarks/engine_warm.py; RESULTS.md, eleventh
+        session). Serving engines do the same at startup. The requests cover what a run meets:
+        one more than a batch (an admission beside a running batch), finishing at different
+        steps (every batch width down to one), the first prompt longer than the drafter's widest
+        program (a split catch-up). Afterwards nothing is held: every KV block and drafter state
+        is freed, the statistics and sequence ids start from zero, and the next generate's
+        output is a fresh engine's (tests/examples/test_engine_warm_up.py)."""
+        if self.scheduler.has_work:
+            raise EngineError("warm_up runs before any request: this engine has requests queued")
+        vocab = self.checkpoint.config.vocab_size
+        widest = self.proposer.max_width if self.proposer is not None else 8
+        usable = self.pool.num_blocks - self.pool.num_reserved
+        requests = []
+        for i in range(self.config.max_batch + 1):
+            new = 2 + 2 * i  # >= 2: every request decodes at least once after its prefill
+            length = widest + 3 if i == 0 else 2 + i
+            length = max(1, min(length, self.max_seq_len - new))
+            while length > 1 and self.config.max_batch * self.scheduler.blocks_for(
+                    Request([0] * length, new)) > usable:
+                length //= 2  # the pool must hold a batch of the longest (check_requests)
+            requests.append(Request([(7 * j + 3 * i + 1) % vocab for j in range(length)], new))
+        self.generate(requests)
+        self.stats = Stats()
+        self.scheduler.restart_ids()
 
     # ---- checks, all before anything runs ----
     def check(self, requests: Seq[Request]) -> None:

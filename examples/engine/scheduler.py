@@ -62,6 +62,13 @@ class Scheduler:
         self.running.remove(seq)
         seq.blocks.free()
 
+    def restart_ids(self) -> None:
+        """Number the next request 0 again (after `Engine.warm_up`: the ids a user's error
+        messages name are their own requests' order); only when nothing is queued or running."""
+        if self.has_work:
+            raise RuntimeError("sequence ids restart only when no sequence is queued or running")
+        self._next_id = 0
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
