@@ -24,7 +24,7 @@ from examples.engine.draft_side import (Ahead, Rows, Verified, catch_up, end_ste
                                         withdraw)
 from examples.engine.glm_target import target_for  # GLM-4.5's target, else DeepSeek-V3's or Llama's
 from examples.engine.request_checks import check_requests
-from examples.engine.runner import SCRATCH_BLOCK, RowsOut, TargetRunner
+from examples.engine.runner import SCRATCH_BLOCK, NonFiniteLogitsError, RowsOut, TargetRunner
 from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
@@ -176,19 +176,31 @@ class Engine:
         output is a fresh engine's (tests/examples/test_engine_warm_up.py)."""
         if self.scheduler.has_work:
             raise EngineError("warm_up runs before any request: this engine has requests queued")
-        vocab = self.checkpoint.config.vocab_size
+        vocab, batch = self.checkpoint.config.vocab_size, self.config.max_batch
         widest = self.proposer.max_width if self.proposer is not None else 8
         usable = self.pool.num_blocks - self.pool.num_reserved
+
+        def fits(r: Request) -> bool:  # a batch of it fits the pool and the length limit
+            return (len(r.prompt) + r.max_new_tokens <= self.max_seq_len
+                    and batch * self.scheduler.blocks_for(r) <= usable)
+
         requests = []
-        for i in range(self.config.max_batch + 1):
-            new = 2 + 2 * i  # >= 2: every request decodes at least once after its prefill
-            length = widest + 3 if i == 0 else 2 + i
-            length = max(1, min(length, self.max_seq_len - new))
-            while length > 1 and self.config.max_batch * self.scheduler.blocks_for(
-                    Request([0] * length, new)) > usable:
-                length //= 2  # the pool must hold a batch of the longest (check_requests)
-            requests.append(Request([(7 * j + 3 * i + 1) % vocab for j in range(length)], new))
-        self.generate(requests)
+        for i in range(batch + 1):
+            # >= 2 new tokens: every request decodes at least once after its prefill
+            new, length = 2 + 2 * i, widest + 3 if i == 0 else 2 + i
+            while length > 1 and not fits(Request([0] * length, new)):
+                length //= 2  # (check_requests refuses a batch of the longest the pool lacks)
+            while new > 2 and not fits(Request([0] * length, new)):
+                new -= 1
+            if fits(Request([0] * length, new)):
+                requests.append(Request([(7 * j + 3 * i + 1) % vocab for j in range(length)], new))
+        if not requests:  # a pool or length limit too small for any request: nothing to warm
+            return
+        try:
+            self.generate(requests)
+        except (EngineError, NonFiniteLogitsError) as e:  # named as the warm-up's, not a request's
+            raise type(e)(f"the engine's warm-up (dummy requests generated before any of yours: "
+                          f"Engine.warm_up; --no-warm-up skips it) failed: {e}") from e
         self.stats = Stats()
         self.scheduler.restart_ids()
 

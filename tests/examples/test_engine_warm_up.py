@@ -85,3 +85,35 @@ def test_warm_up_runs_by_default_on_cuda_and_changes_no_output(small_checkpoint,
     warm, engine = generate(small_checkpoint, REQUESTS, **common)
     assert calls == [1] and warm == cold
     assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+
+
+def test_a_failing_warm_up_is_named_as_the_warm_ups(small_checkpoint):
+    """A target that gives no finite logit fails at construction, and the error says it was the
+    warm-up's dummy requests, not a request of the caller's."""
+    from examples.engine.runner import NonFiniteLogitsError
+    from tests.examples.test_engine_nonfinite import _nan_checkpoint
+    with pytest.raises(NonFiniteLogitsError, match=r"the engine's warm-up \(dummy requests .*"
+                                                   r"--no-warm-up skips it\) failed: request 0: "
+                                                   r"the target's logits .* non-finite"):
+        Engine(_nan_checkpoint(small_checkpoint, speculate=True),
+               EngineConfig(widths=(1, 2), max_batch=2, warm_up=True))
+
+
+@pytest.mark.parametrize("kv_blocks,max_seq_len", [(4, None), (64, 6)])
+def test_warm_up_fits_a_small_pool_or_length_limit(small_checkpoint, kv_blocks, max_seq_len,
+                                                  monkeypatch):
+    """The dummy requests shrink to what check_requests lets a batch of them hold (3 usable
+    blocks of 16 rows for 3 sequences; or 6 tokens a sequence), and the caller's requests that
+    fit still run as on a fresh engine."""
+    config = dict(num_drafts=2, widths=(1, 2, 4), max_batch=3, kv_blocks=kv_blocks,
+                  max_seq_len=max_seq_len)
+    requests = [Request([1, 2], 3), Request([3], 2)]
+    fresh = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config)).generate(requests)
+    warmed, generate_once = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate",
+                        lambda self, reqs, on_step=None: (warmed.append(len(reqs)),
+                                                          generate_once(self, reqs, on_step))[1])
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(warm_up=True, **config))
+    assert warmed == [3 + 1]  # it ran, every dummy request shrunk to fit
+    assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+    assert engine.generate(requests).outputs == fresh.outputs
