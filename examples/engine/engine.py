@@ -235,7 +235,7 @@ class Engine:
         finished together) the prefill is its own pass and the new sequences decode at once."""
         running = [s for s in self.scheduler.running if not s.finished]
         admitted = self.scheduler.admit()
-        merged = admitted if admitted and running and self._merges(running) else []
+        merged = admitted if admitted and running and self._merges(running, admitted) else []
         if admitted and not merged:
             self._prefill(admitted)
             running = [s for s in self.scheduler.running if not s.finished]
@@ -295,10 +295,20 @@ class Engine:
     #: the bits it has alone, so the output is the same; one target pass fewer per admission)
     merge_prefill: bool = True
 
-    def _merges(self, running: list[Sequence]) -> bool:
-        """Whether this step's admissions join its decode pass: not on the device-resident draft
-        path (its verify input is the proposer's device tensor, launched as it is)."""
-        return self.merge_prefill and (self.proposer is None or not self._on_device(len(running)))
+    def _merges(self, running: list[Sequence], admitted: list[Sequence]) -> bool:
+        """Whether this step's admissions join its decode pass. On the device-resident draft
+        path the verify input is the proposer's device tensor and the pass is never split, so
+        the admitted prompts join it (behind its rows, `TargetRunner.launch_verify`) only where
+        the whole pass fits the target's max_rows; otherwise they prefill in a pass of their
+        own. (On the H100 that pass and its catch-up cost ~1.7 ms a synced admission step, and
+        speculation's sequences, finishing at different steps, admit one or two at a time:
+        RESULTS.md, eleventh session.)"""
+        if not self.merge_prefill:
+            return False
+        if self.proposer is None or not self._on_device(len(running)):
+            return True
+        rows = len(running) * (self.k + 1) + sum(len(s.request.prompt) for s in admitted)
+        return rows <= self.target.model.max_rows
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
@@ -341,7 +351,8 @@ class Engine:
         `step`'s, after the finishes (`_end_step`), and the rest of the step's bookkeeping
         (target KV rows, statistics) follows that launch (`_account`).
         `prefill`: admitted sequences whose prompts ride in the same pass, after the verify
-        rows (host path only); their drafter rows join the step's catch-up call.
+        rows (on the device path too, where `_merges` found the pass fits max_rows; no draft
+        side is launched before that read); their drafter rows join the step's catch-up call.
 
         On the device path (CUDA) the drafts never come back before verify: the verify input is
         the proposer's device tensor (`draft_on_device`, or the last step's `step_batch`),
@@ -355,8 +366,6 @@ class Engine:
         assert self.proposer is not None
         t0 = time.perf_counter()
         on_device = self._on_device(len(seqs))
-        if prefill and on_device:
-            raise RuntimeError("a prefill merged into a device-resident verify (see _merges)")
         tokens = self._take_ahead(seqs, on_device)
         if tokens is None and on_device:
             tokens = draft_on_device(self.proposer, seqs, self.k, self.stats.draft_batches)
@@ -372,12 +381,13 @@ class Engine:
         ahead = None
         if tokens is not None:
             t1 = time.perf_counter()
-            launched = self.target.launch_verify(seqs, tokens, self.k)
+            launched = self.target.launch_verify(seqs, tokens, self.k, prefill)
             got = step_ahead(self.proposer, launched, self.k, self.stats.draft_batches) \
-                if self._ahead_of_read(seqs) else None
+                if not prefill and self._ahead_of_read(seqs) else None
             if got is not None:
                 drafts, ahead = got
             out = self.target.read_verify(launched)
+            prefilled = [out.rows_out(i) for i in range(len(seqs), len(seqs) + len(prefill))]
             if ahead is None:
                 drafts = self.proposer.last_drafts([s.draft_state for s in seqs])
         t2 = time.perf_counter()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence as Sequence_
 
 import numpy as np
 import torch
@@ -123,23 +123,65 @@ class TargetRunner:
         each is host dispatch in the step's bubble)."""
         return self.read_verify(self.launch_verify(seqs, tokens, num_drafts))
 
-    def launch_verify(self, seqs: list[Sequence], tokens: torch.Tensor,
-                      num_drafts: int) -> Launched:
+    def launch_verify(self, seqs: list[Sequence], tokens: torch.Tensor, num_drafts: int,
+                      prefill: Sequence_[Sequence] = ()) -> Launched:
         """`verify_on_device` with nothing read yet: the pass enqueued, its greedy tokens'
         copy to pinned host memory enqueued right behind it (an event after), so work the host
         enqueues next (the draft side, `MtpProposer.step_ahead`) runs on the GPU while the
-        host waits only for the verify (`read_verify`)."""
+        host waits only for the verify (`read_verify`). `prefill`: admitted sequences whose
+        prompts ride in the same pass after the verify rows (`_merged_tokens`), as `run_pass`
+        merges them on the host path; the pass must fit max_rows (the engine merges only then)."""
         k1 = num_drafts + 1
-        positions, row_tables = self._rows(seqs, [k1] * len(seqs))
+        counts = [k1] * len(seqs) + [len(s.request.prompt) for s in prefill]
+        positions, row_tables = self._rows([*seqs, *prefill], counts)
+        if prefill:
+            tokens = self._merged_tokens(tokens, prefill, sum(counts))
         pos = torch.from_numpy(positions)
         greedy, hidden = self.model.launch(
             TargetRows(tokens=tokens, positions=pos, block_tables=torch.from_numpy(row_tables),
                        live_rows=pos))
-        return Launched(seqs, k1, greedy, hidden, self._copy_out.enqueue(greedy))
+        return Launched([*seqs, *prefill], k1, greedy, hidden, self._copy_out.enqueue(greedy),
+                        counts if prefill else None)
+
+    def _merged_tokens(self, verify: torch.Tensor, prefill: Sequence_[Sequence],
+                       total: int) -> torch.Tensor:
+        """A merged pass's tokens on the device: the proposer's verify input (a device-to-device
+        copy, behind the chain that wrote it on this stream), then the admitted prompts (one
+        host-to-device copy from a pinned buffer), in one buffer made once at max_rows. Both
+        buffers are free to rewrite: the last pass was read (a sync) before this one launches
+        (`TokensToHost`)."""
+        rows = self.model.max_rows
+        if total > rows:
+            raise RuntimeError(f"a merged verify + prefill pass of {total} rows exceeds the "
+                               f"target's {rows} (the engine merges only what fits)")
+        got = self.__dict__.get("_merge_buffers")
+        if got is None:
+            device = verify.device
+            dev = torch.zeros(rows, dtype=torch.int32, device=device)
+            host = torch.zeros(rows, dtype=torch.int32, pin_memory=device.type == "cuda") \
+                if device.type != "cpu" else dev
+            got = self.__dict__["_merge_buffers"] = (dev, host)
+        dev, host = got
+        p = verify.shape[0]
+        prompts = np.fromiter(itertools.chain.from_iterable(s.request.prompt for s in prefill),
+                              np.int32, total - p)
+        dev[:p].copy_(verify)
+        host[p:total].copy_(torch.from_numpy(prompts))
+        if host is not dev:
+            dev[p:total].copy_(host[p:total], non_blocking=True)
+        return dev[:total]
 
     def read_verify(self, launched: Launched) -> PassOut:
-        """The launched verify's `PassOut` (waits for its greedy tokens' copy; -1 raises)."""
+        """The launched verify's `PassOut` (waits for its greedy tokens' copy; -1 raises), its
+        merged prompts' rows (`launch_verify`'s prefill) after the verify rows."""
         greedy, k1, seqs = launched.read(), launched.k1, launched.seqs
+        if launched.counts is not None:  # a merged prefill: rows a sequence vary
+            starts = list(itertools.accumulate(launched.counts[:-1], initial=0))
+            per_seq = [greedy[a:a + c] for a, c in zip(starts, launched.counts)]
+            if -1 in greedy:
+                for seq, tokens in zip(seqs, per_seq):
+                    _check_finite(seq, tokens)
+            return PassOut(per_seq, launched.hidden, starts)
         if -1 in greedy:  # one scan of the pass; the sequence and row named as `run` names them
             i = greedy.index(-1) // k1
             _check_finite(seqs[i], greedy[i * k1:(i + 1) * k1])
@@ -190,14 +232,16 @@ class TokensToHost:
 
 @dataclass
 class Launched:
-    """A verify launched and not read: its sequences, rows a sequence, the greedy tokens on
-    the device (the runner's buffer: valid until the next pass), the hiddens, and the read."""
+    """A verify launched and not read: its sequences (a merged prefill's after the verified
+    ones), rows a sequence, the greedy tokens on the device (the runner's buffer: valid until
+    the next pass), the hiddens, and the read."""
 
     seqs: list[Sequence]
     k1: int
     greedy: torch.Tensor
     hidden: torch.Tensor
     read: Callable[[], list[int]]
+    counts: list[int] | None = None  # rows a sequence, with a merged prefill (else k1 each)
 
 
 def _check_finite(seq: Sequence, tokens: list[int]) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
 from examples.engine.speculate import usable
+from examples.engine.runner import NonFiniteLogitsError
 from examples.engine import draft_side, engine as engine_module
 from tests.examples.helpers import SMALL, generate, nan_at_first_verify, random_requests
 from draft_circuit.runners.testing import cuda
@@ -69,7 +70,9 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
     real_launch, real_last, real_ahead = model.launch, p.last_drafts, p.step_ahead
 
     def launch(rows):
-        if rows.tokens.shape[0] % 4 == 0 and rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
+        merged = engine.target.__dict__.get("_merge_buffers")  # a verify with admitted prompts
+        if (rows.tokens.shape[0] % 4 == 0 and rows.tokens.data_ptr() == p.verify_tokens().data_ptr()
+                or merged is not None and rows.tokens.data_ptr() == merged[0].data_ptr()):
             order.append("verify")
         return real_launch(rows)
 
@@ -101,6 +104,81 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
     assert order and order[::2] == ["verify"] * (len(order) // 2)
     assert order[1::2] == ["read"] * (len(order) // 2)
     assert len(order) // 2 == engine.stats.steps  # every decode step took the device path
+
+
+def _passes(engine, monkeypatch) -> list[tuple[int, bool]]:
+    """Record each target pass: (rows, whether its tokens are a merged verify + prefill's)."""
+    model, seen = engine.target.model, []
+    real = model.launch
+
+    def launch(rows):
+        merged = engine.target.__dict__.get("_merge_buffers")
+        seen.append((rows.tokens.shape[0],
+                     merged is not None and rows.tokens.data_ptr() == merged[0].data_ptr()))
+        return real(rows)
+    monkeypatch.setattr(model, "launch", launch)
+    return seen
+
+
+@pytest.mark.parametrize("target_forward", ["eager", "circuit"])
+def test_device_path_merges_admissions_into_the_verify(small_checkpoint, greedy, monkeypatch,
+                                                       target_forward):
+    """An admission beside a running batch rides in the verify pass on the device path too (the
+    proposer's verify rows, then the prompts): one target pass fewer per such step, the same
+    tokens; with the merge off, each admission is a pass of its own."""
+    passes = {}
+    for merge in (True, False):
+        engine = Engine(load_checkpoint(small_checkpoint),
+                        EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3,
+                                     target_forward=target_forward, max_rows=64))
+        engine.device_drafts, engine.merge_prefill = True, merge
+        seen = _passes(engine, monkeypatch)
+        assert engine.generate(REQUESTS).outputs == greedy
+        assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+        passes[merge] = seen
+        monkeypatch.undo()
+    merged = [rows for rows, is_merged in passes[True] if is_merged]
+    assert merged and not any(m for _, m in passes[False])
+    # fewer passes (a merged admission decodes from the next step, so the steps differ too)
+    assert len(passes[True]) < len(passes[False])
+
+
+def test_device_path_prefills_alone_what_would_not_fit(small_checkpoint, greedy):
+    """A merged pass must fit max_rows (the device path never splits a verify): past it the
+    admission prefills in a pass of its own."""
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3,
+                                 max_rows=16))
+    engine.device_drafts = True
+    running = [engine.scheduler.add(r) for r in REQUESTS[:2]]
+    fits = engine.scheduler.add(Request([1] * 8, 2))
+    too_long = engine.scheduler.add(Request([1] * 9, 2))
+    assert engine._merges(running, [fits]) and not engine._merges(running, [too_long])
+    engine.scheduler.waiting.clear()
+    assert engine.generate(REQUESTS).outputs == greedy
+
+
+def test_a_non_finite_merged_prompt_row_names_its_request_and_prefill(small_checkpoint,
+                                                                      monkeypatch):
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=2))
+    engine.device_drafts = True
+    model = engine.target.model
+    real = model.launch
+
+    def launch(rows):
+        tokens, hidden = real(rows)
+        merged = engine.target.__dict__.get("_merge_buffers")
+        if merged is not None and rows.tokens.data_ptr() == merged[0].data_ptr():
+            tokens = tokens.clone()
+            tokens[-2] = -1  # the admitted prompt's next-to-last row: no finite logit
+        return tokens, hidden
+    monkeypatch.setattr(model, "launch", launch)
+    # the first finishes first, so the third is admitted beside the second: a merged pass
+    requests = [Request([1, 2, 3], 3), Request([4, 5], 12), Request([6, 7, 8, 9], 4)]
+    with pytest.raises(NonFiniteLogitsError, match=r"request 2: the target's logits at position "
+                                                   r"2, prefill, are all non-finite"):
+        engine.generate(requests)
 
 
 # ---- issue 20 item 3: acceptance counts only usable drafts ----

@@ -224,17 +224,19 @@ def test_a_steady_step_is_one_step_batch_and_one_read(small_checkpoint, monkeypa
 
 @pytest.mark.parametrize("before_read", [False, True])
 def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeypatch, before_read):
-    """A request added between two steps (outside `generate`) joins the next batch, so the
-    drafts proposed ahead for the old one are withdrawn: the states hold nothing pending and
-    await no verify after it, no block leaks, and every later draft is the separate calls'
-    (a withdrawal that left a row behind would change the drafter's attention)."""
+    """A request added between two steps (outside `generate`) joins the next batch; where its
+    prompt prefills in a pass of its own (merge_prefill off), the drafts proposed ahead for the
+    old batch are withdrawn: the states hold nothing pending and await no verify after it, no
+    block leaks, and every later draft is the separate calls' (a withdrawal that left a row
+    behind would change the drafter's attention). Merged into the verify (the default), the
+    old batch verifies its drafts as proposed and nothing is withdrawn for the admission."""
     config = dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=4)
     late = Request(REQUESTS[5].prompt, 9)
 
-    def drive(ahead: bool, before_read: bool):
+    def drive(ahead: bool, before_read: bool, merge: bool = False):
         engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
         engine.device_drafts, engine.propose_ahead = True, ahead
-        engine.draft_before_read = before_read
+        engine.draft_before_read, engine.merge_prefill = before_read, merge
         passes, launch = [], engine.target.model.launch
         engine.target.model.launch = lambda rows: passes.append(rows.tokens.tolist()) or launch(rows)
         seqs = [engine.scheduler.add(r) for r in REQUESTS[:2]]
@@ -242,13 +244,17 @@ def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeyp
             if step == 3:
                 assert (engine._ahead is not None) == ahead
                 seqs.append(engine.scheduler.add(late))
+                before = len(withdrawn)
             if not engine.scheduler.has_work:
                 break
             engine.step()
+            if step == 3:
+                at_admission.append(withdrawn[before:])
         assert not engine.scheduler.has_work and engine._ahead is None
         assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
         return [s.generated for s in seqs], passes
 
+    at_admission: list[list[int]] = []  # what the admission's step withdrew, a run
     withdrawn, real = [], engine_module.withdraw
 
     def spy(proposer, ahead, stats=None):
@@ -265,6 +271,10 @@ def test_drafts_for_a_batch_that_changed_are_withdrawn(small_checkpoint, monkeyp
     requests = [*REQUESTS[:2], late]
     assert outputs == generate(small_checkpoint, requests, speculate=False, max_batch=3)[0]
     assert (outputs, passes) == drive(False, False)
+    assert at_admission[0] == [2]  # the old batch's two drafts, proposed ahead
+    at_admission.clear()
+    assert drive(True, before_read, merge=True)[0] == outputs
+    assert at_admission == [[]]  # verified as proposed, the prompt beside them
 
 
 @cuda
