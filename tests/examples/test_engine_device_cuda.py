@@ -1,6 +1,7 @@
 """On the GPU (`pytest -m cuda`): the engine's default CUDA decode step is the device path
-(issue 14 items 3-4: verify launched from the proposer's device tensor, drafts read once after
-it, catch-up on the KV-only chain when installed) and stays token-exact with target-only
+(issue 14 items 3-4: verify launched from the proposer's device tensor, or from it and the
+prompts admitted beside the batch, drafts read once after it, catch-up on the KV-only chain when
+installed) and stays token-exact with target-only
 greedy, on both drafter forwards and both target forwards; the host path (device_drafts False)
 is exact there too."""
 from __future__ import annotations
@@ -40,7 +41,9 @@ def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forw
     verifies, real = [], model.launch  # every pass (forward reads what it launches)
 
     def launch_spy(rows):
-        if rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
+        merged = engine.target.__dict__.get("_merge_buffers")  # a verify with admitted prompts
+        if rows.tokens.data_ptr() == p.verify_tokens().data_ptr() \
+                or merged is not None and rows.tokens.data_ptr() == merged[0].data_ptr():
             verifies.append(rows.tokens.shape[0])
         return real(rows)
     model.launch = launch_spy
