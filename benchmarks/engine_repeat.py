@@ -208,6 +208,14 @@ class Timers:
         generate = Engine.generate
 
         def watched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            if engine.warming_up:  # Engine.warm_up's dummy requests: their phases are dropped
+                kept = (dict(self.seconds), dict(self.cpu), dict(self.calls))
+                try:
+                    return generate(engine, *args, **kwargs)
+                finally:
+                    for timers, was in zip((self.seconds, self.cpu, self.calls), kept):
+                        timers.clear()
+                        timers.update(was)
             before, start = thread_cpu(), time.perf_counter()
             try:
                 return generate(engine, *args, **kwargs)
@@ -247,6 +255,8 @@ class Profiled:
         generate = Engine.generate
 
         def watched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            if engine.warming_up:  # Engine.warm_up's dummy requests: not one of the repeats
+                return generate(engine, *args, **kwargs)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             start = time.perf_counter()
             with profile(activities=acts) as prof:

@@ -33,11 +33,14 @@ SLOW = 1.5  # a step over this many medians is listed
 @contextmanager
 def step_walls() -> Iterator[list[list[tuple[float, int, int]]]]:
     """While open, every Engine.generate appends a list, and each of its steps appends
-    (wall ms, sequences running before it, requests waiting before it) to that list."""
+    (wall ms, sequences running before it, requests waiting before it) to that list; an
+    engine's warm-up (`Engine.warm_up`, at construction on CUDA) is not recorded."""
     runs: list[list[tuple[float, int, int]]] = []
     step, generate = engine_module.Engine.step, engine_module.Engine.generate
 
     def timed_step(self: Any) -> None:
+        if self.warming_up:  # Engine.warm_up's dummy requests are not a run's
+            return step(self)
         running = sum(not s.finished for s in self.scheduler.running)
         waiting = len(self.scheduler.waiting)
         t0 = time.perf_counter()
@@ -45,6 +48,8 @@ def step_walls() -> Iterator[list[list[tuple[float, int, int]]]]:
         runs[-1].append(((time.perf_counter() - t0) * 1e3, running, waiting))
 
     def recorded_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.warming_up:
+            return generate(self, *args, **kwargs)
         runs.append([])
         return generate(self, *args, **kwargs)
 

@@ -265,6 +265,8 @@ def run(engine_args: list[str], trace_dir: Path | None) -> list[dict[str, Any]]:
     cuda = torch.cuda.is_available()
 
     def watched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if engine.warming_up:  # Engine.warm_up's dummy requests: not one of main's runs
+            return generate(engine, *args, **kwargs)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         mode = "target-only" if engine.proposer is None else "speculation"
         start = time.perf_counter()

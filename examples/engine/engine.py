@@ -161,6 +161,10 @@ class Engine:
                                                      device=cfg.device), kv_only=True)
         return proposer
 
+    #: True while `warm_up` generates: the benchmarks that wrap `generate` / `step` to time a
+    #: run (benchmarks/engine_steps.py, engine_timeline.py, engine_repeat.py) skip those calls
+    warming_up: bool = False
+
     def warm_up(self) -> None:
         """Generate for a few dummy requests and forget them, so that the first real request
         does not pay the process's one-time work: CUDA's lazily loaded kernel modules (torch's
@@ -196,11 +200,14 @@ class Engine:
                 requests.append(Request([(7 * j + 3 * i + 1) % vocab for j in range(length)], new))
         if not requests:  # a pool or length limit too small for any request: nothing to warm
             return
+        self.warming_up = True
         try:
             self.generate(requests)
         except (EngineError, NonFiniteLogitsError) as e:  # named as the warm-up's, not a request's
             raise type(e)(f"the engine's warm-up (dummy requests generated before any of yours: "
                           f"Engine.warm_up; --no-warm-up skips it) failed: {e}") from e
+        finally:
+            self.warming_up = False
         self.stats = Stats()
         self.scheduler.restart_ids()
 

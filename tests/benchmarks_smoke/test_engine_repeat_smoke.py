@@ -58,3 +58,12 @@ def test_profile_mode_records_the_profiled_ops_and_undoes_the_wrapper():
     assert g["wall_s"] > 0 and g["runtime"] == {}
     assert g["top_self_cpu"] and all(calls > 0 for _, calls, _ in g["top_self_cpu"])
     assert Engine.generate is generate
+
+
+def test_a_warm_up_adds_no_phase_calls():
+    """With the warm-up on (CUDA's default; forced here) the repeat's phases count its own run
+    only: the same calls as without it."""
+    def calls(extra):
+        [r] = er.main(["--repeats", "1", "--", "--max-new-tokens", "3", "--quiet", *extra])
+        return {p["phase"]: p["calls"] for p in r["phases"]}, len(r["generate"])
+    assert calls(["--warm-up"]) == calls([])

@@ -28,3 +28,13 @@ def test_a_run_without_its_baseline_is_refused():
     with pytest.raises(SystemExit, match="baseline"):
         engine_steps.measure(["--quiet", "--max-new-tokens", "2", "--no-compare"])
     assert Engine.step.__name__ == "step"
+
+
+def test_an_engines_warm_up_is_not_one_of_its_runs():
+    """With the warm-up on (CUDA's default; forced here), each engine's dummy generate at
+    construction is not recorded: two runs, each stepping as without it."""
+    got = engine_steps.measure(["--quiet", "--max-new-tokens", "4", "--warm-up"])
+    cold = engine_steps.measure(["--quiet", "--max-new-tokens", "4"])
+    for name in ("speculation", "baseline"):
+        assert got[name]["steps"] == cold[name]["steps"]
+        assert got[name]["tokens"] == cold[name]["tokens"] == 12 * 4

@@ -1,5 +1,7 @@
 """benchmarks/engine_timeline.py: the idle-time attribution on a hand-made trace (exact numbers),
 and a CPU run of the quick start's engine under the profiler with the wrappers undone after."""
+import pytest
+
 from benchmarks import engine_timeline as tl
 from draft_circuit.runners.proposer import MtpProposer
 from examples.engine.engine import Engine
@@ -59,9 +61,13 @@ def test_union_and_gaps():
     assert tl.overlap(busy, [b[0] for b in busy], 3, 6) == 2
 
 
-def test_cpu_run_reports_both_modes_and_undoes_the_wrappers(tmp_path):
+@pytest.mark.parametrize("warm_up", [[], ["--warm-up"]])
+def test_cpu_run_reports_both_modes_and_undoes_the_wrappers(tmp_path, warm_up):
+    """Each engine's run, once: with the warm-up on (CUDA's default; forced here) its dummy
+    generate at construction is not one of them."""
     generate, step_batch, step = Engine.generate, MtpProposer.step_batch, Engine.step
-    got = tl.main(["--out", str(tmp_path / "t.json"), "--", "--max-new-tokens", "4", "--quiet"])
+    got = tl.main(["--out", str(tmp_path / "t.json"), "--", "--max-new-tokens", "4", "--quiet",
+                   *warm_up])
     assert [g["mode"] for g in got] == ["speculation", "target-only"]
     for g in got:
         assert g["steps"] > 0 and g["step_wall_us"] > 0

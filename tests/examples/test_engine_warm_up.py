@@ -47,7 +47,8 @@ def test_warm_up_covers_admissions_every_width_and_a_split_catch_up(small_checkp
 
     def recording(self, requests, on_step=None):
         result = generate_once(self, requests, on_step)
-        seen.update(requests=list(requests), widths=dict(self.stats.widths))
+        seen.update(requests=list(requests), widths=dict(self.stats.widths),
+                    warming=self.warming_up)  # what the benchmarks' wrappers skip by
         return result
 
     monkeypatch.setattr(Engine, "generate", recording)
@@ -56,6 +57,7 @@ def test_warm_up_covers_admissions_every_width_and_a_split_catch_up(small_checkp
     assert len(requests) == 3 + 1  # one more than a batch: an admission beside a running batch
     assert len(requests[0].prompt) > engine.proposer.max_width  # its catch-up splits
     assert {1, 3} <= set(seen["widths"])  # the full batch, and the last sequence alone
+    assert seen["warming"] is True and engine.warming_up is False
 
 
 def test_default_is_on_cuda_only_and_warm_up_refuses_queued_work(small_checkpoint, monkeypatch):
