@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 
 from examples.engine import Engine, EngineConfig, Request, load_checkpoint
-from examples.engine import engine as engine_module
 from examples.engine.checkpoints import EngineError
-from examples.engine.scheduler import Scheduler
 from draft_circuit.runners.testing import cuda
 from tests.examples.helpers import SMALL, generate, random_requests
 
