@@ -23,7 +23,8 @@ import torch
 
 from benchmarks.engine_steps import step_walls
 from examples.engine.__main__ import engine_config, parser as engine_parser
-from examples.engine.checkpoints import default_prompts, encode_prompts, load_checkpoint, read_prompts
+from examples.engine.checkpoints import (default_prompts, encode_prompts, load_checkpoint,
+                                         read_prompts)
 from examples.engine.compare import release_device_memory
 from examples.engine.engine import Engine
 from examples.engine.sequence import Request
@@ -47,7 +48,8 @@ def measure(engine_argv: list[str], runs: int) -> dict[str, Any]:
     config = engine_config(args)
     got: dict[str, list[dict[str, Any]]] = {}
     outputs: dict[str, list[list[list[int]]]] = {}
-    for name, cfg in (("speculation", config), ("baseline", dataclasses.replace(config, speculate=False))):
+    baseline = dataclasses.replace(config, speculate=False)
+    for name, cfg in (("speculation", config), ("baseline", baseline)):
         engine = Engine(checkpoint, cfg)
         got[name], outputs[name] = [], []
         with step_walls() as walls:
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("speculation", "baseline"):
         print(f"{name}: " + "; ".join(
             f"run {i + 1} {r['wall_ms']} ms ({r['tokens_per_s']} tokens/s, first step "
-            f"{r['first_step_ms']} ms, median {r['median_step_ms']})" for i, r in enumerate(got[name])))
+            f"{r['first_step_ms']} ms, median {r['median_step_ms']})"
+            for i, r in enumerate(got[name])))
     print("speedup by run: " + ", ".join(f"{x}x" for x in got["speedup"])
           + f"; outputs identical: {got['outputs_identical']}")
     if a.out:

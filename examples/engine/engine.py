@@ -183,7 +183,8 @@ class Engine:
         vocab, batch = self.checkpoint.config.vocab_size, self.config.max_batch
         # the first prompt's catch-up splits past the drafter's widest program; target-only,
         # a prompt over two KV blocks
-        widest = self.proposer.max_width if self.proposer is not None else 2 * self.config.block_size
+        widest = (self.proposer.max_width if self.proposer is not None
+                  else 2 * self.config.block_size)
         usable = self.pool.num_blocks - self.pool.num_reserved
 
         def fits(r: Request) -> bool:  # a batch of it fits the pool and the length limit
