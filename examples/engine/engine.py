@@ -10,6 +10,14 @@ sequence's [last token, drafts...] in one target pass (the prompts of sequences 
 a running batch in the same pass), accept, then the draft side (examples/engine/draft_side.py):
 trim, catch up and, on the device path when the next batch is known, the next step's drafts in
 the same proposer call. The output is target-only greedy decoding's, token for token.
+
+One module on purpose (it runs past 400 lines): `step` and the calls it makes (`_decode`,
+`_end_step`, `_take_ahead`, `_merges`, `_prefill`, `_account`) share one piece of state between
+steps, the drafts proposed ahead (`_ahead`) and when they may be used, withdrawn or verified
+beside an admission; split across modules that rule would be spread over several. What has a
+job of its own already lives beside it: the draft side (draft_side.py), acceptance
+(speculate.py), the target's passes (runner.py, model.py), admission (scheduler.py), request
+checks (request_checks.py) and the warm-up's dummy requests (warm_up.py).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from examples.engine.scheduler import Scheduler
 from examples.engine.sequence import Request, Sequence
 from examples.engine.speculate import DraftStats, accept, draft, draft_each, draft_on_device, usable
 from examples.engine.tp import plan_for as tp_plan_for, shard_drafter
+from examples.engine.warm_up import dummy_requests
 from draft_circuit.circuit.layers.draft_vocab import DraftVocab, DraftVocabError, bind_draft_vocab, over_subset
 from draft_circuit.circuit.layers.eagle3 import Eagle3Config
 from draft_circuit.circuit.layers.heads import head_for
@@ -167,40 +176,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """Generate for a few dummy requests and forget them, so that the first real request
-        does not pay the process's one-time work: CUDA's lazily loaded kernel modules (torch's
-        and Triton's launched outside the graphs), pinned buffers made at first use, the first
-        launch of each kind of pass. On the H100 a fresh quick-start engine's first generate took
-        ~7 ms more than its second; its first prefill, catch-up, propose and verify each ran
-        0.7-2.7 ms over their later calls (benchmarks/engine_warm.py; RESULTS.md, eleventh
-        session). Serving engines do the same at startup. The requests cover what a run meets:
-        one more than a batch (an admission beside a running batch), finishing at different
-        steps (every batch width down to one), the first prompt longer than the drafter's widest
-        program (a split catch-up). Afterwards nothing is held: every KV block and drafter state
-        is freed, the statistics and sequence ids start from zero, and the next generate's
-        output is a fresh engine's (tests/examples/test_engine_warm_up.py)."""
+        does not pay the process's one-time work (examples/engine/warm_up.py says what they
+        cover and what is left after: nothing held, statistics and ids from zero)."""
         if self.scheduler.has_work:
             raise EngineError("warm_up runs before any request: this engine has requests queued")
-        vocab, batch = self.checkpoint.config.vocab_size, self.config.max_batch
-        # the first prompt's catch-up splits past the drafter's widest program; target-only,
-        # a prompt over two KV blocks
-        widest = (self.proposer.max_width if self.proposer is not None
-                  else 2 * self.config.block_size)
-        usable = self.pool.num_blocks - self.pool.num_reserved
-
-        def fits(r: Request) -> bool:  # a batch of it fits the pool and the length limit
-            return (len(r.prompt) + r.max_new_tokens <= self.max_seq_len
-                    and batch * self.scheduler.blocks_for(r) <= usable)
-
-        requests = []
-        for i in range(batch + 1):
-            # >= 2 new tokens: every request decodes at least once after its prefill
-            new, length = 2 + 2 * i, widest + 3 if i == 0 else 2 + i
-            while length > 1 and not fits(Request([0] * length, new)):
-                length //= 2  # (check_requests refuses a batch of the longest the pool lacks)
-            while new > 2 and not fits(Request([0] * length, new)):
-                new -= 1
-            if fits(Request([0] * length, new)):
-                requests.append(Request([(7 * j + 3 * i + 1) % vocab for j in range(length)], new))
+        requests = dummy_requests(self)
         if not requests:  # a pool or length limit too small for any request: nothing to warm
             return
         self.warming_up = True
