@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from benchmarks.engine_steps import step_walls
-from examples.engine.__main__ import engine_config, parser as engine_parser
-from examples.engine.checkpoints import (default_prompts, encode_prompts, load_checkpoint,
-                                         read_prompts)
+from examples.engine.__main__ import engine_config, parser as engine_parser, prompts_for
+from examples.engine.checkpoints import load_checkpoint
 from examples.engine.compare import release_device_memory
 from examples.engine.engine import Engine
 from examples.engine.sequence import Request
@@ -42,8 +41,7 @@ def measure(engine_argv: list[str], runs: int) -> dict[str, Any]:
         raise SystemExit("engine_warm runs the quick start's speculation and its baseline: drop "
                          "--no-speculation / --draft-vocab / --tp")
     checkpoint = load_checkpoint(args.checkpoint, draft_path=args.draft_checkpoint, with_mtp=True)
-    items = read_prompts(args.prompts) if args.prompts else default_prompts(checkpoint)
-    prompts = encode_prompts(items, checkpoint)
+    prompts = prompts_for(args, checkpoint)
     torch.set_num_threads(args.threads)
     config = engine_config(args)
     got: dict[str, list[dict[str, Any]]] = {}

@@ -19,7 +19,7 @@ import torch
 from draft_circuit.circuit.cli_args import (DEFAULT_WIDTHS, MAX_NUM_DRAFTS, device, int_in,
                                              require_usable_device, widths, writable_file)
 from draft_circuit.circuit.layers.draft_vocab import DraftVocab
-from examples.engine.checkpoints import (EngineError, decode_bytes, default_prompts, draft_vocab_for,
+from examples.engine.checkpoints import (Checkpoint, EngineError, decode_bytes, default_prompts, draft_vocab_for,
                                          encode_prompts, load_checkpoint, read_prompts)
 from examples.engine.compare import OutputsDifferError, check_identical, release_device_memory, run_baseline
 from examples.engine.engine import Engine, EngineConfig
@@ -155,14 +155,19 @@ def engine_config(args: argparse.Namespace, draft_vocab: DraftVocab | None = Non
                         draft_vocab=draft_vocab, tp=args.tp, warm_up=args.warm_up)
 
 
+def prompts_for(args: argparse.Namespace, checkpoint: Checkpoint) -> list[list[int]]:
+    """The run's prompts as checked token ids: --prompts, else the checkpoint's defaults."""
+    items = read_prompts(args.prompts) if args.prompts else default_prompts(checkpoint)
+    return encode_prompts(items, checkpoint)
+
+
 def run(args: argparse.Namespace) -> dict:
     silent = args.tp > 1 and start_tp(args.tp, args.device) != 0  # under torchrun rank 0 reports
     if silent:
         args.quiet, args.summary_json, args.progress = True, None, False
     checkpoint = load_checkpoint(args.checkpoint, draft_path=args.draft_checkpoint,
                                  with_mtp=not args.no_speculation, tp=args.tp)  # --tp: its slices alone
-    items = read_prompts(args.prompts) if args.prompts else default_prompts(checkpoint)
-    prompts = encode_prompts(items, checkpoint)
+    prompts = prompts_for(args, checkpoint)
     if args.max_new_tokens < 1:
         raise EngineError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.draft_confidence_stop is not None and not 0 < args.draft_confidence_stop < 1:  # NaN too
