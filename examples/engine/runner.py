@@ -133,14 +133,15 @@ class TargetRunner:
         merges them on the host path; the pass must fit max_rows (the engine merges only then)."""
         k1 = num_drafts + 1
         counts = [k1] * len(seqs) + [len(s.request.prompt) for s in prefill]
-        positions, row_tables = self._rows([*seqs, *prefill], counts)
+        rows = [*seqs, *prefill] if prefill else seqs  # (no copy on a plain step)
+        positions, row_tables = self._rows(rows, counts)
         if prefill:
             tokens = self._merged_tokens(tokens, prefill, sum(counts))
         pos = torch.from_numpy(positions)
         greedy, hidden = self.model.launch(
             TargetRows(tokens=tokens, positions=pos, block_tables=torch.from_numpy(row_tables),
                        live_rows=pos))
-        return Launched([*seqs, *prefill], k1, greedy, hidden, self._copy_out.enqueue(greedy),
+        return Launched(rows, k1, greedy, hidden, self._copy_out.enqueue(greedy),
                         counts if prefill else None)
 
     def _merged_tokens(self, verify: torch.Tensor, prefill: Sequence_[Sequence],
