@@ -7,6 +7,9 @@ call whose verify input the next step verifies as it is (`Ahead`). Otherwise the
 An `Ahead` the next step cannot take (its batch is not the one drafted for) is withdrawn: its
 drafts are settled (the one read), every drafter row its propose wrote is dropped and the pair
 key moved back as far, so the states are as the catch-up left them and hold nothing pending.
+One whose sequences partly finished is narrowed instead where the engine asks (`narrowed`): the
+rest keep their drafts, verified as proposed (a row's drafts do not depend on the rows beside
+it), so the next step drafts nothing before its verify.
 """
 from __future__ import annotations
 
@@ -66,6 +69,10 @@ class Ahead:
     seqs: list[Sequence]
     tokens: torch.Tensor
     kind: str = ""  # how the proposer served the batch (`Served.kind`: a withdrawal's count)
+    width: int = 0  # how many sequences it drafted for (`narrowed` keeps fewer); 0: len(seqs)
+
+    def __post_init__(self) -> None:
+        self.width = self.width or len(self.seqs)
 
 
 def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftStats, *,
@@ -78,8 +85,8 @@ def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftSt
     (`v.ahead`, `step_ahead`) has done all that: its drafts are returned when `ahead` holds and
     no sequence finished, else withdrawn."""
     if v.ahead is not None:  # drafted before the read (`step_ahead`): trims and catch-up done
-        if ahead and not any(s.finished for s in v.seqs):
-            return v.ahead
+        if ahead:  # the next batch is the unfinished sequences: theirs verify as proposed
+            return narrowed(v.ahead, stats)
         withdraw(proposer, v.ahead, stats)  # a sequence finished, or one waits to be admitted
         return None
     live = [i for i, s in enumerate(v.seqs) if not s.finished]
@@ -206,7 +213,33 @@ def catch_up(proposer: MtpProposer, rows: list[Rows]) -> None:
                            [r[0].draft_state for r in rows])
 
 
-def withdraw(proposer: MtpProposer, ahead: Ahead, stats: DraftStats | None = None) -> None:
+def narrowed(ahead: Ahead, stats: DraftStats) -> Ahead | None:
+    """`ahead` for its unfinished sequences only: the finished ones' verify rows dropped (one
+    `cat` of the kept runs of rows on the device, no sync; a view of the proposer's buffer
+    where they are one run, verified before the proposer drafts again as the whole one is) and
+    their states' part of the batch gone with them (freed: `PendingBatch.dropped`). The rest
+    stay pending as proposed; the next call that touches one settles them, as for any batch.
+    None when every sequence finished (nothing is pending)."""
+    seqs = ahead.seqs
+    keep = [i for i, s in enumerate(seqs) if not s.finished]
+    if len(keep) == len(seqs):
+        return ahead
+    if not keep:
+        withdraw(None, ahead, stats)  # counted; no state is left to hand anything back
+        return None
+    rows = ahead.tokens.view(len(seqs), -1)
+    runs: list[torch.Tensor] = []  # the kept rows as runs of consecutive rows (one finished
+    start = keep[0]                # sequence leaves at most two)
+    for prev, i in zip(keep, keep[1:] + [-1]):
+        if i != prev + 1:
+            runs.append(rows[start:prev + 1])
+            start = i
+    tokens = torch.cat(runs).view(-1) if len(runs) > 1 else runs[0].reshape(-1)
+    stats.narrowed[ahead.kind][(ahead.width, len(keep))] += 1
+    return Ahead([seqs[i] for i in keep], tokens, ahead.kind, ahead.width)
+
+
+def withdraw(proposer: MtpProposer | None, ahead: Ahead, stats: DraftStats | None = None) -> None:
     """Undo `ahead`'s propose for its sequences still running (a finished one's state was
     freed, which drops its part of the batch): settle the drafts (their one read), then hand
     each state's drafter KV out and back in with the d rows its propose wrote dropped and the
@@ -215,8 +248,11 @@ def withdraw(proposer: MtpProposer, ahead: Ahead, stats: DraftStats | None = Non
     again. No block is freed or leaked: the blocks go back to the same state. `stats`
     counts the batch as withdrawn (`DraftStats.withdrawn`)."""
     if stats is not None:
-        stats.withdrawn[ahead.kind][len(ahead.seqs)] += 1
+        stats.withdrawn[ahead.kind][ahead.width] += 1
     seqs = [s for s in ahead.seqs if not s.finished and s.draft_state is not None]
+    if not seqs:
+        return
+    assert proposer is not None
     states = [s.draft_state for s in seqs]
     for s, state, drafts in zip(seqs, states, proposer.last_drafts(states)):
         got = proposer.take_drafter_kv(state)

@@ -253,17 +253,31 @@ class Engine:
     #: and benchmarks/engine_step_host.py set it to compare)
     propose_ahead: bool = True
 
+    #: drafts proposed before a step's read for sequences of which some then finished: keep
+    #: the rest's (`draft_side.narrowed`) for the next step to verify as proposed, an
+    #: admission's prompt merged beside them; False: withdraw them all and draft again
+    narrow_ahead: bool = True
+
     def _end_step(self, v: Verified) -> None:
         """The draft side of the step just verified (`draft_side.end_step`), drafting the next
         step ahead when its batch is known: exactly this step's unfinished sequences, in order,
         on the device path. That holds when they are all the scheduler runs (no prompt merged
         into this pass waits to decode) and it admits nothing: nothing changes the scheduler
-        between two steps of `generate`, so the next `admit` finds what `can_admit` does now."""
+        between two steps of `generate`, so the next `admit` finds what `can_admit` does now.
+        Drafts proposed before this step's read (`v.ahead`) are kept for those sequences with
+        `narrow_ahead` even when the next step admits: an admission whose prompt merges into
+        its pass leaves its verify rows as they are (one that prefills alone withdraws them,
+        `_take_ahead`)."""
         live = [s for s in v.seqs if not s.finished]
         running = self.scheduler.running
         known = (self.propose_ahead and bool(live) and self._on_device(len(live))
-                 and len(running) == len(live) and all(a is b for a, b in zip(running, live))
-                 and not self.scheduler.can_admit())
+                 and len(running) == len(live) and all(a is b for a, b in zip(running, live)))
+        if v.ahead is not None and self.narrow_ahead:
+            known = known and (self.merge_prefill or not self.scheduler.can_admit())
+        elif v.ahead is not None:  # withdrawn when a sequence finished
+            known = known and len(live) == len(v.seqs) and not self.scheduler.can_admit()
+        else:
+            known = known and not self.scheduler.can_admit()
         assert self.proposer is not None
         self._ahead = end_step(self.proposer, v, self.k, self.stats.draft_batches, ahead=known)
 

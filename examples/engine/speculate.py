@@ -27,11 +27,15 @@ def accept(drafts: list[int], target_tokens: list[int]) -> int:
 class DraftStats:
     """Per width: how the drafting batches were served (the proposer's plan kind, or
     per_sequence when propose_batch declined), and of them the batches drafted ahead and then
-    withdrawn unused (a sequence finished or one was admitted after they were proposed)."""
+    withdrawn unused (a sequence finished or one was admitted after they were proposed), and
+    those drafted ahead whose finished sequences' rows were dropped and the rest verified
+    (`narrowed`, by kind: (the width drafted, the width verified) -> batches)."""
 
     def __init__(self) -> None:
         self.batches: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.withdrawn: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.narrowed: dict[str, dict[tuple[int, int], int]] = \
+            defaultdict(lambda: defaultdict(int))
 
     def table(self) -> dict[int, dict[str, int]]:
         widths = sorted({n for per in self.batches.values() for n in per})

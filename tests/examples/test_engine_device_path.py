@@ -59,22 +59,31 @@ def test_device_path_with_the_compiled_target_equals_greedy(small_checkpoint, gr
 
 
 def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy, monkeypatch):
-    """The verify input is the proposer's device buffer itself (no host list of drafts), and
-    the drafts are read after the verify is launched, once per step (by `last_drafts`, or by
-    `step_ahead`, which reads them before it enqueues the draft side)."""
+    """The verify input is the proposer's device buffer itself (no host list of drafts), or
+    after a finish the rows of it the unfinished sequences keep (`draft_side.narrowed`: a
+    device tensor made from it), and the drafts are read after the verify is launched, once
+    per step (by `last_drafts`, or by `step_ahead`, which reads them before it enqueues the
+    draft side; one it declines reads nothing)."""
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
     engine.device_drafts = engine.draft_before_read = True
-    p, model = engine.proposer, engine.target.model
+    p, target = engine.proposer, engine.target
     order: list[str] = []
-    real_launch, real_last, real_ahead = model.launch, p.last_drafts, p.step_ahead
+    real_verify, real_last, real_ahead = target.launch_verify, p.last_drafts, p.step_ahead
+    kept: list[torch.Tensor] = []  # the narrowed verify inputs
+    real_narrowed = draft_side.narrowed
 
-    def launch(rows):
-        merged = engine.target.__dict__.get("_merge_buffers")  # a verify with admitted prompts
-        if (rows.tokens.shape[0] % 4 == 0 and rows.tokens.data_ptr() == p.verify_tokens().data_ptr()
-                or merged is not None and rows.tokens.data_ptr() == merged[0].data_ptr()):
-            order.append("verify")
-        return real_launch(rows)
+    def narrowed(ahead, stats):
+        got = real_narrowed(ahead, stats)
+        if got is not None and got is not ahead:
+            kept.append(got.tokens)
+        return got
+
+    def launch_verify(seqs, tokens, num_drafts, prefill=()):
+        assert tokens.data_ptr() == p.verify_tokens().data_ptr() \
+            or any(tokens is t for t in kept)
+        order.append("verify")
+        return real_verify(seqs, tokens, num_drafts, prefill)
 
     withdrawing = []
 
@@ -84,8 +93,10 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
         return real_last(states)
 
     def step_ahead(*args):
-        order.append("read")
-        return real_ahead(*args)
+        got = real_ahead(*args)
+        if got is not None:  # (declined: nothing read, the step reads first)
+            order.append("read")
+        return got
 
     def withdraw(proposer, ahead, stats=None):
         withdrawing.append(1)
@@ -96,11 +107,13 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
     real_withdraw = engine_module.withdraw
     monkeypatch.setattr(engine_module, "withdraw", withdraw)  # the engine's call and end_step's
     monkeypatch.setattr(draft_side, "withdraw", withdraw)
-    monkeypatch.setattr(model, "launch", launch)
+    monkeypatch.setattr(draft_side, "narrowed", narrowed)
+    monkeypatch.setattr(target, "launch_verify", launch_verify)
     monkeypatch.setattr(p, "last_drafts", last_drafts)
     monkeypatch.setattr(p, "step_ahead", step_ahead)
     assert engine.generate(REQUESTS).outputs == greedy
     assert engine.stats.draft_batches.batches  # some steps drafted ahead of their read
+    assert kept  # some finished while others ran on
     assert order and order[::2] == ["verify"] * (len(order) // 2)
     assert order[1::2] == ["read"] * (len(order) // 2)
     assert len(order) // 2 == engine.stats.steps  # every decode step took the device path

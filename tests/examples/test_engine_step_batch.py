@@ -92,11 +92,23 @@ def greedy(path, requests):
     return _GREEDY[id(requests)]
 
 
-def used(stats) -> dict[int, dict[str, int]]:
-    """The draft batches a run used: those served, less those drafted ahead and withdrawn."""
-    d = stats.draft_batches
-    return {n: {kind: c - d.withdrawn[kind][n] for kind, c in per.items()
-                if c - d.withdrawn[kind][n]} for n, per in d.table().items()}
+def used(stats) -> dict[int, int]:
+    """The draft batches a run used, per width verified: those served, less those drafted ahead
+    and withdrawn, with those narrowed to their unfinished sequences counted at the width they
+    verified (the separate calls drafted those sequences at that width, maybe as another kind:
+    so widths only)."""
+    d, out = stats.draft_batches, Counter()
+    for n, per in d.table().items():
+        out[n] += sum(c - d.withdrawn[kind][n] for kind, c in per.items())
+    for per in d.narrowed.values():
+        for (n, m), c in per.items():
+            out[n] -= c
+            out[m] += c
+    return {n: c for n, c in sorted(out.items()) if c}
+
+
+def widths(table: dict[int, dict[str, int]]) -> dict[int, int]:
+    return {n: sum(per.values()) for n, per in table.items()}
 
 
 @pytest.mark.parametrize("before_read", [True, False])
@@ -113,7 +125,7 @@ def test_drafting_ahead_equals_greedy_and_the_separate_calls(small_checkpoint, m
     a, b = engine.stats, base.stats
     assert (a.steps, a.verifies, a.drafted, a.accepted, a.widths) == \
         (b.steps, b.verifies, b.drafted, b.accepted, b.widths)
-    assert used(a) == b.draft_batches.table() and not b.draft_batches.withdrawn
+    assert used(a) == widths(b.draft_batches.table()) and not b.draft_batches.withdrawn
     # the path was taken (counted on a third run)
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
     engine.device_drafts, engine.draft_before_read = True, before_read
@@ -180,26 +192,34 @@ def test_catch_up_rows_start_where_the_separate_calls_find_them(small_checkpoint
     assert checked
 
 
-@pytest.mark.parametrize("ahead,before_read,steady,last", [
-    (True, True, {"step_ahead": 1}, {"step_ahead": 1, "last_drafts": 1}),
-    (True, False, {"last_drafts": 1, "step_batch": 1}, {"last_drafts": 1}),
-    (False, False, {"propose_batch_on_device": 1, "last_drafts": 1, "after_verify_batch": 1,
-                    "last_pair_keys": 1}, {"propose_batch_on_device": 1, "last_drafts": 1}),
+@pytest.mark.parametrize("ahead,before_read,narrow,steady,last", [
+    (True, True, True, {"step_ahead": 1}, {"step_ahead": 1}),
+    (True, True, False, {"step_ahead": 1}, {"step_ahead": 1}),
+    (True, False, True, {"last_drafts": 1, "step_batch": 1}, {"last_drafts": 1}),
+    (False, False, True, {"propose_batch_on_device": 1, "last_drafts": 1,
+                          "after_verify_batch": 1, "last_pair_keys": 1},
+     {"propose_batch_on_device": 1, "last_drafts": 1}),
 ])
 def test_a_steady_step_is_one_step_batch_and_one_read(small_checkpoint, monkeypatch, ahead,
-                                                      before_read, steady, last):
+                                                      before_read, narrow, steady, last):
     """Three requests, three slots: after the first step (its prefill's catch-up and its own
     propose) every step but the last is the steady one; the last (every sequence done) reads
     the drafts and has nothing left to trim or draft. Drafting before the read, a steady step
     is one `step_ahead` (the drafts' read is inside it), and the last one's drafts, proposed
-    before the step knew every sequence would finish, are withdrawn (a `last_drafts` read).
-    The separate calls' steps, for contrast (their catchup_batch runs only on a step that
-    accepted a draft: with exact KV no row is missing otherwise)."""
+    before the step knew every sequence would finish, are withdrawn (counted; every state was
+    freed with its sequence, so there is nothing to read or hand back).
+    A step whose sequence finishes is a steady one too where the rest's drafts are kept
+    (`narrow_ahead`); the next verifies them as proposed, so it drafts nothing before its
+    verify, and reads first (step_ahead declines a batch it no longer drafted whole), drafting
+    ahead in step_batch. Without `narrow_ahead` the drafts are withdrawn (a `last_drafts`
+    read) and the next step drafts for itself before its verify. The separate calls' steps,
+    for contrast (their catchup_batch runs only on a step that accepted a draft: with exact KV
+    no row is missing otherwise)."""
     requests = [Request(r.prompt, 12 + 3 * i) for i, r in enumerate(REQUESTS[:3])]
     engine = Engine(load_checkpoint(small_checkpoint),
                     EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
     engine.device_drafts, engine.propose_ahead = True, ahead
-    engine.draft_before_read = before_read
+    engine.draft_before_read, engine.narrow_ahead = before_read, narrow
     calls = count_calls(engine, monkeypatch)
     per_step: list[dict[str, int]] = []
 
@@ -210,7 +230,13 @@ def test_a_steady_step_is_one_step_batch_and_one_read(small_checkpoint, monkeypa
     first, *middle, final = per_step
     if not ahead:
         middle = [{k: v for k, v in step.items() if k != "catchup_batch"} for step in middle]
-    if before_read:  # a step whose sequence finishes withdraws the drafts made before its
+    if before_read and narrow:  # the step after a finish verifies the rest's drafts, then
+        # reads first and drafts ahead in step_batch
+        finishes = [i for i, step in enumerate(middle) if step != steady]
+        assert [middle[i] for i in finishes] == [
+            {"step_ahead": 1, "last_drafts": 1, "step_batch": 1}] * 2, middle
+        middle = [step for i, step in enumerate(middle) if i not in finishes]
+    elif before_read:  # a step whose sequence finishes withdraws the drafts made before its
         # read (a last_drafts), and the next step drafts for itself first
         finishes = [i for i, step in enumerate(middle) if step != steady]
         assert [middle[i] for i in finishes] == [
@@ -398,11 +424,21 @@ def forced_greedy(engine, k: int):
     "target" for both paths, so drafting before the read (which counts on the device) and
     reading first must give the same outputs and the same target passes, with catch-ups of
     1..k rows on the way (random heads alone accept almost nothing)."""
-    launch, p, seen = engine.target.model.launch, engine.proposer, [0]
+    launch, seen = engine.target.model.launch, [0]
+    # the verify the runner launches next: its tokens (the proposer's buffer, or the rows of
+    # it a finish left, `draft_side.narrowed`); a merged pass's are another buffer, not forced
+    verifying: list[torch.Tensor | None] = [None]
+    launch_verify = engine.target.launch_verify
+
+    def marked(seqs, tokens, num_drafts, prefill=()):
+        verifying[0] = None if prefill else tokens
+        return launch_verify(seqs, tokens, num_drafts, prefill)
+    engine.target.launch_verify = marked
 
     def forced(rows):
         tokens, hidden = launch(rows)
-        if rows.tokens.data_ptr() == p.verify_tokens().data_ptr():
+        verify, verifying[0] = verifying[0], None
+        if verify is not None and rows.tokens.data_ptr() == verify.data_ptr():
             n = rows.tokens.shape[0] // (k + 1)
             g, v = tokens.clone().view(n, k + 1), rows.tokens.view(n, k + 1)
             for i in range(n):
@@ -445,3 +481,62 @@ def test_an_exact_pool_finishes_drafting_before_the_read(small_checkpoint):
     engine.device_drafts, engine.draft_before_read = True, True
     assert engine.generate(requests).outputs == \
         generate(small_checkpoint, requests, speculate=False, max_batch=2)[0]
+
+
+class _Seq:
+    def __init__(self, finished: bool) -> None:
+        self.finished = finished
+
+
+@pytest.mark.parametrize("finished", [(1,), (0,), (3,), (0, 2), (1, 2), (0, 1, 2, 3)])
+def test_narrowed_keeps_the_unfinished_rows_in_order(finished):
+    """`draft_side.narrowed`: the verify rows of the sequences that did not finish, in their
+    order (one run or several), counted as (width drafted, width kept); none when all did."""
+    n, k1 = 4, 3
+    seqs = [_Seq(i in finished) for i in range(n)]
+    tokens = torch.arange(n * k1, dtype=torch.int32)
+    stats = draft_side.DraftStats()
+    got = draft_side.narrowed(draft_side.Ahead(seqs, tokens, "own"), stats)
+    keep = [i for i in range(n) if i not in finished]
+    if not keep:
+        assert got is None and stats.withdrawn["own"][n] == 1
+        return
+    assert got is not None and got.seqs == [seqs[i] for i in keep] and got.width == n
+    assert got.tokens.tolist() == [i * k1 + j for i in keep for j in range(k1)]
+    assert dict(stats.narrowed["own"]) == {(n, len(keep)): 1}
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_finish_keeps_the_rest_drafts_for_the_next_verify(small_checkpoint, monkeypatch, merge):
+    """Drafts proposed before a step's read for a batch of which one sequence then finished:
+    with `narrow_ahead` the rest's are verified as proposed at the next step (its prompt
+    merged beside them where one is admitted), against withdrawing them and drafting again:
+    the same target passes bit for bit, the same outputs (greedy's), fewer proposes, no block
+    leaked, nothing pending. Where the admission prefills alone (merge off) they are withdrawn
+    as before."""
+    config = dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3)
+
+    def drive(narrow: bool):
+        engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+        engine.device_drafts = engine.draft_before_read = True
+        engine.narrow_ahead, engine.merge_prefill = narrow, merge
+        calls = count_calls(engine, monkeypatch)
+        passes, launch = [], engine.target.model.launch
+        engine.target.model.launch = lambda rows: passes.append(rows.tokens.tolist()) or launch(rows)
+        outputs = engine.generate(REQUESTS).outputs
+        assert engine._ahead is None and engine.proposer.slots.num_pending == 0
+        assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
+        return outputs, passes, engine.stats.draft_batches, calls
+
+    out, passes, stats, calls = drive(True)
+    base_out, base_passes, base_stats, base_calls = drive(False)
+    assert out == base_out == greedy(small_checkpoint, REQUESTS)
+    assert passes == base_passes
+    narrowed = sum(c for per in stats.narrowed.values() for c in per.values())
+    assert not base_stats.narrowed
+    if merge:  # every finish but the last's narrowed (the last has no sequence left)
+        assert narrowed >= 3
+        assert calls["propose_batch_on_device"] + calls["step_batch"] < \
+            base_calls["propose_batch_on_device"] + base_calls["step_batch"]
+    else:  # a finish while requests wait: the admission prefills alone, so withdrawn
+        assert narrowed < sum(c for per in base_stats.withdrawn.values() for c in per.values())
