@@ -7,6 +7,7 @@ from typing import TextIO
 
 from examples.engine.compare import Baseline
 from examples.engine.engine import Engine, Result
+from examples.engine.speculate import DraftStats
 
 
 class ProgressBar:
@@ -56,10 +57,21 @@ def summary(engine: Engine, result: Result) -> dict:
         # of them, drafted ahead (at a step's end, or before its verify was read) and unused:
         # a sequence finished or one was admitted after they were proposed
         "withdrawn_batches": {str(n): c for n, c in sorted(_per_width(s.draft_batches.withdrawn).items())},
+        # and drafted ahead for sequences of which some finished: the rest's rows verified
+        "narrowed_batches": {str(n): c for n, c in sorted(_narrowed(s.draft_batches).items())},
         "proposer_runs": ({kind: {str(n): c for n, c in sorted(per.items())}
                            for kind, per in engine.proposer.stats.items()}
                           if engine.proposer is not None else {}),
     }
+
+
+def _narrowed(d: DraftStats) -> dict[int, int]:
+    """Batches narrowed to their unfinished sequences, by the width they were drafted at."""
+    out: dict[int, int] = {}
+    for per in d.narrowed.values():
+        for (n, _), c in per.items():
+            out[n] = out.get(n, 0) + c
+    return out
 
 
 def _per_width(by_kind: dict[str, dict[int, int]]) -> dict[int, int]:
@@ -106,10 +118,12 @@ def format_summary(d: dict) -> str:
                      f"(target {_fmt(d['target_time_share'], '.1f', 100)}%)")
         lines.append("drafting batches by width (own program / padded / split / per sequence):")
         withdrawn = d.get("withdrawn_batches", {})
+        narrowed = d.get("narrowed_batches", {})
         for n, kinds in d["draft_batches"].items():
             cells = "  ".join(f"{k} {v}" for k, v in kinds.items())
             unused = f"  ({withdrawn[n]} withdrawn unused)" if withdrawn.get(n) else ""
-            lines.append(f"  n={n:>3}: {cells}{unused}")
+            fewer = f"  ({narrowed[n]} verified for fewer sequences)" if narrowed.get(n) else ""
+            lines.append(f"  n={n:>3}: {cells}{unused}{fewer}")
     else:
         lines.append(f"decode steps: {d['decode_steps']}")
     if "baseline" in d:

@@ -402,8 +402,9 @@ def test_a_finished_sequence_lets_go_of_its_pass_hiddens(small_checkpoint, monke
 
 
 def test_the_summary_counts_withdrawn_batches(small_checkpoint):
-    """Drafts proposed before a step's read for a sequence that then finished are withdrawn: the
-    summary reports them per width (JSON and text), out of the batches drafted."""
+    """Drafts proposed before a step's read for sequences of which some then finished are
+    withdrawn (all finished) or narrowed to the rest (`draft_side.narrowed`): the summary reports
+    both per width (JSON and text), out of the batches drafted."""
     from examples.engine.report import format_summary, summary
     requests, config = CASES["k3"]
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
@@ -416,6 +417,13 @@ def test_the_summary_counts_withdrawn_batches(small_checkpoint):
     for n, c in d["withdrawn_batches"].items():
         assert c <= sum(d["draft_batches"][n].values())
     assert "withdrawn unused" in format_summary(d)
+    # and those whose unfinished sequences' rows were verified (draft_side.narrowed)
+    narrowed = engine.stats.draft_batches.narrowed
+    assert d["narrowed_batches"] and sum(d["narrowed_batches"].values()) == \
+        sum(c for per in narrowed.values() for c in per.values())
+    for n, c in d["narrowed_batches"].items():
+        assert c <= sum(d["draft_batches"][n].values())
+    assert "verified for fewer sequences" in format_summary(d)
 
 
 def forced_greedy(engine, k: int):
