@@ -309,7 +309,8 @@ class MtpProposer:
     def step_ahead(self, greedy: torch.Tensor, hiddens: torch.Tensor, num_drafts: int,
                    states: Sequence[object]) -> tuple[list[list[int]], torch.Tensor] | None:
         """`step_batch` launched before the host reads the verify of the latest device-resident
-        batch (`states`, in order; its greedy tokens and hiddens unread on the device): the
+        batch (`states`, in order, or the ones still waiting on it when the others were freed;
+        its greedy tokens and hiddens unread on the device): the
         contract is runners/proposer_ahead.py's. Returns (the verified drafts, the next verify
         input) or None, nothing changed but the drafts' read (`last_served` says why)."""
         return step_all_ahead(self, greedy, hiddens, num_drafts, states)
@@ -396,4 +397,11 @@ class MtpProposer:
             self.pool.free(blocks)
 
     def free_state(self, state: MtpProposerState) -> None:
-        free_all(self._own(state))
+        """Free the state's blocks and drafts without settling what it holds: a device batch
+        it drafted in drops its row (`PendingBatch.dropped`) and settles for the rest when one
+        of them is next touched, so a finish does not wait for a chain still running (its
+        drafts' copy) and the rest's drafts stay pending for their verify. The blocks go back
+        now; a chain still writing them runs before anything enqueued after on its stream."""
+        if type(state) is not MtpProposerState or state.table is not self.slots:
+            raise ProposerError(f"state {state!r} does not belong to this proposer")
+        free_all(state)

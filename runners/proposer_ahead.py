@@ -30,7 +30,9 @@ The batch settles as a device-resident batch does (`PendingBatch`): on the first
 touches one of its states, which reads the drafts and the counts (pinned copies, long done by
 then) and records rows p + a, key p + a - 1, then the propose's drafts from there.
 
-It serves only what it can do exactly: the latest device-resident batch's states, in order, no
+It serves only what it can do exactly: the latest device-resident batch's states, in order (or,
+before it settles, those of them still waiting on it when the others were freed: sequences that
+finished, `kept_rows`; their drafts are moved to the front of the device buffer first), no
 later propose on any of them, each with at least one kept draft and drafted from its position
 - 1 rows, the exact-KV rule, a served width, tables and a pool with room for p + d + k rows.
 Anything else is refused before any change but the drafts' read (`last_served` says why; the
@@ -51,13 +53,14 @@ from draft_circuit.runners.hidden_rows import HiddenRows, check_hidden_rows
 from draft_circuit.runners.kv_cache import PoolExhausted
 from draft_circuit.runners.proposer_batch import last_drafts_of, served, width_refusal
 from draft_circuit.runners.proposer_inputs import check_num_drafts
-from draft_circuit.runners.proposer_chunks import ChainRows, consecutive
+from draft_circuit.runners.proposer_chunks import ChainRows, consecutive, consecutive_runs
 from draft_circuit.runners.proposer_rows import grow_all, write_rows
 from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
                                                   trim_after_verify_batch)
 
 if TYPE_CHECKING:  # the proposer imports this module
     from draft_circuit.runners.proposer import MtpProposer
+    from draft_circuit.runners.proposer_device import DeviceDrafts
 
 
 #: placeholder tokens of an advanced propose (its staging gathers the real ones), read-only,
@@ -73,17 +76,51 @@ def _placeholder(n: int) -> np.ndarray:
     return _NO_TOKENS[:n]
 
 
+def kept_rows(batch: PendingBatch, states: Sequence[object]) -> list[int] | None:
+    """The rows of `batch` that `states` are, in its order: all of its states, or (a batch
+    narrowed by finishes, not yet settled) every one still waiting on it, the others dropped
+    since (freed or handed over: `PendingBatch.dropped`); None otherwise. (Once settled, a
+    state left out could still await its verify with these drafts: not narrowed.)"""
+    every = batch.states
+    if len(every) == len(states) and all(a is b for a, b in zip(every, states)):
+        return list(range(len(every)))
+    if batch.done or not states or len(states) != len(every) - batch.dropped:
+        return None
+    keep, i, pending = [], 0, batch.table.pending
+    for s in states:  # a subsequence of the batch's states, each still holding the batch
+        while i < len(every) and every[i] is not s:
+            i += 1
+        if i == len(every) or pending[batch.slots[i]] is not batch:
+            return None
+        keep.append(i)
+        i += 1
+    return keep
+
+
 def _refusal(p: "MtpProposer", n: int, k: int, states: Sequence[object]) -> str | None:
     """Why `step_ahead` cannot serve these states before anything is read (None: it may)."""
     if not p.kv_exact or p.refeed:
         return "the drafter's trim depends on the accepted count (kv_exact off or refeed on)"
     batch = p.device_drafts.batch
-    if batch is None or batch.dropped or len(batch.states) != n \
-            or any(a is not b for a, b in zip(batch.states, states)):
-        return "the states are not the latest device-resident batch's, in its order"
+    if batch is None or kept_rows(batch, states) is None:
+        return ("the states are not the latest device-resident batch's still waiting on it, in "
+                "its order")
     if batch.drafts.shape[1] != k:
         return f"the batch drafted {batch.drafts.shape[1]} a row, not {k}"
     return width_refusal(p, n, k, False)
+
+
+def _narrow_drafts(dev: DeviceDrafts, width: int, keep: list[int], k: int) -> None:
+    """The kept rows of a width-`width` batch's device drafts moved to the front, as an
+    `len(keep)`-row batch's (the view the accept counts' launch knows by identity): one cat
+    of the kept runs of rows (a new tensor: the source and the front overlap), then one copy
+    (nothing where only the last rows finished). Only after the batch
+    settled: on CPU the drafts' host copy is this buffer."""
+    runs = consecutive_runs(keep)
+    if runs == [(0, len(keep))]:  # the last rows finished: the rest are in place
+        return
+    rows = dev.drafts(width, k)
+    dev.drafts(len(keep), k).copy_(torch.cat([rows[a:b] for a, b in runs]))
 
 
 def _check_tensors(p: "MtpProposer", greedy: object, hiddens: object, n: int, k: int) -> None:
@@ -129,12 +166,18 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     t, dev = p.slots, p.device_drafts
     batch = dev.batch
     assert batch is not None
-    slots = batch.slots
+    keep = kept_rows(batch, states)
+    assert keep is not None  # (_refusal)
+    whole = len(keep) == len(batch.states)
+    slots = batch.slots if whole else batch.slots[keep]
     drafts = last_drafts_of(p, states)  # the batch's one read (its copy landed behind the chain)
     # read after the settle (a batch drafted ahead knows them then): each row's position
     # before the verify, p, and the rows it drafted from, which must be p - 1 (the rows
     # every propose of a decode step drafts from; the shifts below assume it)
     base = np.asarray(batch.positions, dtype=np.int64)
+    drafted_from = np.asarray(batch.rows)
+    if not whole:
+        base, drafted_from = base[keep], drafted_from[keep]
     mine = cast("list[MtpProposerState]", list(states))
     counts = np.fromiter(map(len, drafts), dtype=np.int64, count=n)
     limit = p.kv.max_blocks_per_seq * p.kv.block_size
@@ -143,7 +186,7 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
         why = "a later propose replaced the batch's drafts"
     elif not counts.all() or not t.awaiting[slots].all():
         why = "a row kept no draft or was verified already"
-    elif (np.asarray(batch.rows) != base - 1).any():
+    elif (drafted_from != base - 1).any():
         why = "a row drafted from other rows than its position - 1"
     elif int((base + counts).max()) + k > limit:
         why = "a table lacks room for the worst case (every draft accepted)"
@@ -161,6 +204,8 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     except PoolExhausted:  # nothing was taken: the read-first path needs fewer blocks
         p.last_served = Served("refused", n, "the drafter pool lacks the worst case's blocks")
         return None
+    if not whole:  # some finished: the rest's drafts as an n-row batch's
+        _narrow_drafts(dev, len(batch.states), keep, k)
     # the accepted counts of the drafts the verify checked (still in the device buffers: this
     # batch's fill comes after), computed with the propose's shifts once its rows are staged
     # (runners/accept_counts.py: one launch on a GPU)

@@ -104,6 +104,18 @@ def consecutive(bases: Sequence[int] | np.ndarray, counts: np.ndarray,
     return out
 
 
+def consecutive_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Increasing `indices` as runs [a, b) of consecutive ones, in order: what a batch keeps
+    of its rows when some finish (one finish leaves at most two runs)."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 def catchup_chunks(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor] | HiddenRows,
                    first_pos: Sequence[int] | np.ndarray, slots: np.ndarray,
                    bases: np.ndarray | Sequence[int], width: int, *,

@@ -24,6 +24,7 @@ from examples.engine.sequence import Sequence
 from examples.engine.speculate import DraftStats
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.proposer import MtpProposer
+from draft_circuit.runners.proposer_chunks import consecutive_runs
 from draft_circuit.runners.proposer_state import key_after_verify
 
 #: a catch-up item: (sequence, tokens, their target hiddens [len, H], RoPE position of the first)
@@ -228,12 +229,7 @@ def narrowed(ahead: Ahead, stats: DraftStats) -> Ahead | None:
         withdraw(None, ahead, stats)  # counted; no state is left to hand anything back
         return None
     rows = ahead.tokens.view(len(seqs), -1)
-    runs: list[torch.Tensor] = []  # the kept rows as runs of consecutive rows (one finished
-    start = keep[0]                # sequence leaves at most two)
-    for prev, i in zip(keep, keep[1:] + [-1]):
-        if i != prev + 1:
-            runs.append(rows[start:prev + 1])
-            start = i
+    runs = [rows[a:b] for a, b in consecutive_runs(keep)]  # (one finish leaves at most two)
     tokens = torch.cat(runs).view(-1) if len(runs) > 1 else runs[0].reshape(-1)
     stats.narrowed[ahead.kind][(ahead.width, len(keep))] += 1
     return Ahead([seqs[i] for i in keep], tokens, ahead.kind, ahead.width)

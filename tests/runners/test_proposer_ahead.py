@@ -361,3 +361,59 @@ def test_the_warm_up_leaves_a_pending_batchs_counts():
     counts.warm(3, 3)
     assert counts.read(3).tolist() == [2, 1, 3]
 
+
+
+NARROWED = [(3, (1,), {}), (3, (0,), {}), (3, (2,), {}), (4, (0, 2), {}),
+            (20, (3, 11, 19), {"num_blocks": 8 * 20 + 8, "max_blocks_per_seq": 8,
+                               "max_width": 32, "widths": (1, 2, 4, 8, 32)})]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("n,freed,opts", NARROWED,
+                         ids=[f"n{n}-free{'_'.join(map(str, f))}" for n, f, _ in NARROWED])
+def test_a_batch_narrowed_by_finishes_steps_ahead(n, freed, opts, fused):
+    """A device batch drafted for n states, some of them then freed (sequences that finished):
+    freeing settles nothing (the batch stays pending for the rest, `PendingBatch.dropped`), and
+    step_ahead serves the rest, in order, against their rows of the verify: the read-first
+    path's next verify input, drafts and confidences, and afterwards the same rows, keys and
+    K/V, over the steps after it. (`fused`: the GPU's one-kernel advance, interpreted.)"""
+    a, sa, b, sb = _pair(n, opts)
+    b.device_drafts.counts.fused = fused
+    pos = [a.last_pair_key(s) + 2 for s in sa]
+    last = [(5 + i) % CFG.vocab_size for i in range(n)]
+    a.propose_batch_on_device(last, hidden(7, n), pos, K, sa)
+    b.propose_batch_on_device(last, hidden(7, n), pos, K, sb)
+    for i in freed:
+        a.free_state(sa[i])
+        b.free_state(sb[i])
+    batch = b.device_drafts.batch
+    assert batch is not None and not batch.done and batch.dropped == len(freed)
+    keep = [i for i in range(n) if i not in freed]
+    sa, sb, pos = [sa[i] for i in keep], [sb[i] for i in keep], [pos[i] for i in keep]
+    m, k1 = len(keep), K + 1
+    for step in range(3):
+        verify_hidden = hidden(300 + step, m * k1)
+        drafts = a.last_drafts(sa)
+        greedy, accepted = _greedy(drafts, step, m)
+        got = b.step_ahead(greedy, verify_hidden, K, sb)
+        assert got is not None, b.last_served
+        assert got[0] == drafts and got[1] is b.verify_tokens()
+        pos = read_first_step(a, sa, drafts, greedy, accepted, verify_hidden, pos)
+        assert torch.equal(a.verify_tokens(), b.verify_tokens())
+        assert torch.equal(a.device_drafts.drafts(m, K), b.device_drafts.drafts(m, K))
+        assert torch.equal(a.device_drafts.confidences(m, K), b.device_drafts.confidences(m, K))
+        _same_valid(a, sa, b, sb)
+
+
+def test_a_subset_of_a_batch_still_pending_is_refused():
+    """Leaving out a state that still waits on the batch (not freed) is not a narrowed batch:
+    refused before anything is read, the batch still pending for all."""
+    p, states = _ready(3)
+    greedy = torch.zeros(2 * (K + 1), dtype=torch.int32)
+    got = p.step_ahead(greedy, hidden(9, 2 * (K + 1)), K, states[:2])
+    assert got is None and "not the latest" in p.last_served.reason
+    batch = p.device_drafts.batch
+    assert batch is not None and not batch.done and p.slots.num_pending == 3
+    p.free_state(states[1])  # freed, not the one left out: still not the batch's rest
+    assert p.step_ahead(greedy, hidden(9, 2 * (K + 1)), K, states[:2]) is None
+    assert not batch.done
