@@ -13,7 +13,11 @@ the engine's device path since the fourth session; the indices built per step, a
 `--path sliced` the same step with the hiddens as the engine built them before that: a view of
 the one source a sequence (catch-up rows and target), the targets stacked, per step (`--path
 picked --against . --against-path sliced` is the engine's change, host inputs included; the
-`step` path's views are made once, outside the timing). Prints the
+`step` path's views are made once, outside the timing), `--path ahead` the engine's steady step
+on a GPU: one `step_ahead` (the verify's greedy tokens and hiddens in, the drafts' read, the
+accept on the device's side, the trims, the catch-up and the next propose; here the accept and
+its shifts are ~10 torch ops on CPU tensors, where a GPU replays one kernel: most of this
+path's CPU time, and not a GPU host's cost). Prints the
 median per step and per propose, microseconds, and each proposer call's own median (propose,
 last_drafts, after_verify_batch, last_pair_keys, catchup_batch, step_batch: `calls`, those the
 path makes); `--out` writes them as JSON. The step's time is its proposer calls', the host's
@@ -76,12 +80,14 @@ def _proposer() -> MtpProposer:
 
 
 #: the proposer calls of a step, timed one by one (`calls` in measure's result)
-CALLS = ("propose", "last_drafts", "after_verify", "pair_keys", "catchup", "step_batch")
+CALLS = ("propose", "last_drafts", "after_verify", "pair_keys", "catchup", "step_batch",
+         "step_ahead")
 #: the calls each path makes
 PATH_CALLS = {"host": CALLS[:5], "device": CALLS[:5], "step": ("last_drafts", "step_batch"),
-              "picked": ("last_drafts", "step_batch"), "sliced": ("last_drafts", "step_batch")}
+              "picked": ("last_drafts", "step_batch"), "sliced": ("last_drafts", "step_batch"),
+              "ahead": ("step_ahead",)}
 PATHS = tuple(PATH_CALLS)
-ONE_CALL = ("step", "picked", "sliced")  # the paths that make a step in one step_batch
+ONE_CALL = ("step", "picked", "sliced", "ahead")  # the paths that make a step in one call
 
 
 def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | dict[str, float]]:
@@ -169,10 +175,32 @@ def measure(n: int, path: str, steps: int, seed: int = 0) -> dict[str, float | d
         call_us["last_drafts"].append((t1 - t0) * 1e6)
         call_us["step_batch"].append((t2 - tb) * 1e6)
 
+    k1 = K + 1
+    verify_hidden = torch.randn(n * k1, CFG.hidden_size, generator=g)
+
+    def ahead_step() -> None:
+        """step_ahead, the engine's steady step on a GPU: the verify's greedy tokens (made
+        outside the timing, as the target's pass makes them: each row accepts a random count
+        of its drafts, all 3 here) and hiddens in, the drafts read and the next step's drafted
+        in the one call; the accept is on the device's side (its counts), so nothing is left
+        out of the step."""
+        acc = [rng.randint(0, K) for _ in range(n)]
+        greedy = torch.full((n, k1), 3, dtype=torch.int32)
+        for i, a in enumerate(acc):
+            greedy[i, a] = 4  # the first token that is no draft: a drafts accepted
+        greedy = greedy.view(-1)
+        t0 = time.perf_counter()
+        got = p.step_ahead(greedy, verify_hidden, K, states)
+        t1 = time.perf_counter()
+        assert got is not None, p.last_served
+        step_us.append((t1 - t0) * 1e6)
+        propose_us.append((t1 - t0) * 1e6)
+        call_us["step_ahead"].append((t1 - t0) * 1e6)
+
     def first_propose() -> None:  # a fresh batch's first, untimed (no verify before it)
         pos[:] = [p.last_pair_key(s) + 2 for s in states]
         p.propose_batch_on_device([5] * n, hid, pos, K, states)
-    run = one_call_step if path in ONE_CALL else step
+    run = ahead_step if path == "ahead" else one_call_step if path in ONE_CALL else step
     left = steps
     while left > 0:  # tables hold 40 blocks: fresh states every 60 steps (outside the timing)
         if path in ONE_CALL:

@@ -7,7 +7,7 @@ import pytest
 from benchmarks import proposer_host
 
 
-@pytest.mark.parametrize("path", ["host", "device", "step", "picked", "sliced"])
+@pytest.mark.parametrize("path", proposer_host.PATHS)
 def test_it_times_both_paths(tmp_path, path):
     out = tmp_path / "host.json"
     assert proposer_host.main(["--n", "1", "3", "--path", path, "--steps", "4", "--out", str(out)]) == 0
