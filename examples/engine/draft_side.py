@@ -83,8 +83,8 @@ def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftSt
     step in the same call and return it. None: the next step drafts itself (no `ahead`, a
     merged prompt to catch up, a sequence that drafted nothing, or a batch the proposer
     declined, whose trims and catch-up are done all the same). A step drafted before its read
-    (`v.ahead`, `step_ahead`) has done all that: its drafts are returned when `ahead` holds and
-    no sequence finished, else withdrawn."""
+    (`v.ahead`, `step_ahead`) has done all that: its drafts are returned when `ahead` holds
+    (the unfinished sequences' only, `narrowed`, where some finished), else withdrawn."""
     if v.ahead is not None:  # drafted before the read (`step_ahead`): trims and catch-up done
         if ahead:  # the next batch is the unfinished sequences: theirs verify as proposed
             return narrowed(v.ahead, stats)
