@@ -404,20 +404,14 @@ def test_the_summary_counts_withdrawn_batches(small_checkpoint):
     engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
     engine.device_drafts, engine.draft_before_read = True, True
     result = engine.generate(requests)
-    d = summary(engine, result)
-    withdrawn = engine.stats.draft_batches.withdrawn
-    assert d["withdrawn_batches"] and sum(d["withdrawn_batches"].values()) == \
-        sum(c for per in withdrawn.values() for c in per.values())
-    for n, c in d["withdrawn_batches"].items():
-        assert c <= sum(d["draft_batches"][n].values())
-    assert "withdrawn unused" in format_summary(d)
-    # and those whose unfinished sequences' rows were verified (draft_side.narrowed)
-    narrowed = engine.stats.draft_batches.narrowed
-    assert d["narrowed_batches"] and sum(d["narrowed_batches"].values()) == \
-        sum(c for per in narrowed.values() for c in per.values())
-    for n, c in d["narrowed_batches"].items():
-        assert c <= sum(d["draft_batches"][n].values())
-    assert "verified for fewer sequences" in format_summary(d)
+    d, stats = summary(engine, result), engine.stats.draft_batches
+    for key, counted, text in (("withdrawn_batches", stats.withdrawn, "withdrawn unused"),
+                               ("narrowed_batches", stats.narrowed, "verified for fewer")):
+        assert d[key] and sum(d[key].values()) == \
+            sum(c for per in counted.values() for c in per.values()), key
+        for n, c in d[key].items():
+            assert c <= sum(d["draft_batches"][n].values())
+        assert text in format_summary(d)
 
 
 def forced_greedy(engine, k: int):
