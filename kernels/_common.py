@@ -1,6 +1,6 @@
 """Helpers shared by the kernel launchers: interpreter detection, PDL launch options, input checks.
 
-Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `pdl_level(launch, rows)`,
+Stable API: `interpreting()`, `pdl_supported(t)`, `launch_kwargs(t)`, `pdl_args(launch, rows)`,
 `KernelInputError`, `check`, `describe`, `check_operand`, `unspecialized_jit(ints, pointers)`.
 """
 from __future__ import annotations
@@ -80,17 +80,18 @@ def launch_kwargs(t: torch.Tensor) -> dict:
     """Extra kwargs for `kernel[grid](...)`: {"launch_pdl": True} only where PDL is supported.
 
     A kernel launched this way must call `tl.extra.cuda.gdc_wait()` before it reads anything a
-    previous kernel wrote; launchers pass `USE_PDL=pdl_level(launch_kwargs(t), n)` for that.
+    previous kernel wrote; launchers pass `**pdl_args(launch_kwargs(t), n)` for that.
     """
     return {"launch_pdl": True} if pdl_supported(t) else {}
 
 
-#: the values of a kernel's `USE_PDL` constexpr (`pdl_level`): no PDL; wait for the previous
-#: launch (`gdc_wait`) before reading what it wrote, the next launch starting as this grid ends;
-#: and also release the next launch right after that wait (`gdc_launch_dependents`), so its
-#: launch and its weight prefetch overlap this grid's whole run, not only its tail
-PDL_OFF, PDL_WAIT, PDL_EARLY = 0, 1, 2
-#: the widest row count a launch releases its successor early at. Placed by two runs:
+#: the values of a kernel's `USE_PDL` constexpr (`pdl_args`): no PDL; or wait for the previous
+#: launch (`gdc_wait`) before reading what it wrote, the next launch starting as this grid ends
+#: unless the launch also releases it early (`pdl_release`, below)
+PDL_OFF, PDL_WAIT = 0, 1
+#: the widest row count a launch releases its successor early at: right after its wait
+#: (`gdc_launch_dependents`), so the next launch and its weight prefetch overlap this grid's
+#: whole run, not only its tail. Placed by two runs:
 #: - the H100 with every kernel releasing early at every width (.gpu/run30.sh; benchmarks/
 #:   RESULTS.md, "2026-12-07 (tenth session)"): the small head's 4-step chain -6.8% at n = 1,
 #:   -5.6% at n = 8, +7.1% at n = 64; the 8B head within 0.3%;
@@ -99,22 +100,31 @@ PDL_OFF, PDL_WAIT, PDL_EARLY = 0, 1, 2
 #:   way; at n = 9 / 16 / 32 the every-width tree -1.1 / -0.5 / -2.0% against n <= 8, at n = 64
 #:   +12.9%; the 32k-vocabulary 8B chain -1.2 / -0.5 / -1.4% at n = 9 / 16 / 32, -1 to -2% at 64.
 #: So up to 32 rows every launch releases early (what the every-width tree ran there); past 32
-#: it waits (PDL_WAIT, what 960c88b ran): n = 64 loses 13% on the small head, and 33..63 are
-#: not measured. Scheduling only: before its wait a kernel loads parameters only and stores
+#: it only waits (what 960c88b ran): n = 64 loses 13% on the small head, and 33..63 are not
+#: measured. Scheduling only: before its wait a kernel loads parameters only and stores
 #: nothing (tests/kernels/test_pdl_level.py), so a launch released early meets nothing of the
 #: one still running before it, and no row's bits move.
+#: The release is a runtime kernel argument (`pdl_release`, in every such kernel's
+#: `do_not_specialize`), not a constexpr level: a plan whose widths span both sides of 32 then
+#: compiles each kernel once per PDL on/off, not twice (issue 15 item 5: with a constexpr
+#: level the small head's 64-width plan compiled 54 kernels where 37 do, its cold capture
+#: 4.79 s on the H200). The branch costs one scalar test, uniform across the launch: every
+#: program takes the same side of it.
 EARLY_RELEASE_MAX_ROWS = 32
 
 
-def pdl_level(launch: dict, rows: int) -> int:
-    """A launch's `USE_PDL` value: PDL_OFF without PDL (`launch` is `launch_kwargs`' empty
-    dict), PDL_EARLY at most EARLY_RELEASE_MAX_ROWS rows, else PDL_WAIT. Kernels test
-    `if USE_PDL:` before their wait and `if USE_PDL == 2:` (PDL_EARLY) before the release; the
+def pdl_args(launch: dict, rows: int) -> dict[str, int]:
+    """A launch's PDL arguments, `kernel[grid](..., **pdl_args(launch, n), **launch)`:
+    `USE_PDL`, a constexpr, PDL_OFF without PDL (`launch` is `launch_kwargs`' empty dict) else
+    PDL_WAIT; and `pdl_release`, a runtime int, 1 where PDL is on and `rows` is at most
+    EARLY_RELEASE_MAX_ROWS, else 0. Kernels test `if USE_PDL:` before their wait and
+    `if pdl_release != 0:` inside it, after the wait, before the release; as an argument no
+    kernel specialises on (`do_not_specialize`), 0 and 1 run one compiled kernel. The
     prefetching prologue linear (kernels/linear_fused.py, PREFETCH) releases after its first K
-    step at any level, as it did before levels."""
+    step whenever PDL is on, whatever `pdl_release` says, as it did before the early release."""
     if not launch:
-        return PDL_OFF
-    return PDL_EARLY if rows <= EARLY_RELEASE_MAX_ROWS else PDL_WAIT
+        return {"USE_PDL": PDL_OFF, "pdl_release": 0}
+    return {"USE_PDL": PDL_WAIT, "pdl_release": int(rows <= EARLY_RELEASE_MAX_ROWS)}
 
 
 def check_operand(

@@ -10,7 +10,7 @@ import triton.language as tl
 import torch
 
 from draft_circuit.kernels._common import (KernelInputError, check, check_operand, describe,
-                                           fp32_workspace, launch_kwargs, pdl_level)
+                                           fp32_workspace, launch_kwargs, pdl_args)
 from draft_circuit.kernels.prologue_tiles import _inv_rms, _norm_x, _raw_x
 from draft_circuit.kernels.rmsnorm import rmsnorm
 
@@ -95,17 +95,17 @@ def _allowed(x, idx, in_vocab, mask_row_ptr, HAS_MASK: tl.constexpr):
     return ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def _argmax_logprob_kernel(
     logits_ptr, mask_ptr, token_ptr, logprob_ptr,
-    V, stride_logits, stride_mask,
+    V, stride_logits, stride_mask, pdl_release,
     HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per row, chunks folded serially in vocab order
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     m_run = tl.full([], float("-inf"), tl.float32)
     tok_run = tl.full([], _NO_TOKEN, tl.int32)
@@ -120,10 +120,10 @@ def _argmax_logprob_kernel(
     _top1_finish(m_run, tok_run, s_run, token_ptr, logprob_ptr, row)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "pdl_release"])
 def _linear_partials_kernel(
     x_ptr, w_ptr, mask_ptr, ws_ptr, nw_ptr, eps,
-    n, V, K, stride_x, stride_w, stride_mask,
+    n, V, K, stride_x, stride_w, stride_mask, pdl_release,
     HAS_MASK: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -141,7 +141,7 @@ def _linear_partials_kernel(
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)  # logits tile [rows, vocab], fp32
     row_off = rows.to(tl.int64)[:, None] * stride_x
@@ -177,10 +177,10 @@ def _linear_partials_kernel(
     tl.store(part + 2, s, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def _merge_partials_kernel(
     ws_ptr, token_ptr, logprob_ptr, num_chunks, active_ptr, kept_ptr,
-    fallback_ptr, last_ptr, log_tau_ptr, active_out_ptr, ids_ptr,
+    fallback_ptr, last_ptr, log_tau_ptr, active_out_ptr, ids_ptr, pdl_release,
     MERGE_BLOCK: tl.constexpr, KEEP: tl.constexpr, LAST: tl.constexpr, GATE: tl.constexpr,
     HAS_IDS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -188,7 +188,7 @@ def _merge_partials_kernel(
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     m_run = tl.full([], float("-inf"), tl.float32)
     tok_run = tl.full([], _NO_TOKEN, tl.int32)
@@ -253,7 +253,7 @@ def argmax_logprob(logits: torch.Tensor, token_out: torch.Tensor, logprob_out: t
     _argmax_logprob_kernel[(n,)](
         logits, bitmask if bitmask is not None else token_out, token_out, logprob_out,
         V, logits.stride(0), bitmask.stride(0) if bitmask is not None else 0,
-        HAS_MASK=bitmask is not None, CHUNK=CHUNK, USE_PDL=pdl_level(kw, n),
+        HAS_MASK=bitmask is not None, CHUNK=CHUNK, **pdl_args(kw, n),
         num_warps=CHUNK_NUM_WARPS, **kw,
     )
 
@@ -335,7 +335,7 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
             norm_weight if norm_weight is not None else x, float(eps),
             n, V, K, x.stride(0), weight.stride(0), bitmask.stride(0) if bitmask is not None else 0,
             HAS_MASK=bitmask is not None, NORM=norm_weight is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_V=LINEAR_BLOCK_V,
-            BLOCK_K=LINEAR_BLOCK_K, NORM_BLOCK_K=LINEAR_NORM_BLOCK_K, USE_PDL=pdl_level(kw, n),
+            BLOCK_K=LINEAR_BLOCK_K, NORM_BLOCK_K=LINEAR_NORM_BLOCK_K, **pdl_args(kw, n),
             num_warps=LINEAR_NUM_WARPS, num_stages=LINEAR_NUM_STAGES, **kw,
         )
     if log_tau is not None:
@@ -350,5 +350,5 @@ def linear_argmax_logprob(x: torch.Tensor, weight: torch.Tensor, token_out: torc
         log_tau if log_tau is not None else logprob_out,
         active_out if active_out is not None else token_out, ids if ids is not None else token_out,
         MERGE_BLOCK=MERGE_BLOCK, KEEP=keep, LAST=fallback is not None, GATE=log_tau is not None,
-        HAS_IDS=ids is not None, USE_PDL=pdl_level(kw, n), num_warps=MERGE_NUM_WARPS, **kw,
+        HAS_IDS=ids is not None, **pdl_args(kw, n), num_warps=MERGE_NUM_WARPS, **kw,
     )

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 import torch
 
-from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs, pdl_level
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs, pdl_args
 
 # Pinned for every n and L (a split *size*, never a split count): bitwise width independence.
 SPLIT_ROWS = 32  # KV rows per split program (H200: 2.5x faster than 256 at ~100 live rows, n<=8); a multiple of every step size below
@@ -34,8 +34,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _program_rows(live_ptr, row_offset, capacity, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+def _program_rows(live_ptr, row_offset, capacity, pdl_release, GROUP: tl.constexpr,
+                  GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """A split program's (sequence, kv head, first split), its row's L = live_rows + row_offset
     + 1 KV rows (clamped: never past the block table, whose tail may be garbage, never below
     zero), and its query heads / head dims with their masks (the two split kernels')."""
@@ -44,7 +45,7 @@ def _program_rows(live_ptr, row_offset, capacity, GROUP: tl.constexpr, GROUP_PAD
     first = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
     g = tl.arange(0, GROUP_PAD)
@@ -73,11 +74,12 @@ def _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m
     tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
     stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    pdl_release,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -88,7 +90,7 @@ def _split_kernel(
     # programs past a row's live rows cost a launch wave each and compute nothing). A split's
     # result never depends on which program computes it: the bits stay the one-program-a-split's.
     seq, kv_head, first, L, heads, head_ok, d, d_ok = _program_rows(
-        live_ptr, row_offset, capacity, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, USE_PDL)
+        live_ptr, row_offset, capacity, pdl_release, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, USE_PDL)
     q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
     for split in range(first, tl.cdiv(L, SPLIT), grid_splits):
@@ -122,11 +124,12 @@ def _split_kernel(
                      NUM_HEADS, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def _split_dot_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
     stride_q, stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    pdl_release,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -138,7 +141,7 @@ def _split_dot_kernel(
     # fp32 ("ieee": no tf32). A head's row of each product depends only on that head's q row
     # and the sequence's K/V: bits never depend on n or on the other heads.
     seq, kv_head, first, L, heads, head_ok, d, d_ok = _program_rows(
-        live_ptr, row_offset, capacity, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, USE_PDL)
+        live_ptr, row_offset, capacity, pdl_release, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, USE_PDL)
     q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D], the input dtype
     for split in range(first, tl.cdiv(L, SPLIT), grid_splits):
@@ -166,10 +169,10 @@ def _split_dot_kernel(
                      NUM_HEADS, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def _merge_kernel(
     ws_ptr, live_ptr, out_ptr,
-    row_offset, capacity, max_splits, stride_out,
+    row_offset, capacity, max_splits, stride_out, pdl_release,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -180,7 +183,7 @@ def _merge_kernel(
     d_ok = d < HEAD_DIM
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
     num_splits = tl.cdiv(L, SPLIT)
@@ -270,7 +273,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return
     kw = launch_kwargs(q)
     shared = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-                  SPLIT=split_rows, USE_PDL=pdl_level(kw, n))
+                  SPLIT=split_rows, **pdl_args(kw, n))
     grid_splits = split_programs(n, num_kv_heads, shape[2])
     args = (q, k_cache, v_cache, block_tables, live_rows, workspace,
             row_offset, capacity, shape[2], grid_splits, scale * _LOG2E,

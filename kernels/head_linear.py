@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 # Pinned, as kernels.linear's: BLOCK_M = 16 is the smallest tl.dot tile.
@@ -19,9 +19,9 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def head_linear_kernel(
-    x_ptr, w_ptr, out_ptr, n_rows, N, K, stride_x, stride_wh, stride_wn, stride_out,
+    x_ptr, w_ptr, out_ptr, n_rows, N, K, stride_x, stride_wh, stride_wn, stride_out, pdl_release,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # row tiles vary fastest, so the programs sharing a weight tile run together (L2 reuse)
@@ -38,7 +38,7 @@ def head_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
@@ -63,6 +63,6 @@ def head_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Non
     grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, BLOCK_N), heads)
     head_linear_kernel[grid](
         x, weight, out, n, rows, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **pdl_args(pdl, n),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl,
     )

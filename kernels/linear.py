@@ -16,7 +16,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 # Pinned: changing BLOCK_N or BLOCK_K changes the bits of every result (but never makes them
@@ -26,11 +26,11 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 128
 NUM_WARPS, NUM_STAGES = 4, 4
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def linear_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr,
     n_rows, N, K,
-    stride_x, stride_w, stride_out, up_offset,
+    stride_x, stride_w, stride_out, up_offset, pdl_release,
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -56,7 +56,7 @@ def linear_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
@@ -105,7 +105,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_mul: 
         x, weight, out, bias if bias is not None else weight, n, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0), n_out * weight.stride(0) if silu_mul else 0,
         SILU_MUL=silu_mul, HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        USE_PDL=pdl_level(pdl, n),
+        **pdl_args(pdl, n),
         num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES,
         **pdl,
     )

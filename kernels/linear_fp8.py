@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 SCALE_BLOCK = 128
@@ -20,9 +20,9 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, SCALE_BLOCK  # a K tile is one scale block
 NUM_WARPS, NUM_STAGES = 4, 4
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def linear_fp8_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, n_rows, N, K, stride_x, stride_w, stride_s, stride_out,
+    x_ptr, w_ptr, s_ptr, out_ptr, n_rows, N, K, stride_x, stride_w, stride_s, stride_out, pdl_release,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -38,7 +38,7 @@ def linear_fp8_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kb * BLOCK_K
@@ -68,6 +68,6 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor, o
     grid = (triton.cdiv(n, BLOCK_M) * triton.cdiv(rows, BLOCK_N),)
     linear_fp8_kernel[grid](
         x, weight, row_scale, out, n, rows, k, x.stride(0), weight.stride(0), row_scale.stride(0), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **pdl_args(pdl, n),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl,
     )

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           describe, launch_kwargs, pdl_level)
+                                           describe, launch_kwargs, pdl_args)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.linear_multi import linear_qkv
 from draft_circuit.kernels.prologue_norm import prologue_norm
@@ -45,11 +45,11 @@ LAUNCHES = 1  # kernels each launcher here issues (two with `normed`: see the mo
 assert NORM_BLOCK_K == BLOCK_K  # the norm's chunks are the K tiles (prologue_tiles defines them)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def linear_prologue_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, res_ptr, out_ptr,
     n_rows, N, K, K1, table_rows, eps1, eps2,
-    stride_x1, stride_x2, stride_w, stride_res, stride_out, up_offset,
+    stride_x1, stride_x2, stride_w, stride_res, stride_out, up_offset, pdl_release,
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -76,8 +76,9 @@ def linear_prologue_kernel(
             u0 = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_ok0, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids and the residual may come from the previous launch
-        if USE_PDL == 2 and not PREFETCH:  # PDL_EARLY (_common.pdl_level): the next launch
-            tl.extra.cuda.gdc_launch_dependents()  # may start now (PREFETCH: after 1 K step)
+        if pdl_release != 0 and not PREFETCH:  # early release (_common.pdl_args, a runtime
+            tl.extra.cuda.gdc_launch_dependents()  # int): the next launch may start now (PREFETCH:
+            # after its first K step, below)
     off1, ok1, off2, inv1, inv2 = _prologue_rows(
         x1_ptr, ids_ptr, x2_ptr, offs_m, m_mask, stride_x1, stride_x2, table_rows, K, K1, eps1,
         eps2, GATHER, NORM1, NORM2, BLOCK_M, NORM_BLOCK_K)
@@ -148,9 +149,9 @@ def _qkv_tile(x_ptr, nw_ptr, inv, w_ptr, out_ptr, tile, num_m, n_rows, N, K, str
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def rmsnorm_linear_qkv_kernel(x_ptr, nw_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, eps,
-                              stride_x, sw0, sw1, sw2, so0, so1, so2,
+                              stride_x, sw0, sw1, sw2, so0, so1, so2, pdl_release,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               USE_PDL: tl.constexpr, NORM_BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -159,7 +160,7 @@ def rmsnorm_linear_qkv_kernel(x_ptr, nw_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0,
     t1 = num_m * tl.cdiv(N1, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     # the tile's rows are pid % num_m in every one of the three grids laid end to end
     tile = tl.where(pid < t0, pid, tl.where(pid < t0 + t1, pid - t0, pid - t0 - t1))
@@ -273,7 +274,7 @@ def linear_prologue(x1: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *
         n_out * weight.stride(0) if silu_mul else 0,
         GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
         NORM2=norm2 is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **pdl_args(pdl, n),
         PREFETCH=prefetch, NORM_BLOCK_K=NORM_BLOCK_K, num_warps=t.warps(NUM_WARPS),
         num_stages=NUM_STAGES,
         **pdl)
@@ -312,5 +313,5 @@ def rmsnorm_linear_qkv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     rmsnorm_linear_qkv_kernel[grid](
         x, norm_weight, *weights, *outs, n, *(w.shape[0] for w in weights), k, float(eps),
         x.stride(0), *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
-        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **pdl_args(pdl, n),
         NORM_BLOCK_K=NORM_BLOCK_K, num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES, **pdl)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
-from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs, pdl_level
+from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs, pdl_args
 from draft_circuit.kernels.linear_fused import (BLOCK_N as PROLOGUE_BLOCK_N, NORM_BLOCK_K,
                                                 check_prologue_operands)
 from draft_circuit.kernels.prologue_tiles import _mac, _prologue_rows, _x_finish, _x_raw
@@ -99,10 +99,10 @@ def splitk_pays(weight_rows: int, k: int) -> bool:
             and num_splits(weight_rows, k) >= 2)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def _prologue_partial_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, ws_ptr,
-    n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w,
+    n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w, pdl_release,
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, NORM_GROUPS: tl.constexpr = 0,
@@ -121,7 +121,7 @@ def _prologue_partial_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     # the norms over the full rows (every split needs them), in linear_prologue's chunks
     off1, ok1, off2, inv1, inv2 = _prologue_rows(
@@ -188,10 +188,10 @@ def _mt_store(ws_ptr, split, n_rows, N, offs_m, m_mask, offs_n, n_mask, acc):
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def _prologue_partial_mloop_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, ws_ptr,
-    n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w,
+    n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w, pdl_release,
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     NORM_BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, M_TILES: tl.constexpr,
@@ -208,7 +208,7 @@ def _prologue_partial_mloop_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, ids come from the previous launch; ws may still be read by it
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     m0, mm0, o10, k10, o20, i10, i20, a0, na0, b0, nb0 = _mt_rows(
         x1_ptr, ids_ptr, x2_ptr, row0, n_rows, stride_x1, stride_x2, table_rows, K, K1, eps1,
@@ -326,7 +326,7 @@ def linear_prologue_splitk(x1: torch.Tensor, weight: torch.Tensor, out: torch.Te
             x1.stride(0), x2.stride(0) if x2 is not None else 0, weight.stride(0))
     consts = dict(GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
                   NORM2=norm2 is not None, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, USE_PDL=pdl_level(pdl, n),
+                  SPLIT_K=cfg.split_k, NORM_BLOCK_K=NORM_BLOCK_K, **pdl_args(pdl, n),
                   num_warps=warps, num_stages=stages, **pdl)
     grid = (triton.cdiv(n, t.rows_per_program) * triton.cdiv(rows, block_n), shape[0])
     if t.mode == tiling.MLOOP:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 
@@ -65,9 +65,9 @@ def _pick3(pid, t0, t1, a, b, c):
     return tl.where(pid < t0, a, tl.where(pid < t0 + t1, b, c))
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def linear_qkv_kernel(x_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, stride_x,
-                      sw0, sw1, sw2, so0, so1, so2,
+                      sw0, sw1, sw2, so0, so1, so2, pdl_release,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -76,7 +76,7 @@ def linear_qkv_kernel(x_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, stri
     t1 = num_m * tl.cdiv(N1, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     tile = _pick3(pid, t0, t1, pid, pid - t0, pid - t0 - t1)
     _tile(x_ptr, x_ptr, _pick3(pid, t0, t1, w0, w1, w2), _pick3(pid, t0, t1, o0, o1, o2), tile,
@@ -85,13 +85,13 @@ def linear_qkv_kernel(x_ptr, w0, w1, w2, o0, o1, o2, n_rows, N0, N1, N2, K, stri
           False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def linear_concat_kernel(x1_ptr, x2_ptr, w_ptr, out_ptr, n_rows, N, K, K1, stride_x1, stride_x2,
-                         stride_w, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                         stride_w, stride_out, pdl_release, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     _tile(x1_ptr, x2_ptr, w_ptr, out_ptr, tl.program_id(0), n_rows, N, K, K1, stride_x1, stride_x2,
           stride_w, stride_out, True, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -130,7 +130,7 @@ def linear_qkv(x: torch.Tensor, weights: Sequence[torch.Tensor], outs: Sequence[
     linear_qkv_kernel[grid](
         x, *weights, *outs, n, *(w.shape[0] for w in weights), k, x.stride(0),
         *(w.stride(0) for w in weights), *(o.stride(0) for o in outs),
-        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_PDL=pdl_level(pdl, n),
+        BLOCK_M=t.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **pdl_args(pdl, n),
         num_warps=t.warps(NUM_WARPS), num_stages=NUM_STAGES, **pdl)
 
 
@@ -151,4 +151,4 @@ def linear_concat(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, out:
     linear_concat_kernel[grid](
         x1, x2, weight, out, n, weight.shape[0], k, k1, x1.stride(0), x2.stride(0),
         weight.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        USE_PDL=pdl_level(pdl, n), num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
+        **pdl_args(pdl, n), num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)

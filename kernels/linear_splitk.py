@@ -20,7 +20,7 @@ import triton.language as tl
 
 from draft_circuit.kernels import tiles as tiling
 from draft_circuit.kernels.linear import check_linear_operands
-from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs, pdl_level
+from draft_circuit.kernels._common import check, describe, fp32_workspace, launch_kwargs, pdl_args
 
 BLOCK_M = 16  # the smallest tl.dot tile; a row's position in its tile is row % 16 at every n
 # (kernels.tiles widens the program's row tile at n > 16 on an H200; the bits stay these)
@@ -68,10 +68,10 @@ def splitk_workspace_shape(n: int, weight_rows: int, k: int,
     return (num_splits(weight_rows, k, config), n, weight_rows)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def _partial_kernel(
     x_ptr, w_ptr, ws_ptr,
-    n_rows, N, K, stride_x, stride_w,
+    n_rows, N, K, stride_x, stride_w, pdl_release,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -92,7 +92,7 @@ def _partial_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch; ws may still be read by it
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     # a static trip count: the last split's steps past K load nothing (masked) and add zeros
     for k0 in range(0, SPLIT_K, BLOCK_K):
@@ -106,10 +106,10 @@ def _partial_kernel(
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def _reduce_kernel(
     ws_ptr, out_ptr, res_ptr,
-    n_rows, N_out, ws_cols, stride_out, stride_res,
+    n_rows, N_out, ws_cols, stride_out, stride_res, pdl_release,
     NUM_SPLITS: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -122,7 +122,7 @@ def _reduce_kernel(
     gate_ptrs = ws_ptr + row * ws_cols + cols
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.load(gate_ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, NUM_SPLITS):
@@ -146,7 +146,7 @@ def reduce_partials(workspace: torch.Tensor, out: torch.Tensor, residual: torch.
         workspace, out, residual if residual is not None else out, n, n_out, rows, out.stride(0),
         residual.stride(0) if residual is not None else 0,
         NUM_SPLITS=workspace.shape[0], SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        BLOCK=REDUCE_BLOCK, USE_PDL=pdl_level(pdl, n), num_warps=REDUCE_WARPS, **pdl)
+        BLOCK=REDUCE_BLOCK, **pdl_args(pdl, n), num_warps=REDUCE_WARPS, **pdl)
 
 
 def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor, cfg: SplitKConfig,
@@ -165,7 +165,7 @@ def launch_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tens
     return _partial_kernel[grid](
         x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        USE_PDL=pdl_level(pdl, n), num_warps=t.warps(cfg.num_warps), num_stages=cfg.num_stages,
+        **pdl_args(pdl, n), num_warps=t.warps(cfg.num_warps), num_stages=cfg.num_stages,
         **pdl)
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels import linear_splitk as sk
-from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs, pdl_level
+from draft_circuit.kernels._common import check, fp32_workspace, launch_kwargs, pdl_args
 from draft_circuit.kernels.linear import (BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS,
                                           check_linear_operands, linear_kernel)
 
@@ -74,10 +74,10 @@ def _tile_store(out_ptr, row0, n_rows, stride_out, offs_n, n_mask, acc, acc_up,
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < n_rows)[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def linear_wide_kernel(
     x_ptr, w_ptr, out_ptr,
-    n_rows, N, K, stride_x, stride_w, stride_out, up_offset,
+    n_rows, N, K, stride_x, stride_w, stride_out, up_offset, pdl_release,
     SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr, M_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -94,7 +94,7 @@ def linear_wide_kernel(
     a1, a2, a3, u0, u1, u2, u3 = a0, a0, a0, a0, a0, a0, a0
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch; ws may still be read by it
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     k_end = K
     if SPLIT_K > 0:  # a static trip count, as linear_splitk's partials (steps past K add zeros)
@@ -160,7 +160,7 @@ def linear_wide(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_m
         x, weight, out, n, n_out, k, x.stride(0), weight.stride(0), out.stride(0),
         n_out * weight.stride(0) if silu_mul else 0,
         SILU_MUL=silu_mul, SPLIT_K=0, M_TILES=tiles, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_PDL=pdl_level(pdl, n), num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, **pdl_args(pdl, n), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl)
 
 
@@ -199,7 +199,7 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tens
         x, weight, workspace, n, rows, k, x.stride(0), weight.stride(0), rows, 0,
         SILU_MUL=False, SPLIT_K=cfg.split_k, M_TILES=m_tiles, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_PDL=pdl_level(pdl, n), num_warps=cfg.num_warps,
+        **pdl_args(pdl, n), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl)
 
 
@@ -219,4 +219,4 @@ def linear_tiles(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, silu_
         x, weight, out, weight, n, n_out, k, x.stride(0), weight.stride(0), out.stride(0),
         n_out * weight.stride(0) if silu_mul else 0,
         SILU_MUL=silu_mul, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=pdl_level(pdl, n), num_warps=num_warps, num_stages=num_stages, **pdl)
+        **pdl_args(pdl, n), num_warps=num_warps, num_stages=num_stages, **pdl)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (FLOAT_DTYPES, check, check_operand, describe,
-                                           fp32_workspace, launch_kwargs, pdl_level)
+                                           fp32_workspace, launch_kwargs, pdl_args)
 from draft_circuit.kernels.decode_attention import _merge_kernel  # the same (acc, m, l) layout
 
 # Pinned for every n and L (a split size, never a split count): bitwise width independence.
@@ -27,11 +27,11 @@ MERGE_NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def _split_kernel(
     q_lat_ptr, q_pe_ptr, pe_ptr, latent_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, block_size, qk_scale_log2,
-    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls,
+    stride_ql, stride_qp, stride_table, stride_pb, stride_ps, stride_lb, stride_ls, pdl_release,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -40,7 +40,7 @@ def _split_kernel(
     split = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     # clamp: never past the block table (its tail may be garbage), never below zero rows
     L = tl.minimum(tl.maximum(tl.load(live_ptr + seq) + row_offset + 1, 0), capacity)
@@ -146,12 +146,12 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, pe_cache: torc
         q_lat.stride(0), q_pe.stride(0), block_tables.stride(0), pe_cache.stride(0), pe_cache.stride(1),
         latent_cache.stride(0), latent_cache.stride(1),
         NUM_HEADS=heads, R=r, P=p, R_PAD=r_pad, P_PAD=max(16, triton.next_power_of_2(p)),
-        HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, USE_PDL=pdl_level(kw, n),
+        HEAD_BLOCK=HEAD_BLOCK, BLOCK_N=BLOCK_N, SPLIT=split_rows, **pdl_args(kw, n),
         num_warps=8 if r_pad >= 256 else 4, **kw,
     )
     _merge_kernel[(n, heads)](
         workspace, live_rows, out, row_offset, capacity, shape[2], out.stride(0),
         NUM_HEADS=heads, HEAD_DIM=r, D_PAD=triton.next_power_of_2(r), SPLIT=split_rows,
-        USE_PDL=pdl_level(kw, n),
+        **pdl_args(kw, n),
         num_warps=MERGE_NUM_WARPS, **kw,
     )

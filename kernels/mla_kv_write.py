@@ -12,21 +12,22 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def mla_kv_write_kernel(
     pe_cache_ptr, latent_cache_ptr, latent_ptr, pe_ptr, tables_ptr, live_ptr, active_ptr,
     stride_pb, stride_ps, stride_lb, stride_ls, stride_latent, stride_pe, stride_tables, row_offset, block_size,
+    pdl_release,
     R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     HAS_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the latent, k_pe and the tables come from earlier launches
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     write = True
     if HAS_ACTIVE:
@@ -75,5 +76,5 @@ def mla_kv_write(pe_cache: torch.Tensor, latent_cache: torch.Tensor, latent: tor
         latent.stride(0), k_pe.stride(0), block_tables.stride(0), int(row_offset), pe_cache.shape[1],
         R=r, P=p, R_PAD=triton.next_power_of_2(r), P_PAD=triton.next_power_of_2(p),
         HAS_ACTIVE=active is not None,
-        USE_PDL=pdl_level(pdl, n), num_warps=4 if r >= 256 else 1, **pdl,
+        **pdl_args(pdl, n), num_warps=4 if r >= 256 else 1, **pdl,
     )

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (check, check_operand, compiled_cuda_index, describe,
-                                           launch_kwargs, pdl_level)
+                                           launch_kwargs, pdl_args)
 from draft_circuit.kernels.linear import NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import NORM_BLOCK_K, _sum_sq
 
@@ -111,17 +111,17 @@ def _store_part(x_ptr, row_off, ok, K, nw_ptr, inv, out_ptr, NORM: tl.constexpr,
         tl.store(out_ptr + cols, x, mask=cols < K)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def prologue_norm_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, out_ptr,
-    n_rows, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_out,
+    n_rows, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_out, pdl_release,
     GATHER: tl.constexpr, NORM1: tl.constexpr, TWO_X: tl.constexpr, NORM2: tl.constexpr,
     SLAB: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x1, x2 and ids may come from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     ok1 = row < n_rows
     row1 = row
@@ -195,5 +195,5 @@ def prologue_norm(x1: torch.Tensor, out: torch.Tensor, *, n: int, k: int,
         n, k, x1.shape[1], x1.shape[0], float(eps1), float(eps2),
         x1.stride(0), x2.stride(0) if x2 is not None else 0, out.stride(0),
         GATHER=ids is not None, NORM1=norm1 is not None, TWO_X=x2 is not None,
-        NORM2=norm2 is not None, SLAB=SLAB, BLOCK_K=NORM_BLOCK_K, USE_PDL=pdl_level(pdl, n),
+        NORM2=norm2 is not None, SLAB=SLAB, BLOCK_K=NORM_BLOCK_K, **pdl_args(pdl, n),
         num_warps=NUM_WARPS, **pdl)

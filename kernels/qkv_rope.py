@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           interpreting, launch_kwargs, pdl_level)
+                                           interpreting, launch_kwargs, pdl_args)
 from draft_circuit.kernels.linear import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS
 from draft_circuit.kernels.prologue_tiles import _inv_rms, _load_x
 from draft_circuit.kernels.rope_kv_write import rope_cos_sin, rope_inv_freq, theta_parts
@@ -82,13 +82,13 @@ def _rope_pair(x_ptr, row_off, m_mask, K, inv, nw_ptr, w_ptr, stride_w, col, off
     return head, d, d_mask, x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
 def qkv_rope_kernel(
     x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, live_ptr, tables_ptr, active_ptr,
     k_cache_ptr, v_cache_ptr, q_out_ptr,
     n_rows, K, eps, stride_x, stride_wq, stride_wk, stride_wv, stride_q_out, stride_tables,
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_vc_blk, stride_vc_slot, stride_vc_head,
-    pos_offset, row_offset, block_size, theta, log2_theta_hi, log2_theta_lo,
+    pos_offset, row_offset, block_size, theta, log2_theta_hi, log2_theta_lo, pdl_release,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ACTIVE: tl.constexpr, LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -101,7 +101,7 @@ def qkv_rope_kernel(
     t_k = num_m * NUM_KV_HEADS * CHUNKS
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, positions and the tables may come from earlier launches
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     tile = tl.where(pid < t_q, pid, tl.where(pid < t_q + t_k, pid - t_q, pid - t_q - t_k))
     offs_m = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -201,5 +201,5 @@ def rmsnorm_qkv_rope_kv_write(
         int(pos_offset), int(row_offset), k_cache.shape[1], th, hi, lo,
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
         BLOCK_HALF=block_half, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_ACTIVE=active is not None,
-        LIBDEVICE=not interpreting(), USE_PDL=pdl_level(pdl, n), num_warps=NUM_WARPS,
+        LIBDEVICE=not interpreting(), **pdl_args(pdl, n), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, **pdl)

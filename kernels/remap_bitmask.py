@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_circuit.kernels._common import check, check_operand, describe, launch_kwargs, pdl_level
+from draft_circuit.kernels._common import check, check_operand, describe, launch_kwargs, pdl_args
 
 # output words a program packs (BLOCK_W * 32 subset ids gathered): S = 32,768 ids is 64 programs
 # a row, enough to spread a one-row remap over the GPU
@@ -23,11 +23,11 @@ BLOCK_W = 16
 LAUNCHES = 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def remap_bitmask_kernel(
     mask_ptr, ids_ptr, out_ptr,
     stride_mask, stride_out,
-    size, in_words, out_words,
+    size, in_words, out_words, pdl_release,
     BLOCK_W: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -40,7 +40,7 @@ def remap_bitmask_kernel(
     covered = in_subset & (ids >= 0) & ((ids >> 5) < in_words)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the bitmask comes from an earlier launch (the input copy)
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     word = tl.load(mask_ptr + row * stride_mask + (ids >> 5), mask=covered, other=0)
     bit = (word >> (ids & 31)) & 1  # arithmetic shift of the sign bit: & 1 keeps it exact
@@ -65,5 +65,5 @@ def remap_bitmask(bitmask: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -
     pdl = launch_kwargs(bitmask)
     remap_bitmask_kernel[(n, triton.cdiv(out_words, BLOCK_W))](
         bitmask, ids, out, bitmask.stride(0), out.stride(0), size, in_words, out_words,
-        BLOCK_W=BLOCK_W, USE_PDL=pdl_level(pdl, n), num_warps=4, **pdl,
+        BLOCK_W=BLOCK_W, **pdl_args(pdl, n), num_warps=4, **pdl,
     )

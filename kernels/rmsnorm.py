@@ -12,15 +12,15 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def rmsnorm_kernel(
     x_ptr, res_ptr, sum_ptr, out_ptr, w_ptr,
     stride_x, stride_res, stride_sum, stride_out,
-    hidden, eps,
+    hidden, eps, pdl_release,
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTRED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -31,7 +31,7 @@ def rmsnorm_kernel(
     mask = cols < hidden
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x / residual may come from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -80,7 +80,7 @@ def _launch(x, residual, sum_out, norm_out, weight, eps: float, zero_centred: bo
         sum_out.stride(0) if has_residual else 0, norm_out.stride(0),
         hidden, float(eps),  # an int eps would reach the kernel as i32
         HAS_RESIDUAL=has_residual, ZERO_CENTRED=zero_centred, BLOCK=block,
-        USE_PDL=pdl_level(pdl, n),
+        **pdl_args(pdl, n),
         num_warps=min(max(block // 512, 1), 16),
         **pdl,
     )

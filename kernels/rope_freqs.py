@@ -11,12 +11,12 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, check_operand,
-                                           interpreting, launch_kwargs, pdl_level)
+                                           interpreting, launch_kwargs, pdl_args)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def rope_freqs_kernel(
-    x_ptr, pos_ptr, freq_ptr, out_ptr, stride_x, stride_out, pos_offset, attention_factor,
+    x_ptr, pos_ptr, freq_ptr, out_ptr, stride_x, stride_out, pos_offset, attention_factor, pdl_release,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -27,7 +27,7 @@ def rope_freqs_kernel(
     inv_freq = tl.load(freq_ptr + j, mask=mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x and the positions come from earlier launches
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     # the offset is added as an integer, then converted: the reference's order
     pos = (tl.load(pos_ptr + row).to(tl.int64) + pos_offset).to(tl.float32)
@@ -63,5 +63,5 @@ def rope_freqs(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     rope_freqs_kernel[(n, x.shape[1] // head_dim)](
         x, positions, inv_freq, out, x.stride(0), out.stride(0), int(pos_offset), float(attention_factor),
         HEAD_DIM=head_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        LIBDEVICE=not interpreting(), USE_PDL=pdl_level(pdl, n), num_warps=1, **pdl,
+        LIBDEVICE=not interpreting(), **pdl_args(pdl, n), num_warps=1, **pdl,
     )

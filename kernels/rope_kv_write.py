@@ -15,7 +15,7 @@ import triton.language as tl
 
 from draft_circuit.kernels._common import (
     FLOAT_DTYPES, INDEX_DTYPES, check, check_operand, describe, interpreting, launch_kwargs,
-    pdl_level,
+    pdl_args,
 )
 
 
@@ -53,7 +53,7 @@ def theta_parts(theta: float) -> tuple[float, float, float]:
     return theta, hi, log2_theta - hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, live_ptr, tables_ptr, active_ptr,
     k_cache_ptr, v_cache_ptr, q_out_ptr,
@@ -61,7 +61,7 @@ def rope_kv_write_kernel(
     stride_cache_blk, stride_cache_slot, stride_cache_head,
     stride_vcache_blk, stride_vcache_slot, stride_vcache_head,
     pos_offset, row_offset, block_size,
-    theta, log2_theta_hi, log2_theta_lo,
+    theta, log2_theta_hi, log2_theta_lo, pdl_release,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
@@ -83,7 +83,7 @@ def rope_kv_write_kernel(
 
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v, positions and the tables come from earlier launches
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     pos = (tl.load(pos_ptr + row) + pos_offset).to(tl.float32)
     cos, sin = rope_cos_sin(pos * inv_freq, LIBDEVICE)
@@ -193,7 +193,7 @@ def rope_kv_write(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
-        HAS_ACTIVE=active is not None, LIBDEVICE=not interpreting(), USE_PDL=pdl_level(pdl, n),
+        HAS_ACTIVE=active is not None, LIBDEVICE=not interpreting(), **pdl_args(pdl, n),
         num_warps=1 if head_dim <= 128 else 2,
         **pdl,
     )

@@ -14,17 +14,17 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def sigmoid_mul_kernel(
     x_ptr, gate_ptr, out_ptr,
     stride_x, stride_gate, stride_out,
-    cols_total,
+    cols_total, pdl_release,
     GATE_COLS: tl.constexpr,  # 1: one gate a row (broadcast); 0: one gate a column
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -34,7 +34,7 @@ def sigmoid_mul_kernel(
     mask = cols < cols_total
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x and gate come from previous launches
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if GATE_COLS == 1:
@@ -62,5 +62,5 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
     sigmoid_mul_kernel[grid](
         x, gate, out, x.stride(0), gate.stride(0), out.stride(0), cols,
         GATE_COLS=int(gate.shape[1]) if gate.shape[1] == 1 else 0,
-        BLOCK=BLOCK, USE_PDL=pdl_level(pdl, n), num_warps=4, **pdl,
+        BLOCK=BLOCK, **pdl_args(pdl, n), num_warps=4, **pdl,
     )

@@ -9,17 +9,17 @@ import triton
 import triton.language as tl
 
 from draft_circuit.kernels._common import (
-    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_level,
+    FLOAT_DTYPES, check, check_operand, describe, launch_kwargs, pdl_args,
 )
 
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pdl_release"])
 def silu_mul_kernel(
     x_ptr, out_ptr,
     stride_x, stride_out,
-    inter,
+    inter, pdl_release,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -28,7 +28,7 @@ def silu_mul_kernel(
     mask = cols < inter
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous launch
-        if USE_PDL == 2:  # PDL_EARLY (_common.pdl_level): the next launch may start now
+        if pdl_release != 0:  # early release (_common.pdl_args): the next launch may start now
             tl.extra.cuda.gdc_launch_dependents()
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
@@ -49,5 +49,5 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor) -> None:
     grid = (n, triton.cdiv(inter, BLOCK))
     silu_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=BLOCK, USE_PDL=pdl_level(pdl, n), num_warps=4, **pdl,
+        BLOCK=BLOCK, **pdl_args(pdl, n), num_warps=4, **pdl,
     )

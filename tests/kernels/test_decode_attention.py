@@ -160,8 +160,8 @@ _SPLIT_DOTS = """
                 and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["STEP_ROWS_X_HEADS"])
     names = ["q_ptr", "k_ptr", "v_ptr", "tables_ptr", "live_ptr", "ws_ptr", "row_offset", "capacity",
              "max_splits", "grid_splits", "qk_scale_log2", "stride_q", "stride_table", "stride_kb", "stride_ks", "stride_kh",
-             "stride_vb", "stride_vs", "stride_vh"]
-    types = ["*bf16"] * 3 + ["*i32", "*i32", "*fp32", "i32", "i32", "i32", "i32", "fp32"] + ["i32"] * 8
+             "stride_vb", "stride_vs", "stride_vh", "pdl_release"]
+    types = ["*bf16"] * 3 + ["*i32", "*i32", "*fp32", "i32", "i32", "i32", "i32", "fp32"] + ["i32"] * 9
     consts = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
               for t in n.targets if isinstance(t, ast.Name) and t.id in ("DOT_BLOCK_N", "DOT_MIN")}
     consts.update({t.id: v for n in tree.body if isinstance(n, ast.Assign)
