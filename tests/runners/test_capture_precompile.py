@@ -36,6 +36,13 @@ def _probe(x_ptr, n, scale, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale, mask=offs < n)
 
 
+@triton.jit(do_not_specialize=["flag"])
+def _unspecialised_probe(x_ptr, n, flag, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    if flag != 0:
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
 @pytest.fixture(scope="module")
 def program():
     head = MtpHead(CFG)
@@ -136,6 +143,22 @@ def test_specialisation_key_follows_triton_rules():
     assert key(x.float(), 17) != key(x, 17)        # dtype
     assert key(x, 17, scale=2.5) == key(x, 17)     # floats are not specialised
     assert key(x, 17, num_warps=4) != key(x, 17)   # launch options are part of a compile
+
+
+def test_specialisation_key_follows_do_not_specialize():
+    """An int the kernel's `do_not_specialize` names is one compile whatever its value (0 and
+    1: the kernels' runtime `pdl_release`; a multiple of 16), given in place or by name; one
+    it does not name is Triton's usual split (1 and multiples of 16 apart)."""
+    x = torch.zeros(64, dtype=torch.float16)
+
+    def key(flag, n=17, named=False):
+        if named:
+            return specialisation_key(_unspecialised_probe, (x, n), {"flag": flag, "BLOCK": 64})
+        return specialisation_key(_unspecialised_probe, (x, n, flag), {"BLOCK": 64})
+    assert key(0) == key(1) == key(16) == key(7)
+    assert key(0, named=True) == key(1, named=True)
+    assert key(0) != key(2**33)                    # the width still counts
+    assert key(0, n=1) != key(0, n=17) != key(0, n=16)  # n is specialised as ever
 
 
 def test_diversion_is_this_threads_only(launched):
