@@ -169,7 +169,11 @@ def step_all_ahead(p: "MtpProposer", greedy: torch.Tensor, hiddens: torch.Tensor
     keep = kept_rows(batch, states)
     assert keep is not None  # (_refusal)
     whole = len(keep) == len(batch.states)
-    slots = batch.slots if whole else batch.slots[keep]
+    # narrowed: the slots array `slots_of` keeps for these states (the values of
+    # batch.slots[keep]), so the batch drafted below is found by identity next time
+    # (`_latest_batch`) and settles on the fast path
+    slots = batch.slots if whole else t.slots_of(states, MtpProposerState)
+    assert slots is not None
     drafts = last_drafts_of(p, states)  # the batch's one read (its copy landed behind the chain)
     # read after the settle (a batch drafted ahead knows them then): each row's position
     # before the verify, p, and the rows it drafted from, which must be p - 1 (the rows

@@ -220,7 +220,9 @@ def narrowed(ahead: Ahead, stats: DraftStats) -> Ahead | None:
     where they are one run, verified before the proposer drafts again as the whole one is) and
     their states' part of the batch gone with them (freed: `PendingBatch.dropped`). The rest
     stay pending as proposed; the next call that touches one settles them, as for any batch.
-    None when every sequence finished (nothing is pending)."""
+    None when every sequence finished (nothing is pending; counted withdrawn). The engine counts
+    a narrowed batch when it verifies it (`DraftStats.narrowed`): one withdrawn after all (its
+    admission prefilled alone) is counted withdrawn only."""
     seqs = ahead.seqs
     keep = [i for i, s in enumerate(seqs) if not s.finished]
     if len(keep) == len(seqs):
@@ -231,7 +233,6 @@ def narrowed(ahead: Ahead, stats: DraftStats) -> Ahead | None:
     rows = ahead.tokens.view(len(seqs), -1)
     runs = [rows[a:b] for a, b in consecutive_runs(keep)]  # (one finish leaves at most two)
     tokens = torch.cat(runs).view(-1) if len(runs) > 1 else runs[0].reshape(-1)
-    stats.narrowed[ahead.kind][(ahead.width, len(keep))] += 1
     return Ahead([seqs[i] for i in keep], tokens, ahead.kind, ahead.width)
 
 

@@ -290,6 +290,8 @@ class Engine:
             return None
         if on_device and len(ahead.seqs) == len(seqs) \
                 and all(a is b for a, b in zip(ahead.seqs, seqs)):
+            if ahead.width != len(seqs):  # narrowed by finishes (draft_side.narrowed), verified
+                self.stats.draft_batches.narrowed[ahead.kind][(ahead.width, len(seqs))] += 1
             return ahead.tokens
         assert self.proposer is not None
         withdraw(self.proposer, ahead, self.stats.draft_batches)

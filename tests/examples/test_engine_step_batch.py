@@ -487,7 +487,8 @@ class _Seq:
 @pytest.mark.parametrize("finished", [(1,), (0,), (3,), (0, 2), (1, 2), (0, 1, 2, 3)])
 def test_narrowed_keeps_the_unfinished_rows_in_order(finished):
     """`draft_side.narrowed`: the verify rows of the sequences that did not finish, in their
-    order (one run or several), counted as (width drafted, width kept); none when all did."""
+    order (one run or several), counted only when the engine verifies them; none when all did
+    (counted withdrawn)."""
     n, k1 = 4, 3
     seqs = [_Seq(i in finished) for i in range(n)]
     tokens = torch.arange(n * k1, dtype=torch.int32)
@@ -499,7 +500,7 @@ def test_narrowed_keeps_the_unfinished_rows_in_order(finished):
         return
     assert got is not None and got.seqs == [seqs[i] for i in keep] and got.width == n
     assert got.tokens.tolist() == [i * k1 + j for i in keep for j in range(k1)]
-    assert dict(stats.narrowed["own"]) == {(n, len(keep)): 1}
+    assert not stats.narrowed and not stats.withdrawn  # counted by the engine when verified
 
 
 @pytest.mark.parametrize("merge", [True, False])
@@ -536,3 +537,31 @@ def test_a_finish_keeps_the_rest_drafts_for_the_next_verify(small_checkpoint, mo
             base_calls["propose_batch_on_device"] + base_calls["step_batch"]
     else:  # a finish while requests wait: the admission prefills alone, so withdrawn
         assert narrowed < sum(c for per in base_stats.withdrawn.values() for c in per.values())
+
+
+def test_a_narrowed_batch_withdrawn_for_a_lone_prefill_counts_withdrawn_only(small_checkpoint,
+                                                                            monkeypatch):
+    """Narrowed at a finish, then withdrawn at the next step because the admitted prompt does
+    not fit the verify's pass (max_rows) and prefills alone: counted withdrawn, not also
+    narrowed; every narrowed batch counted is one a step verified. Outputs stay greedy's."""
+    requests = random_requests(SMALL.vocab_size, 7, seed=5, min_prompt=8, max_prompt=20)
+    config = dict(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3, max_rows=16)
+    engine = Engine(load_checkpoint(small_checkpoint), EngineConfig(**config))
+    engine.device_drafts = engine.draft_before_read = True
+    verified, withdrawn = [], []
+    real_take, real_withdraw = engine._take_ahead, engine_module.withdraw
+
+    def take(seqs, on_device):
+        ahead = engine._ahead
+        got = real_take(seqs, on_device)
+        if ahead is not None and ahead.width != len(ahead.seqs):
+            (verified if got is not None else withdrawn).append(ahead.width)
+        return got
+    monkeypatch.setattr(engine, "_take_ahead", take)
+    outputs = engine.generate(requests).outputs
+    assert outputs == generate(small_checkpoint, requests, speculate=False, max_batch=3)[0]
+    assert withdrawn, "no narrowed batch was withdrawn: the case is not exercised"
+    stats = engine.stats.draft_batches
+    counted = sum(c for per in stats.narrowed.values() for c in per.values())
+    assert counted == len(verified)
+    assert engine.proposer.pool.num_used == 0 and engine.pool.num_used == 0

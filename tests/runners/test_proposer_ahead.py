@@ -10,7 +10,7 @@ import torch
 
 from draft_circuit.runners.hidden_rows import HiddenRows
 from draft_circuit.runners.accept_counts import accept_counts
-from draft_circuit.runners.proposer_state import ProposerError
+from draft_circuit.runners.proposer_state import MtpProposerState, ProposerError
 from draft_circuit.runners.testing import cuda
 from tests.runners.test_proposer import CFG, K, hidden, make, prefilled
 from tests.runners.test_proposer_step import CASES, IDS
@@ -398,6 +398,9 @@ def test_a_batch_narrowed_by_finishes_steps_ahead(n, freed, opts, fused):
         got = b.step_ahead(greedy, verify_hidden, K, sb)
         assert got is not None, b.last_served
         assert got[0] == drafts and got[1] is b.verify_tokens()
+        # the new batch keeps the slots array the states' lookup gives (`slots_of`'s), so its
+        # settle takes the fast path (`_latest_batch` finds it by identity)
+        assert b.device_drafts.batch.slots is b.slots.slots_of(sb, MtpProposerState)
         pos = read_first_step(a, sa, drafts, greedy, accepted, verify_hidden, pos)
         assert torch.equal(a.verify_tokens(), b.verify_tokens())
         assert torch.equal(a.device_drafts.drafts(m, K), b.device_drafts.drafts(m, K))
