@@ -43,7 +43,7 @@ from draft_circuit.runners.proposer_step import step_all
 from draft_circuit.runners.proposer_ahead import step_all_ahead
 from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
-from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError,
+from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
                                                   free_all, install_kv, kept_drafts,
                                                   record_drafts, settle, take_kv,
                                                   trim_after_verify)
@@ -401,7 +401,13 @@ class MtpProposer:
         it drafted in drops its row (`PendingBatch.dropped`) and settles for the rest when one
         of them is next touched, so a finish does not wait for a chain still running (its
         drafts' copy) and the rest's drafts stay pending for their verify. The blocks go back
-        now; a chain still writing them runs before anything enqueued after on its stream."""
+        now; a chain still writing them runs before anything enqueued after on its stream.
+        The last of a batch's states to go settles it (nothing left to record): its input
+        guards' records are read then (FAULTS 25), not at some later batch or never."""
         if type(state) is not MtpProposerState or state.table is not self.slots:
             raise ProposerError(f"state {state!r} does not belong to this proposer")
+        batch = state.pending
         free_all(state)
+        if isinstance(batch, PendingBatch) and not batch.done \
+                and batch.dropped == len(batch.states):
+            batch.settle()

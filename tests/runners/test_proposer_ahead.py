@@ -420,3 +420,16 @@ def test_a_subset_of_a_batch_still_pending_is_refused():
     p.free_state(states[1])  # freed, not the one left out: still not the batch's rest
     assert p.step_ahead(greedy, hidden(9, 2 * (K + 1)), K, states[:2]) is None
     assert not batch.done
+
+
+def test_freeing_settles_a_batch_only_with_its_last_state():
+    """free_state leaves a device batch pending while any of its states still waits on it (the
+    rest's drafts stay for their verify; no wait on its chain) and settles it with the last one
+    (nothing to record: its input guards' records are read then, FAULTS 25)."""
+    p, states = _ready(3)
+    batch = p.device_drafts.batch
+    assert batch is not None
+    for i, s in enumerate(states):
+        p.free_state(s)
+        assert batch.dropped == i + 1 and batch.done == (i == 2)
+        assert p.slots.num_pending == 2 - i
