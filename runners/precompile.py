@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from draft_circuit.runners.no_device_work import no_device_work
-from draft_circuit.runners.program import ProgramRunner, specialisation_key
+from draft_circuit.runners.program import ProgramRunner
+from draft_circuit.runners.specialisation import specialisation_key
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.circuit.program import REFERENCE
 from draft_circuit.runners.precompile import _compile_only, precompile_kernels
-from draft_circuit.runners.program import specialisation_key
+from draft_circuit.runners.specialisation import specialisation_key
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import cuda, random_mtp_weights
