@@ -9,6 +9,12 @@ in proposer_rows.py, runners and factories in chains.py. A state is a handle to 
 `self.slots` (proposer_slots.py: every state's rows, key, drafts and block table in columns),
 so the batch calls (proposer_batch.py) work on slot arrays. Drafter KV lives in a paged pool
 whose block 0 is the scratch block inert rows point at.
+
+One module on purpose (it runs past 400 lines): it is the one class a host calls, the
+contract's methods each a few lines that check ownership and hand over to the module that
+holds the rule; what grows it is their docstrings (each the method's contract, as
+runners/contract.py states it for every drafter), not logic. Split, a host's one object would
+become several.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from draft_circuit.runners.proposer_step import step_all
 from draft_circuit.runners.proposer_ahead import step_all_ahead
 from draft_circuit.runners.staging import ChainStaging
 from draft_circuit.runners.single_caller import single_caller
-from draft_circuit.runners.proposer_state import (MtpProposerState, PendingBatch, ProposerError,
+from draft_circuit.runners.proposer_state import (MtpProposerState, ProposerError,
                                                   free_all, install_kv, kept_drafts,
                                                   record_drafts, settle, take_kv,
                                                   trim_after_verify)
@@ -397,17 +403,7 @@ class MtpProposer:
             self.pool.free(blocks)
 
     def free_state(self, state: MtpProposerState) -> None:
-        """Free the state's blocks and drafts without settling what it holds: a device batch
-        it drafted in drops its row (`PendingBatch.dropped`) and settles for the rest when one
-        of them is next touched, so a finish does not wait for a chain still running (its
-        drafts' copy) and the rest's drafts stay pending for their verify. The blocks go back
-        now; a chain still writing them runs before anything enqueued after on its stream.
-        The last of a batch's states to go settles it (nothing left to record): its input
-        guards' records are read then (FAULTS 25), not at some later batch or never."""
+        """`free_all` (proposer_state.py): the state emptied, what it holds left unsettled."""
         if type(state) is not MtpProposerState or state.table is not self.slots:
             raise ProposerError(f"state {state!r} does not belong to this proposer")
-        batch = state.pending
         free_all(state)
-        if isinstance(batch, PendingBatch) and not batch.done \
-                and batch.dropped == len(batch.states):
-            batch.settle()

@@ -334,7 +334,16 @@ def install_kv(state: MtpProposerState, blocks: Sequence[int], rows: int,
 
 
 def free_all(state: MtpProposerState) -> None:
-    """Free every block; the state is empty after (no rows, no pair key, no drafts)."""
+    """Free every block; the state is empty after (no rows, no pair key, no drafts). What it
+    holds is not settled: a device batch it drafted in drops its row (`PendingBatch.dropped`)
+    and settles for the rest on their next touch, so a finish does not wait for a chain still
+    running and the rest's drafts stay pending for their verify. The blocks go back now; a
+    chain still writing them runs before anything enqueued after it on its stream. The last of
+    a batch's states to go settles it (nothing left to record): its input guards' records are
+    read then (FAULTS 25), not at some later batch or never."""
+    batch = state.pending
     state.blocks.free()
     state.last_pair_key, state.last_num_drafted, state.last_drafts = None, 0, []
     state.pending, state.awaiting_verify = None, False
+    if isinstance(batch, PendingBatch) and not batch.done and batch.dropped == len(batch.states):
+        batch.settle()

@@ -86,10 +86,11 @@ def end_step(proposer: MtpProposer, v: Verified, num_drafts: int, stats: DraftSt
     (`v.ahead`, `step_ahead`) has done all that: its drafts are returned when `ahead` holds
     (the unfinished sequences' only, `narrowed`, where some finished), else withdrawn."""
     if v.ahead is not None:  # drafted before the read (`step_ahead`): trims and catch-up done
-        if ahead:  # the next batch is the unfinished sequences: theirs verify as proposed
-            return narrowed(v.ahead, stats)
-        withdraw(proposer, v.ahead, stats)  # a sequence finished, or one waits to be admitted
-        return None
+        # the next batch is the unfinished sequences (`ahead`): theirs verify as proposed
+        kept = narrowed(v.ahead) if ahead else None
+        if kept is None:  # withdrawn: one waits to be admitted, or every sequence finished
+            withdraw(proposer, v.ahead, stats)
+        return kept
     live = [i for i, s in enumerate(v.seqs) if not s.finished]
     if ahead and live and not v.prefill and all(v.drafts[i] for i in live):
         return _step_batch(proposer, v, live, num_drafts, stats)
@@ -214,29 +215,28 @@ def catch_up(proposer: MtpProposer, rows: list[Rows]) -> None:
                            [r[0].draft_state for r in rows])
 
 
-def narrowed(ahead: Ahead, stats: DraftStats) -> Ahead | None:
+def narrowed(ahead: Ahead) -> Ahead | None:
     """`ahead` for its unfinished sequences only: the finished ones' verify rows dropped (one
     `cat` of the kept runs of rows on the device, no sync; a view of the proposer's buffer
     where they are one run, verified before the proposer drafts again as the whole one is) and
     their states' part of the batch gone with them (freed: `PendingBatch.dropped`). The rest
     stay pending as proposed; the next call that touches one settles them, as for any batch.
-    None when every sequence finished (nothing is pending; counted withdrawn). The engine counts
-    a narrowed batch when it verifies it (`DraftStats.narrowed`): one withdrawn after all (its
-    admission prefilled alone) is counted withdrawn only."""
+    None when every sequence finished (nothing is pending: `withdraw` counts it). The engine
+    counts a narrowed batch when it verifies it (`DraftStats.narrowed`): one withdrawn after all
+    (its admission prefilled alone) is counted withdrawn only."""
     seqs = ahead.seqs
     keep = [i for i, s in enumerate(seqs) if not s.finished]
+    if not keep:
+        return None
     if len(keep) == len(seqs):
         return ahead
-    if not keep:
-        withdraw(None, ahead, stats)  # counted; no state is left to hand anything back
-        return None
     rows = ahead.tokens.view(len(seqs), -1)
     runs = [rows[a:b] for a, b in consecutive_runs(keep)]  # (one finish leaves at most two)
     tokens = torch.cat(runs).view(-1) if len(runs) > 1 else runs[0].reshape(-1)
     return Ahead([seqs[i] for i in keep], tokens, ahead.kind, ahead.width)
 
 
-def withdraw(proposer: MtpProposer | None, ahead: Ahead, stats: DraftStats | None = None) -> None:
+def withdraw(proposer: MtpProposer, ahead: Ahead, stats: DraftStats | None = None) -> None:
     """Undo `ahead`'s propose for its sequences still running (a finished one's state was
     freed, which drops its part of the batch): settle the drafts (their one read), then hand
     each state's drafter KV out and back in with the d rows its propose wrote dropped and the
@@ -247,9 +247,8 @@ def withdraw(proposer: MtpProposer | None, ahead: Ahead, stats: DraftStats | Non
     if stats is not None:
         stats.withdrawn[ahead.kind][ahead.width] += 1
     seqs = [s for s in ahead.seqs if not s.finished and s.draft_state is not None]
-    if not seqs:
+    if not seqs:  # every one finished: their states were freed, nothing to read or hand back
         return
-    assert proposer is not None
     states = [s.draft_state for s in seqs]
     for s, state, drafts in zip(seqs, states, proposer.last_drafts(states)):
         got = proposer.take_drafter_kv(state)

@@ -13,8 +13,8 @@ the same proposer call. The output is target-only greedy decoding's, token for t
 
 One module on purpose (it runs past 400 lines): `step` and the calls it makes (`_decode`,
 `_end_step`, `_take_ahead`, `_merges`, `_prefill`, `_account`) share one piece of state between
-steps, the drafts proposed ahead (`_ahead`) and when they may be used, withdrawn or verified
-beside an admission; split across modules that rule would be spread over several. What has a
+steps, the drafts proposed ahead (`_ahead`) and when they may be used, narrowed to the
+sequences that did not finish, withdrawn or verified beside an admission; split across modules that rule would be spread over several. What has a
 job of its own already lives beside it: the draft side (draft_side.py), acceptance
 (speculate.py), the target's passes (runner.py, model.py), admission (scheduler.py), request
 checks (request_checks.py) and the warm-up's dummy requests (warm_up.py).

@@ -73,8 +73,8 @@ def test_device_path_verifies_from_the_proposers_tensor(small_checkpoint, greedy
     kept: list[torch.Tensor] = []  # the narrowed verify inputs
     real_narrowed = draft_side.narrowed
 
-    def narrowed(ahead, stats):
-        got = real_narrowed(ahead, stats)
+    def narrowed(ahead):
+        got = real_narrowed(ahead)
         if got is not None and got is not ahead:
             kept.append(got.tokens)
         return got
