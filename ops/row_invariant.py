@@ -25,9 +25,12 @@ from draft_circuit.ops.row_invariant_plan import (  # noqa: F401 (the plan's nam
     _CHUNKS, _MAX_PLANS, _PLANS, AHEAD, KEY_TILE, QUERY_TILE, _index, _make_chunks, _make_plan, _make_plans,
     _shared_plan, _tile_plan)
 
-# rows per GEMM call; a verify of k + 1 rows (or a batch's decode rows) fits in a tile or two,
-# so it reads each weight once or twice instead of once per row (issue 20)
-ROW_TILE = 8
+# rows per GEMM call. At the CPU default (k = 3, batch 4) a verify is 16 rows: one tile, one call
+# per linear, as a batch's decode is. 8 made it two calls, and at the embedded model's shapes a
+# call's cost is dispatch, not arithmetic: 16 measured 1.53-1.70x target-only tokens/s in the
+# quick start against 1.46-1.57x at 8 (interleaved, 3 runs each; target-only unchanged), and 32
+# slowed both engines (each decode pads to 32 rows). Issue 20.
+ROW_TILE = 16
 # where row invariance was measured (tests/ops/test_row_invariant.py)
 TILED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
