@@ -237,8 +237,14 @@ class Engine:
                 verified = self._decode(running, merged)
             else:
                 self._decode_plain(running, merged)
+        # a finish can raise the input guards' fault of a device batch whose last state it
+        # frees (FAULTS 25): every finish and the rest's step still happen, then it is raised
+        fault: Exception | None = None
         for s in [s for s in self.scheduler.running if s.finished]:
-            self._finish(s)
+            try:
+                self._finish(s)
+            except Exception as e:
+                fault = fault or e
         if verified is not None:  # after the finishes: the next step's batch is known now
             t0 = time.perf_counter()
             try:
@@ -247,6 +253,8 @@ class Engine:
                 # target's KV rows and the statistics must follow them (num_cached == len - 1)
                 self.stats.draft_s += time.perf_counter() - t0
                 self._account(verified)  # behind the next GPU work's launch
+        if fault is not None:
+            raise fault
 
     #: on the device path, draft the next step in the call that trims and catches up this one
     #: (`MtpProposer.step_batch`) when its batch is known; False: the separate calls (a test
@@ -455,7 +463,12 @@ class Engine:
             self.stats.generated += len(s.append(out.tokens, self.checkpoint.eos_token_id))
 
     def _finish(self, seq: Sequence) -> None:
-        if self.proposer is not None and seq.draft_state is not None:
-            self.proposer.free_state(seq.draft_state)
-        seq.hidden = None  # its pass's hidden tensor (device memory) is not kept for it
-        self.scheduler.finish(seq)
+        """Free the sequence's drafter state and target blocks. The drafter's free may raise a
+        fault it read (see `step`); the blocks are freed before it does, and the target's go
+        back here whatever it raised."""
+        try:
+            if self.proposer is not None and seq.draft_state is not None:
+                self.proposer.free_state(seq.draft_state)
+        finally:
+            seq.hidden = None  # its pass's hidden tensor (device memory) is not kept for it
+            self.scheduler.finish(seq)

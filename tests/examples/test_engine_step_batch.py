@@ -563,3 +563,59 @@ def test_a_narrowed_batch_withdrawn_for_a_lone_prefill_counts_withdrawn_only(sma
     counted = sum(c for per in stats.narrowed.values() for c in per.values())
     assert counted == len(verified)
     assert engine.proposer.pool.num_used == 0 and engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("where", ["settle", "mid-run"])
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_fault_read_at_a_finish_still_finishes_the_step(small_checkpoint, monkeypatch, merge,
+                                                          where):
+    """Review regression: the last of a device batch's states to be freed settles it, and that
+    settle reads its input guards' records (FAULTS 25), so on CUDA a finish can raise
+    `RunnerInputError`. The step still finishes every finished sequence (their target blocks
+    go back), drafts and accounts for the rest, and only then raises; the engine runs on after
+    it with no block leaked. Injected once: "settle", the records' check raises inside a free
+    (the real path; here it comes at the run's last finish); "mid-run", a free raises after
+    freeing at the first finish that leaves sequences running (the rest's step must go on)."""
+    from draft_circuit.runners.input_values import RunnerInputError
+    from draft_circuit.runners.proposer_device import DeviceDrafts
+
+    engine = Engine(load_checkpoint(small_checkpoint),
+                    EngineConfig(forward="circuit", num_drafts=3, widths=(1, 2, 4), max_batch=3))
+    engine.device_drafts = engine.draft_before_read = True
+    engine.merge_prefill = merge
+    seen = {"armed": False, "raised": 0}
+    check, free_state = DeviceDrafts.check_faults, MtpProposer.free_state
+
+    def injected(self):
+        if seen["armed"] and not seen["raised"]:
+            seen["raised"] += 1
+            raise RunnerInputError("row 0 of the batch: token id 999999 is out of range (injected)")
+        return check(self)
+
+    def freeing(self, state):
+        seen["armed"] = where == "settle"
+        try:
+            free_state(self, state)
+        finally:
+            seen["armed"] = False
+        if where == "mid-run" and not seen["raised"] and \
+                [s for s in engine.scheduler.running if not s.finished]:
+            seen["raised"] += 1
+            raise RunnerInputError("a row of the batch: injected at a finish")
+    monkeypatch.setattr(DeviceDrafts, "check_faults", injected)
+    monkeypatch.setattr(MtpProposer, "free_state", freeing)
+    for r in REQUESTS:
+        engine.scheduler.add(r)
+    faults = 0
+    while engine.scheduler.has_work:
+        try:
+            engine.step()
+        except RunnerInputError as e:
+            assert "injected" in str(e)
+            faults += 1
+            assert not [s for s in engine.scheduler.running if s.finished]  # all finished
+            for s in engine.scheduler.running:  # the rest kept the engine's invariant
+                assert s.num_cached == len(s.tokens) - 1, s.id
+    assert faults == seen["raised"] == 1
+    assert engine._ahead is None and engine.proposer.slots.num_pending == 0
+    assert engine.pool.num_used == 0 and engine.proposer.pool.num_used == 0
