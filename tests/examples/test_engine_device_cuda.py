@@ -2,8 +2,8 @@
 (issue 14 items 3-4: verify launched from the proposer's device tensor, or from it and the
 prompts admitted beside the batch, drafts read once after it, catch-up on the KV-only chain when
 installed) and stays token-exact with target-only
-greedy, on both drafter forwards and both target forwards; the host path (device_drafts False)
-is exact there too."""
+greedy, on both drafter forwards and both target forwards, batches narrowed by finishes
+included; the host path (device_drafts False) is exact there too."""
 from __future__ import annotations
 
 import pytest
@@ -37,19 +37,22 @@ def test_device_path_equals_greedy_on_gpu(small_checkpoint, target_forward, forw
                                  draft_confidence_stop=tau, **common))
     assert engine.device_drafts is None and engine._on_device(3)  # CUDA's default
     engine.draft_before_read = before_read
-    p, model = engine.proposer, engine.target.model
-    verifies, real = [], model.launch  # every pass (forward reads what it launches)
+    p, target = engine.proposer, engine.target
+    verifies, real = [], target.launch_verify
 
-    def launch_spy(rows):
-        merged = engine.target.__dict__.get("_merge_buffers")  # a verify with admitted prompts
-        if rows.tokens.data_ptr() == p.verify_tokens().data_ptr() \
-                or merged is not None and rows.tokens.data_ptr() == merged[0].data_ptr():
-            verifies.append(rows.tokens.shape[0])
-        return real(rows)
-    model.launch = launch_spy
+    # marked by the verify's launch, not by its tokens' address: a batch narrowed by a finish
+    # is verified from a cat of the kept rows (draft_side.narrowed), at no fixed address
+    def launch_spy(seqs, tokens, num_drafts, prefill=()):
+        assert tokens.is_cuda and tokens.shape[0] == len(seqs) * (num_drafts + 1)
+        verifies.append(len(seqs))
+        return real(seqs, tokens, num_drafts, prefill)
+    target.launch_verify = launch_spy
     assert engine.generate(REQUESTS).outputs == greedy
     assert len(verifies) == engine.stats.steps  # every decode step verified from the device
     assert engine.pool.num_used == 0 and p.pool.num_used == 0
+    # drafted ahead, finishes narrow batches that are then verified on the device (3 -> 2 and
+    # 2 -> 1 here on CPU's device path; draft_side.narrowed)
+    assert bool(engine.stats.draft_batches.narrowed) == before_read
 
 
 @cuda
