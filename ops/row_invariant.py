@@ -28,8 +28,9 @@ from draft_circuit.ops.row_invariant_plan import (  # noqa: F401 (the plan's nam
 # rows per GEMM call. At the CPU default (k = 3, batch 4) a verify is 16 rows: one tile, one call
 # per linear, as a batch's decode is. 8 made it two calls, and at the embedded model's shapes a
 # call's cost is dispatch, not arithmetic: 16 measured 1.53-1.70x target-only tokens/s in the
-# quick start against 1.46-1.57x at 8 (interleaved, 3 runs each; target-only unchanged), and 32
-# slowed both engines (each decode pads to 32 rows). Issue 20.
+# quick start against 1.46-1.57x at 8 (interleaved, 3 runs each; target-only's tokens/s within
+# noise, its 4-row decode pass a few percent slower for the padding), and 32 slowed both engines
+# (each decode pads to 32 rows). benchmarks/RESULTS.md, 2026-12-08. Issue 20.
 ROW_TILE = 16
 # where row invariance was measured (tests/ops/test_row_invariant.py)
 TILED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
