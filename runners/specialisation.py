@@ -34,16 +34,21 @@ def _arg_class(v: Any) -> Any:
     float or None by type."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() & 15 == 0)
-    if type(v) is int:  # Triton's i32 / i64 / u64 (2**63 and past)
-        return (-2**31 <= v < 2**31, v >= 2**63, v == 1, v & 15 == 0)
+    if type(v) is int:
+        return (*_int_width(v), v == 1, v & 15 == 0)
     return type(v) if type(v) in (bool, float, type(None)) else (type(v), v)
+
+
+def _int_width(v: int) -> tuple[bool, bool]:
+    """Which of Triton's int types an int binds as: i32, i64 or u64 (2**63 and past)."""
+    return (-2**31 <= v < 2**31, v >= 2**63)
 
 
 def _plain_class(v: Any) -> Any:
     """A `do_not_specialize` argument's class: an int's width only (Triton passes it as a
     plain i32 / i64 / u64, neither 1 nor its divisibility a constant); anything else as
     `_arg_class`."""
-    return (-2**31 <= v < 2**31, v >= 2**63) if type(v) is int else _arg_class(v)
+    return _int_width(v) if type(v) is int else _arg_class(v)
 
 
 _CLASS: dict[int, Callable[[Any], Any]] = {_CONST: lambda v: v, _ARG: _arg_class,

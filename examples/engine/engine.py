@@ -12,10 +12,12 @@ trim, catch up and, on the device path when the next batch is known, the next st
 the same proposer call. The output is target-only greedy decoding's, token for token.
 
 One module on purpose (it runs past 400 lines): `step` and the calls it makes (`_decode`,
-`_end_step`, `_take_ahead`, `_merges`, `_prefill`, `_account`) share one piece of state between
-steps, the drafts proposed ahead (`_ahead`) and when they may be used, narrowed to the
-sequences that did not finish, withdrawn or verified beside an admission; split across modules that rule would be spread over several. What has a
-job of its own already lives beside it: the draft side (draft_side.py), acceptance
+`_end_step`, `_take_ahead`, `_merges`, `_prefill`, `_account`, `_finish`) share one piece of
+state between steps, the drafts proposed ahead (`_ahead`) and when they may be used (narrowed
+to the sequences that did not finish, withdrawn, or verified beside an admission), and one
+order within a step (finishes, then the draft side, then the accounting, a fault a finish read
+raised only after all three); split across modules those rules would be spread over several.
+What has a job of its own already lives beside it: the draft side (draft_side.py), acceptance
 (speculate.py), the target's passes (runner.py, model.py), admission (scheduler.py), request
 checks (request_checks.py) and the warm-up's dummy requests (warm_up.py).
 """
