@@ -2,10 +2,12 @@
 the compiler makes of a kernel (its TTGIR or PTX), which the CPU interpreter never shows.
 
 `run(body, source, *args)` runs PREAMBLE + body in a fresh Python process without
-TRITON_INTERPRET: the preamble imports Triton's compiler (exit 77, a skip, where the NVIDIA
-backend is missing) and loads `source`'s @triton.jit functions alone as `module` (not the
-launcher module around them, so the process never imports torch), with `text` and `tree` (its
-source and AST); body compiles from there and prints what the test asserts on."""
+TRITON_INTERPRET, in the checkout's root: the preamble imports Triton's compiler (exit 77, a
+skip, where the NVIDIA backend is missing) and loads `source`'s @triton.jit functions alone as
+`module` (not the launcher module around them, so the process never imports torch), with `text`
+and `tree` (its source and AST); body compiles from there and prints what the test asserts on.
+With `source` None there is no `module`: body imports what it compiles (this checkout's
+draft_circuit and tests, torch with them)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: draft_circuit and tests import from it
 PREAMBLE = textwrap.dedent("""
     import ast, importlib.util, pathlib, re, shutil, sys, tempfile
     import triton
@@ -26,29 +29,32 @@ PREAMBLE = textwrap.dedent("""
     except ImportError as e:
         print(e)
         sys.exit(77)
-    path = pathlib.Path(sys.argv[1])
-    text = path.read_text()
-    tree = ast.parse(text)
-    # every @triton.jit function of the module (the kernels and the helpers they inline), alone
-    jitted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.decorator_list
-              and "jit" in ast.unparse(n.decorator_list[0])]
-    lines = []
-    for n in jitted:
-        lines += text.splitlines()[n.decorator_list[0].lineno - 1:n.end_lineno] + ["", ""]
-    tmp = pathlib.Path(tempfile.mkdtemp()) / "kernels_only.py"
-    tmp.write_text("import triton\\nimport triton.language as tl\\n\\n\\n" + "\\n".join(lines) + "\\n")
-    spec = importlib.util.spec_from_file_location("kernels_only", tmp)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if sys.argv[1]:  # a source (else ""): its jit functions alone, as `module`
+        path = pathlib.Path(sys.argv[1])
+        text = path.read_text()
+        tree = ast.parse(text)
+        # every @triton.jit function of the module (the kernels and the helpers they inline), alone
+        jitted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.decorator_list
+                  and "jit" in ast.unparse(n.decorator_list[0])]
+        lines = []
+        for n in jitted:
+            lines += text.splitlines()[n.decorator_list[0].lineno - 1:n.end_lineno] + ["", ""]
+        tmp = pathlib.Path(tempfile.mkdtemp()) / "kernels_only.py"
+        tmp.write_text("import triton\\nimport triton.language as tl\\n\\n\\n"
+                       + "\\n".join(lines) + "\\n")
+        spec = importlib.util.spec_from_file_location("kernels_only", tmp)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
 """)
 
 
-def run(body: str, source: Path, *args: str) -> subprocess.CompletedProcess:
-    """PREAMBLE + body (dedented) on `source`, `args` after it in sys.argv; skips the test when
-    Triton has no NVIDIA backend, fails it on any other error."""
+def run(body: str, source: Path | None, *args: str) -> subprocess.CompletedProcess:
+    """PREAMBLE + body (dedented) on `source` (None: no `module`), `args` after it in sys.argv;
+    skips the test when Triton has no NVIDIA backend, fails it on any other error."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", PREAMBLE + textwrap.dedent(body), str(source),
-                           *args], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PREAMBLE + textwrap.dedent(body),
+                           str(source or ""), *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     if proc.returncode == 77:
         pytest.skip(f"no Triton NVIDIA backend to compile with: {proc.stdout.strip()}")
     assert proc.returncode == 0, proc.stderr[-4000:]
