@@ -36,7 +36,8 @@ COL_CHUNK = 64  # table columns per step of the two passes over a table too big 
 ONE_TILE = 8192  # rows x columns (padded to powers of two) held in registers at once
 
 
-@triton.jit
+# n unspecialised: BLOCK_N already splits the widths; n == 1 or a multiple of 16 need no compile
+@triton.jit(do_not_specialize=["n"])
 def input_guard_kernel(
     tokens_ptr, tables_ptr, live_ptr, active_ptr, faults_ptr,
     g_tokens_ptr, g_tables_ptr, g_live_ptr, g_active_ptr,

@@ -27,7 +27,9 @@ MERGE_NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["pdl_release"])
+# the step offsets vary by draft step: unspecialised, one compile serves every step
+# (tests/runners/test_capture_precompile.py::test_draft_steps_share_their_compiles)
+@triton.jit(do_not_specialize=["row_offset", "pdl_release"])
 def _split_kernel(
     q_lat_ptr, q_pe_ptr, pe_ptr, latent_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, block_size, qk_scale_log2,

@@ -16,7 +16,9 @@ from draft_circuit.kernels._common import (
 )
 
 
-@triton.jit(do_not_specialize=["pdl_release"])
+# the step offsets vary by draft step: unspecialised, one compile serves every step
+# (tests/runners/test_capture_precompile.py::test_draft_steps_share_their_compiles)
+@triton.jit(do_not_specialize=["row_offset", "pdl_release"])
 def mla_kv_write_kernel(
     pe_cache_ptr, latent_cache_ptr, latent_ptr, pe_ptr, tables_ptr, live_ptr, active_ptr,
     stride_pb, stride_ps, stride_lb, stride_ls, stride_latent, stride_pe, stride_tables, row_offset, block_size,

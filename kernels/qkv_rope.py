@@ -82,7 +82,9 @@ def _rope_pair(x_ptr, row_off, m_mask, K, inv, nw_ptr, w_ptr, stride_w, col, off
     return head, d, d_mask, x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
+# the step offsets vary by draft step: unspecialised, one compile serves every step
+# (tests/runners/test_capture_precompile.py::test_draft_steps_share_their_compiles)
+@triton.jit(do_not_specialize=["pos_offset", "row_offset", "n_rows", "pdl_release"])
 def qkv_rope_kernel(
     x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, live_ptr, tables_ptr, active_ptr,
     k_cache_ptr, v_cache_ptr, q_out_ptr,

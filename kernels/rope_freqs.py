@@ -14,7 +14,9 @@ from draft_circuit.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check, ch
                                            interpreting, launch_kwargs, pdl_args)
 
 
-@triton.jit(do_not_specialize=["pdl_release"])
+# the step offsets vary by draft step: unspecialised, one compile serves every step
+# (tests/runners/test_capture_precompile.py::test_draft_steps_share_their_compiles)
+@triton.jit(do_not_specialize=["pos_offset", "pdl_release"])
 def rope_freqs_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr, stride_x, stride_out, pos_offset, attention_factor, pdl_release,
     HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr,

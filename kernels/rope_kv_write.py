@@ -53,7 +53,9 @@ def theta_parts(theta: float) -> tuple[float, float, float]:
     return theta, hi, log2_theta - hi
 
 
-@triton.jit(do_not_specialize=["pdl_release"])
+# the step offsets vary by draft step: unspecialised, one compile serves every step
+# (tests/runners/test_capture_precompile.py::test_draft_steps_share_their_compiles)
+@triton.jit(do_not_specialize=["pos_offset", "row_offset", "pdl_release"])
 def rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, live_ptr, tables_ptr, active_ptr,
     k_cache_ptr, v_cache_ptr, q_out_ptr,

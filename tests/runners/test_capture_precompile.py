@@ -101,7 +101,7 @@ def _names(keys):
 
 def test_width_specialisations_are_distinct_where_triton_compiles_anew(program, launched):
     """Which compiles a width needs: n == 1 and n % 16 == 0 (Triton's int specialisation) split
-    every kernel given n; the input guard's constexpr block, next_power_of_2(n), splits its own
+    every kernel given n as a specialised int (the input guard takes it unspecialised); its constexpr block, next_power_of_2(n), splits its own
     kernel further (what GraphRunner's once-per-`warmup_class` warm-up did not foresee: widths
     2, 4, 8, 15, 16, 31, 32 compiled inside their capture on the H200); widths of one class and
     one block share every compile."""
@@ -115,6 +115,31 @@ def test_width_specialisations_are_distinct_where_triton_compiles_anew(program, 
     assert _names(by_width[17] ^ by_width[33]) == {"input_guard_kernel"}
     assert _names(by_width[16] ^ by_width[17]) > {"input_guard_kernel"}  # %16: more kernels
     assert _names(by_width[1] ^ by_width[2]) > {"input_guard_kernel"}    # == 1: more kernels
+
+
+def _chain_keys(k: int) -> set[tuple]:
+    head = MtpHead(CFG)
+    circuit = emit_draft_chain(head, k, max_width=4, kv=KV)
+    compiled = compile_draft(circuit, head.bind(random_mtp_weights(CFG, seed=5)), [4],
+                             options=CompileOptions(interpret_kernels=True))
+    states = {"k_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim),
+              "v_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim)}
+    runner = ProgramRunner(compiled, states, debug=0)
+    fill_neutral(compiled.circuit, runner.static_inputs, 0, 0)
+    return precompile_kernels(runner, [4], threads=1).keys
+
+
+def test_draft_steps_share_their_compiles():
+    """A k-step chain compiles what a one-step chain does: the step-dependent ints a kernel
+    takes (attention's row_offset, RoPE's pos_offset: 0, 1, 2, ... by step) are in its
+    `do_not_specialize`, else Triton compiles step 1 (== 1) and every step past it apart from
+    step 0 (a multiple of 16): three compiles of each for k >= 3 (on the H200, 6 of a plan's
+    kernels). Only the input guard differs, once a chain: it takes the chain's step count."""
+    one, four = _chain_keys(1), _chain_keys(4)
+    guard = {"input_guard_kernel"}
+    assert _names(one) > guard
+    assert {key for key in four if _names([key]) != guard} == {key for key in one if _names([key]) != guard}
+    assert len(four) == len(one)
 
 
 def test_kernel_launches_leave_out_reference_ops(program):
