@@ -45,7 +45,7 @@ LAUNCHES = 1  # kernels each launcher here issues (two with `normed`: see the mo
 assert NORM_BLOCK_K == BLOCK_K  # the norm's chunks are the K tiles (prologue_tiles defines them)
 
 
-@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
+@triton.jit(do_not_specialize=["n_rows", "table_rows", "pdl_release"])
 def linear_prologue_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, res_ptr, out_ptr,
     n_rows, N, K, K1, table_rows, eps1, eps2,

@@ -99,7 +99,7 @@ def splitk_pays(weight_rows: int, k: int) -> bool:
             and num_splits(weight_rows, k) >= 2)
 
 
-@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
+@triton.jit(do_not_specialize=["n_rows", "table_rows", "pdl_release"])
 def _prologue_partial_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, ws_ptr,
     n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w, pdl_release,
@@ -188,7 +188,7 @@ def _mt_store(ws_ptr, split, n_rows, N, offs_m, m_mask, offs_n, n_mask, acc):
     tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
+@triton.jit(do_not_specialize=["n_rows", "table_rows", "pdl_release"])
 def _prologue_partial_mloop_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, w_ptr, ws_ptr,
     n_rows, N, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_w, pdl_release,

@@ -111,7 +111,7 @@ def _store_part(x_ptr, row_off, ok, K, nw_ptr, inv, out_ptr, NORM: tl.constexpr,
         tl.store(out_ptr + cols, x, mask=cols < K)
 
 
-@triton.jit(do_not_specialize=["n_rows", "pdl_release"])
+@triton.jit(do_not_specialize=["n_rows", "table_rows", "pdl_release"])
 def prologue_norm_kernel(
     x1_ptr, ids_ptr, nw1_ptr, x2_ptr, nw2_ptr, out_ptr,
     n_rows, K, K1, table_rows, eps1, eps2, stride_x1, stride_x2, stride_out, pdl_release,
