@@ -3,6 +3,9 @@ DeepSeek-V3-style MTP layer, on the Python standard library's own source, saved 
 Face checkpoint (bf16 safetensors, config.json, the training log and held-out prompts).
 
     python -m examples.train_tiny --device cuda --out examples/data/pystdlib_12l   # ~3 min, H200
+    # the MTP head distilled further from that checkpoint, the target kept bit for bit:
+    python -m examples.train_tiny --device cuda --init examples/data/pystdlib_12l --steps 0 \
+        --distil-steps 3000 --out examples/data/pystdlib_12l
 
 Why this shape (CONFIG): 12 layers of width 128 beside one MTP layer of the same width, so one
 draft step is about 1/12 of a target step in weights and under 1/6 in ops (the circuit's target
@@ -41,6 +44,7 @@ from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -235,10 +239,10 @@ def evaluate(model: TinyLlama, data: torch.Tensor, steps: int, gen: torch.Genera
             "num_drafts": steps, "bytes_scored": batches * per_batch * length}
 
 
-def export(model: TinyLlama, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """config.json and model.safetensors (HF names; the MTP layer at model.layers.{L} in the
-    DeepSeek-V3 naming, its embedding and head stored as copies of the target's)."""
-    c, L = model.c, model.c.num_hidden_layers
+def checkpoint_tensors(model: TinyLlama) -> dict[str, torch.Tensor]:
+    """The model's tensors by checkpoint name (HF names; the MTP layer at model.layers.{L} in
+    the DeepSeek-V3 naming, its embedding and head the target's own tensors under two names)."""
+    L = model.c.num_hidden_layers
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
                                   "model.norm.weight": model.norm, "lm_head.weight": model.lm_head.weight}
 
@@ -258,12 +262,52 @@ def export(model: TinyLlama, out: Path, dtype: torch.dtype = torch.bfloat16) -> 
               m + "hnorm.weight": model.hnorm, m + "eh_proj.weight": model.eh_proj.weight,
               m + "shared_head.norm.weight": model.shared_norm,
               m + "shared_head.head.weight": model.lm_head.weight})
+    return t
+
+
+def export(model: TinyLlama, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """config.json and model.safetensors (`checkpoint_tensors`' names, in `dtype`)."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in t.items()},
+    save_file({k: v.detach().to("cpu", dtype).contiguous().clone()
+               for k, v in checkpoint_tensors(model).items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = c.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch."),
-                          "draft_circuit": {"tokenizer": "bytes"}}
+    config = model.c.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch."),
+                                "draft_circuit": {"tokenizer": "bytes"}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_into(model: TinyLlama, path: Path) -> None:
+    """`export`'s checkpoint at `path` into `model` (fp32 masters holding its values exactly):
+    what `--init` continues from. Raises SystemExit naming what does not fit: another shape
+    (config.json), a missing or extra tensor, a tensor of another shape, or an MTP copy of the
+    embedding or head that differs from the target's (this model shares them)."""
+    try:
+        stored = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--init {path}: no readable config.json ({e})") from None
+    want = model.c.to_hf()
+    diff = {k: (stored.get(k), v) for k, v in want.items() if stored.get(k) != v}
+    if diff:
+        raise SystemExit(f"--init {path}: config.json is not this script's shape (stored, "
+                         f"expected): {diff}")
+    names = checkpoint_tensors(model)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        if keys != set(names):
+            raise SystemExit(f"--init {path}: tensors missing {sorted(set(names) - keys)[:4]}, "
+                             f"unexpected {sorted(keys - set(names))[:4]}")
+        seen: dict[int, tuple[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for name, param in names.items():
+                value = f.get_tensor(name)
+                if value.shape != param.shape:
+                    raise SystemExit(f"--init {path}: {name} is {list(value.shape)}, expected "
+                                     f"{list(param.shape)}")
+                first = seen.setdefault(id(param), (name, value))
+                if first[0] != name and not torch.equal(first[1], value):
+                    raise SystemExit(f"--init {path}: {name} differs from {first[0]}; this model "
+                                     f"shares them")
+                param.copy_(value.float())
 
 
 def round_to(model: nn.Module, dtype: torch.dtype) -> None:
@@ -289,15 +333,28 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--max-minutes", type=float, default=3.0,
-                    help="wall-time cap of both phases' steps (phase 1 gets 80%%; evaluation and "
-                         "export after it take seconds)")
+                    help="wall-time cap of both phases' steps (phase 1 gets 80%%, all of it "
+                         "with --distil-steps 0; evaluation and export after it take seconds)")
     ap.add_argument("--log-every", type=int, default=250)
     ap.add_argument("--eval-seqs", type=int, default=64, help="held-out windows of --eval-len bytes")
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                     help="the checkpoint's (and, on CUDA, autocast's) dtype")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", type=Path,
+                    help="start from this checkpoint (an earlier run's, this shape) instead of random "
+                         "weights: with --steps 0 the MTP head is distilled further and the target "
+                         "kept bit for bit; its train_log.txt heads this run's")
     return ap
+
+
+def _read_log(path: Path) -> str:
+    """An earlier run's train_log.txt with a line to end it ('' where it has none)."""
+    try:
+        text = (path / "train_log.txt").read_text()
+    except OSError:
+        return ""
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,7 +363,10 @@ def main(argv: list[str] | None = None) -> None:
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
+    # an --init run's log follows its checkpoint's (read first: --init may be --out)
+    previous = _read_log(args.init) if args.init is not None else ""
     log_file = (args.out / "train_log.txt").open("w")
+    log_file.write(previous)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -324,7 +384,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.cuda.get_device_name(device) if cuda else 'cpu'}; argv {sys.argv[1:] if argv is None else argv}")
     log(f"train: {len(train_files)} stdlib files, {len(train) / 1e6:.1f} MB; held out: "
         f"{[f.name for f in held_files]}, {len(held) / 1e3:.0f} kB")
-    model = TinyLlama(CONFIG).to(device)
+    model = TinyLlama(CONFIG)
+    if args.init is not None:
+        load_into(model, args.init)
+        log(f"init: {args.init} (the run above)")
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"config: {json.dumps(CONFIG.to_hf())}; {n_params / 1e6:.2f}M parameters")
     gen, eval_gen = torch.Generator().manual_seed(args.seed), torch.Generator().manual_seed(99)
@@ -338,7 +402,11 @@ def main(argv: list[str] | None = None) -> None:
         device.type, dtype=dtype, enabled=cuda)
     start = time.time()
     budget = args.max_minutes * 60
-    phases = [("joint", args.steps, 0.8 * budget, args.lr), ("distil", args.distil_steps, 0.2 * budget, args.lr / 3)]
+    # the cap's shares: 80% joint, 20% distillation; a phase with no steps leaves its share to the other
+    joint_share = 0.8 if args.distil_steps > 0 else 1.0
+    distil_share = 0.2 if args.steps > 0 else 1.0
+    phases = [("joint", args.steps, joint_share * budget, args.lr),
+              ("distil", args.distil_steps, distil_share * budget, args.lr / 3)]
     done = 0
     for phase, steps, phase_budget, lr in phases:
         if steps <= 0:

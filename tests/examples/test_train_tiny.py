@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -113,3 +115,38 @@ def test_embedded_checkpoint_is_small():
     path = EMBEDDED / "model.safetensors"
     if path.is_file():
         assert path.stat().st_size < 16_000_000
+
+
+def test_init_distils_the_mtp_head_further_and_keeps_the_target(tmp_path):
+    """`--init DIR --steps 0`: the MTP layer continues from the checkpoint (distilled, here in
+    place: --init is --out), every target tensor and the MTP layer's copies of the target's
+    embedding and head written back bit for bit, so target-only greedy output cannot change;
+    the log is the first run's, then this one's. A checkpoint of another shape is refused,
+    naming the field."""
+    common = ["--device", "cpu", "--batch", "2", "--seq-len", "32", "--eval-seqs", "2",
+              "--eval-len", "48"]
+    base, more = tmp_path / "base", tmp_path / "more"
+    train_tiny.main(["--out", str(base), "--steps", "2", "--distil-steps", "1", *common])
+    shutil.copytree(base, more)
+    # a large rate: a few steps' updates must survive the bf16 rounding of the export
+    train_tiny.main(["--out", str(more), "--init", str(more), "--steps", "0", "--distil-steps", "2",
+                     "--lr", "3", *common])
+    mtp = f"model.layers.{train_tiny.CONFIG.num_hidden_layers}."
+    with safe_open(base / "model.safetensors", "pt") as a, \
+            safe_open(more / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        changed = {k for k in a.keys() if not torch.equal(a.get_tensor(k), b.get_tensor(k))}
+    assert mtp + "eh_proj.weight" in changed
+    assert all(k.startswith(mtp) for k in changed), sorted(changed)
+    assert not changed & {mtp + "embed_tokens.weight", mtp + "shared_head.head.weight"}
+    log = (more / "train_log.txt").read_text()
+    assert log.startswith((base / "train_log.txt").read_text())
+    assert f"init: {more}" in log and "distil step 0/2" in log
+    assert json.loads((more / "train_result.json").read_text())["steps"] == 2
+    assert load_checkpoint(more).mtp is not None
+
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(config | {"hidden_size": 64}))
+    with pytest.raises(SystemExit, match="hidden_size"):
+        train_tiny.main(["--out", str(tmp_path / "x"), "--init", str(base), "--steps", "0",
+                         *common])
