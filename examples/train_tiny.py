@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import sys
 import sysconfig
 import time
@@ -333,8 +334,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--max-minutes", type=float, default=3.0,
-                    help="wall-time cap of both phases' steps (phase 1 gets 80%%, all of it "
-                         "with --distil-steps 0; evaluation and export after it take seconds)")
+                    help="wall-time cap of both phases' steps (80%% phase 1, 20%% phase 2; a phase "
+                         "with no steps leaves its share to the other; evaluation and export after "
+                         "them take seconds)")
     ap.add_argument("--log-every", type=int, default=250)
     ap.add_argument("--eval-seqs", type=int, default=64, help="held-out windows of --eval-len bytes")
     ap.add_argument("--eval-len", type=int, default=512)
@@ -344,7 +346,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--init", type=Path,
                     help="start from this checkpoint (an earlier run's, this shape) instead of random "
                          "weights: with --steps 0 the MTP head is distilled further and the target "
-                         "kept bit for bit; its train_log.txt heads this run's")
+                         "kept bit for bit; its train_log.txt heads this run's, its held-out prompts "
+                         "are kept")
     return ap
 
 
@@ -452,7 +455,14 @@ def main(argv: list[str] | None = None) -> None:
     log(f"held out (fp32 on the {args.dtype}-rounded weights): {json.dumps(held_out)}")
     export(model, args.out, dtype)
     prompts = args.prompts_out or args.out / "heldout_prompts.json"
-    write_prompts(held_files, prompts)
+    # an --init run keeps its checkpoint's prompts: they are cut from this Python's standard
+    # library, which another Python's (the H200's 3.12, this CPU's 3.11) does not match
+    kept = args.init / "heldout_prompts.json" if args.init is not None and not args.prompts_out else None
+    if kept is not None and kept.is_file():
+        if kept.resolve() != prompts.resolve():
+            shutil.copyfile(kept, prompts)
+    else:
+        write_prompts(held_files, prompts)
     size = (args.out / "model.safetensors").stat().st_size
     log(f"wrote {args.out} ({size / 1e6:.2f} MB) and {prompts}: {done} steps in {train_s:.0f}s of "
         f"training, {time.time() - start:.0f}s in all")

@@ -121,8 +121,8 @@ def test_init_distils_the_mtp_head_further_and_keeps_the_target(tmp_path):
     """`--init DIR --steps 0`: the MTP layer continues from the checkpoint (distilled, here in
     place: --init is --out), every target tensor and the MTP layer's copies of the target's
     embedding and head written back bit for bit, so target-only greedy output cannot change;
-    the log is the first run's, then this one's. A checkpoint of another shape is refused,
-    naming the field."""
+    the log is the first run's, then this one's; with no steps, checkpoint and held-out prompts
+    come back byte for byte. A checkpoint of another shape is refused, naming the field."""
     common = ["--device", "cpu", "--batch", "2", "--seq-len", "32", "--eval-seqs", "2",
               "--eval-len", "48"]
     base, more = tmp_path / "base", tmp_path / "more"
@@ -144,6 +144,14 @@ def test_init_distils_the_mtp_head_further_and_keeps_the_target(tmp_path):
     assert f"init: {more}" in log and "distil step 0/2" in log
     assert json.loads((more / "train_result.json").read_text())["steps"] == 2
     assert load_checkpoint(more).mtp is not None
+    # no steps: the checkpoint and its prompts written back as they were (prompts another
+    # Python cut from its own standard library: kept, not cut again from this one's)
+    (more / "heldout_prompts.json").write_text(json.dumps(["def f(x):\n    return"]) + "\n")
+    again = tmp_path / "again"
+    train_tiny.main(["--out", str(again), "--init", str(more), "--steps", "0", "--distil-steps",
+                     "0", *common])
+    for name in ("model.safetensors", "config.json", "heldout_prompts.json"):
+        assert (again / name).read_bytes() == (more / name).read_bytes(), name
 
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps(config | {"hidden_size": 64}))
