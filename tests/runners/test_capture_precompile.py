@@ -140,8 +140,9 @@ def test_draft_steps_share_their_compiles():
     """A k-step chain compiles what a one-step chain does: the step-dependent ints a kernel
     takes (attention's row_offset, RoPE's pos_offset: 0, 1, 2, ... by step) are in its
     `do_not_specialize`, else Triton compiles step 1 (== 1) and every step past it apart from
-    step 0 (a multiple of 16): three compiles of each for k >= 3 (on the H200, 6 of a plan's
-    kernels). Only the input guard differs, once a chain: it takes the chain's step count."""
+    step 0 (a multiple of 16): for k >= 3 three compiles each of the attention split, its merge
+    and rope_kv_write. Only the input guard differs, once a chain: it takes the chain's step
+    count."""
     one, four = _chain_keys(1), _chain_keys(4)
     guard = {"input_guard_kernel"}
     assert _names(one) > guard
