@@ -74,9 +74,9 @@ def _store_split(ws_ptr, seq, heads, head_ok, d, d_ok, split, max_splits, acc, m
     tl.store(part + HEAD_DIM + 1, l, mask=head_ok)
 
 
-# the step offsets vary by draft step: unspecialised, one compile serves every step
-# (tests/runners/test_capture_precompile.py::test_draft_steps_share_their_compiles)
-@triton.jit(do_not_specialize=["row_offset", "pdl_release"])
+# the step offsets vary by draft step and the grid's splits by width: unspecialised, one compile
+# serves every step and width (tests/runners/test_capture_precompile.py)
+@triton.jit(do_not_specialize=["row_offset", "grid_splits", "pdl_release"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, grid_splits, qk_scale_log2,
@@ -126,7 +126,7 @@ def _split_kernel(
                      NUM_HEADS, HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["row_offset", "pdl_release"])
+@triton.jit(do_not_specialize=["row_offset", "grid_splits", "pdl_release"])
 def _split_dot_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, live_ptr, ws_ptr,
     row_offset, capacity, max_splits, grid_splits, qk_scale_log2,

@@ -7,7 +7,8 @@ skip, where the NVIDIA backend is missing) and loads `source`'s @triton.jit func
 `module` (not the launcher module around them, so the process never imports torch), with `text`
 and `tree` (its source and AST); body compiles from there and prints what the test asserts on.
 With `source` None there is no `module`: body imports what it compiles (this checkout's
-draft_circuit and tests, torch with them)."""
+draft_circuit and tests, torch with them), and may call `pretend_sm90()` first so the launchers
+take the path they take on an H100/H200."""
 from __future__ import annotations
 
 import os
@@ -59,3 +60,42 @@ def run(body: str, source: Path | None, *args: str) -> subprocess.CompletedProce
         pytest.skip(f"no Triton NVIDIA backend to compile with: {proc.stdout.strip()}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def pretend_sm90() -> None:
+    """In `run`'s process (compiled Triton, no GPU): Triton's driver and this project's
+    launchers answer as on device 0 of an sm90 GPU: the compile target, the device and stream
+    JITFunction.run asks for; a tensor's compiled CUDA index (0: compiled, PDL on, whatever its
+    device); kernels.tiles' sm90 tile rule. A launch can then be compiled for sm90 (warm-up) or
+    visited; nothing can run."""
+    import importlib
+    import pkgutil
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    import draft_circuit.kernels
+    import draft_circuit.runners
+    from draft_circuit.kernels import _common
+    from draft_circuit.kernels import tiles as tiling
+
+    class Sm90:  # what JITFunction.run asks the driver: the target, the device, its stream
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int) -> int:
+            return 0
+
+    driver.set_active(Sm90())
+    # every module binding compiled_cuda_index by name gets the answer (import them all first)
+    for package in (draft_circuit.kernels, draft_circuit.runners):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            importlib.import_module(info.name)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("draft_circuit.") and hasattr(module, "compiled_cuda_index"):
+            setattr(module, "compiled_cuda_index", lambda t: 0)
+    setattr(_common, "_device_is_hopper_plus", lambda index: True)
+    setattr(tiling, "_arch", lambda index: tiling.MEASURED_ARCH)

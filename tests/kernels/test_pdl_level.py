@@ -509,28 +509,9 @@ def _compile_launches() -> None:
     pdl_release 0 and with PDL off. Prints a JSON line per launch: the entry, the kernel
     ("file:name"), pdl_release's value and signature type, whether 0 got the kernel compiled for
     1 (the JIT's one cache entry), and _pdl_in_ptx with PDL on and off."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction, KernelInterface
 
-    class Sm90:  # what JITFunction.run asks the driver: the target, the device, its stream
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def get_current_stream(self, device: int) -> int:
-            return 0
-
-    driver.set_active(Sm90())
-    # the launchers' device queries, answered for device 0 of sm90 (kernels.tiles and
-    # prologue_norm import compiled_cuda_index by name: each module's own binding)
-    for name, module in list(sys.modules.items()):
-        if name.startswith("draft_circuit.kernels.") and hasattr(module, "compiled_cuda_index"):
-            setattr(module, "compiled_cuda_index", lambda t: 0)
-    setattr(_common, "_device_is_hopper_plus", lambda index: True)
-    setattr(tiling, "_arch", lambda index: tiling.MEASURED_ARCH)
+    sm90_compile.pretend_sm90()
     # an entry's launches, in order: (kernel, grid, args, kwargs)
     made: list[tuple[JITFunction, object, tuple[object, ...], dict[str, object]]] = []
     # `kernel[grid](...)` records the launch instead of making it

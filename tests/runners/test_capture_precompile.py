@@ -6,6 +6,7 @@ checks the keys the precompile visited cover them (and that it launched nothing)
 capture after the precompile compiles no kernel at all."""
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -21,6 +22,7 @@ from draft_circuit.runners.specialisation import specialisation_key
 from draft_circuit.runners.padding import fill_neutral
 from draft_circuit.runners.program import ProgramRunner
 from draft_circuit.runners.testing import cuda, random_mtp_weights
+from tests import sm90_compile
 from tests.runners.tiny_chain import tiny_config
 
 CFG = tiny_config()
@@ -148,6 +150,61 @@ def test_draft_steps_share_their_compiles():
     assert _names(one) > guard
     assert {key for key in four if _names([key]) != guard} == {key for key in one if _names([key]) != guard}
     assert len(four) == len(one)
+
+
+def _sm90_plan_keys() -> None:
+    """Run in tests/sm90_compile.py's process (compiled Triton, no GPU, `pretend_sm90`): the
+    small head's (benchmarks/draft_chain.py's "small", bf16) 4-step chain over widths 1..64,
+    each width executed with `kernel[grid](...)` recording its specialisation key instead of
+    launching (the reference ops run on CPU). Prints one JSON line: the kernels' names by key,
+    each key's constexprs and launch options, and whether PDL and sm90's wide tiles were on."""
+    import json
+
+    from triton.runtime.jit import KernelInterface
+
+    from draft_circuit.circuit.layers.config import MtpConfig
+    from tests import sm90_compile
+
+    sm90_compile.pretend_sm90()
+    keys: set[tuple] = set()
+    setattr(KernelInterface, "__getitem__", lambda kernel, grid: lambda *args, **kwargs:
+            keys.add(specialisation_key(kernel, args, kwargs)))
+    config = MtpConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, num_hidden_layers=1,
+                       tie_word_embeddings=False, max_position_embeddings=8192)
+    head = MtpHead(config, "bfloat16")
+    kv = KvLayout(num_blocks=257, block_size=16, max_blocks_per_seq=64)
+    weights = {k: v.to(torch.bfloat16) for k, v in random_mtp_weights(config, seed=0).items()}
+    compiled = compile_draft(emit_draft_chain(head, 4, max_width=64, kv=kv), head.bind(weights),
+                             list(range(1, 65)), options=CompileOptions(interpret_kernels=True))
+    k_shape, v_shape = head.cache_shapes(kv)
+    runner = ProgramRunner(compiled, {"k_cache": torch.zeros(k_shape, dtype=torch.bfloat16),
+                                      "v_cache": torch.zeros(v_shape, dtype=torch.bfloat16)})
+    fill_neutral(compiled.circuit, runner.static_inputs, 0, 0)
+    for w in range(1, 65):
+        runner.execute(w)
+    print(json.dumps([[key[0].rsplit(".", 1)[-1], repr(key[2:])] for key in keys]))
+
+
+def test_sm90_plan_compiles_apart_only_by_constexprs():
+    """On the path an H100/H200 takes (PDL on, sm90's wide tiles past 16 rows), the small
+    head's 64-width plan compiles each kernel once per set of constexprs: no runtime int that
+    follows the width or the step (n, offsets, the attention grid's splits) splits a compile.
+    21 compiles (58 at ff6eae9, whose constexpr PDL level split every kernel at 32 rows; 37 at
+    the runtime `pdl_release`, before the offsets and width ints were unspecialised); the
+    eleventh session's cold capture on the H200 compiled 54 kernels for this plan."""
+    proc = sm90_compile.run("from tests.runners import test_capture_precompile as t\n"
+                            "t._sm90_plan_keys()\n", None)
+    keys = json.loads(proc.stdout.strip().splitlines()[-1])
+    compiles: dict[tuple[str, str], int] = {}
+    for name, rest in keys:
+        compiles[(name, rest)] = compiles.get((name, rest), 0) + 1
+    split = sorted({name for (name, _), count in compiles.items() if count > 1})
+    assert not split, f"compiled apart by a runtime int's value on sm90: {split}"
+    assert any("('USE_PDL', 1)" in rest for _, rest in keys)  # the sm90 path: PDL on
+    assert "linear_wide_kernel" in {name for name, _ in keys}  # and its wide tiles
+    assert len(keys) <= 21, sorted(name for name, _ in keys)
 
 
 def test_kernel_launches_leave_out_reference_ops(program):
