@@ -34,6 +34,9 @@ from draft_circuit.kernels._common import check, check_operand, describe, pdl_su
 FAULT_WORDS = 8
 COL_CHUNK = 64  # table columns per step of the two passes over a table too big for one tile
 ONE_TILE = 8192  # rows x columns (padded to powers of two) held in registers at once
+#: the fewest rows a program's tile holds: widths 1..16 share one compile (BLOCK_N is a constexpr),
+#: and a masked row costs the one program nothing it waits on
+MIN_BLOCK_N = 16
 
 
 # n unspecialised: BLOCK_N already splits the widths; n == 1 or a multiple of 16 need no compile
@@ -157,7 +160,8 @@ def input_guard(tokens: torch.Tensor, block_tables: torch.Tensor, live_rows: tor
                   f"block_size {block_size} and steps {steps} must be >= 1")
     if n == 0:
         return
-    block_n, block_m = triton.next_power_of_2(n), triton.next_power_of_2(max(m, 1))
+    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(n))
+    block_m = triton.next_power_of_2(max(m, 1))
     one = block_n * block_m <= ONE_TILE
     input_guard_kernel[(1,)](
         tokens, block_tables, live_rows, active, faults, g_tokens, g_tables, g_live, g_active,

@@ -47,7 +47,8 @@ def warmup_class(n: int) -> tuple[bool, bool]:
     """Width n's warm-up class: Triton specialises ints equal to 1 or divisible by 16. After the
     precompile a warm-up compiles nothing and settles what else the class launches; without it,
     a width meeting a compile its class did not foresee (a constexpr following n, e.g. the input
-    guard's next_power_of_2(n) block) fails its capture and is retried with a warm-up."""
+    guard's block of max(16, next_power_of_2(n)) rows) fails its capture and is retried with a
+    warm-up."""
     return (n == 1, n % 16 == 0)
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
 from draft_circuit.circuit.program import REFERENCE
+from draft_circuit.kernels.input_guard import MIN_BLOCK_N
 from draft_circuit.runners.precompile import _compile_only, precompile_kernels
 from draft_circuit.runners.specialisation import specialisation_key
 from draft_circuit.runners.padding import fill_neutral
@@ -102,13 +103,15 @@ def _names(keys):
 
 
 def test_widths_split_compiles_only_through_their_constexprs(program, launched):
-    """Which compiles a width needs: only those its constexprs (tiles, the input guard's block
-    next_power_of_2(n)) ask for. Every runtime int that follows the width (n_rows, the input
-    guard's n, a prologue's table_rows, which is the rows of x when nothing is gathered) is in
-    its kernel's `do_not_specialize`: else Triton compiles n == 1 and n % 16 == 0 apart (what
-    GraphRunner's once-per-`warmup_class` warm-up was for: widths 2, 4, 8, 15, 16, 31, 32
-    compiled inside their capture on the H200). So no two compiles of a kernel share their
-    constexprs and launch options; widths of one power-of-two block share every compile."""
+    """Which compiles a width needs: only those its constexprs ask for (tiles, the input
+    guard's block of max(MIN_BLOCK_N, next_power_of_2(n)) rows). Every runtime int that follows
+    the width (n_rows, the input guard's n, a prologue's table_rows, which is the rows of x when
+    nothing is gathered) is in its kernel's `do_not_specialize`: else Triton compiles n == 1
+    and n % 16 == 0 apart (what GraphRunner's once-per-`warmup_class` warm-up was for: widths 2,
+    4, 8, 15, 16, 31, 32 compiled inside their capture on the H200). So no two compiles of a
+    kernel share their constexprs and launch options; widths of one power-of-two block share
+    every compile."""
+    assert MIN_BLOCK_N == 16  # the widths below are chosen around it
     by_width = {}
     for w in WIDTHS:
         launched.clear()
@@ -120,9 +123,10 @@ def test_widths_split_compiles_only_through_their_constexprs(program, launched):
         compiles.setdefault((key[0], repr(key[2:])), []).append(key)
     split = sorted(_names([keys[0] for keys in compiles.values() if len(keys) > 1]))
     assert not split, f"compiled apart by a runtime int's value: {split}"
-    assert by_width[3] == by_width[4] and by_width[5] == by_width[8]
-    assert by_width[16] == by_width[9] and by_width[17] == by_width[32]
-    assert _names(by_width[2] ^ by_width[3]) == {"input_guard_kernel"}
+    # the input guard's block is at least MIN_BLOCK_N rows: widths up to it share every compile
+    assert len({by_width[w] for w in WIDTHS if w <= MIN_BLOCK_N}) == 1
+    assert by_width[17] == by_width[32]
+    assert _names(by_width[16] ^ by_width[17]) >= {"input_guard_kernel"}
     assert _names(by_width[17] ^ by_width[33]) == {"input_guard_kernel"}
 
 
@@ -191,9 +195,10 @@ def test_sm90_plan_compiles_apart_only_by_constexprs():
     """On the path an H100/H200 takes (PDL on, sm90's wide tiles past 16 rows), the small
     head's 64-width plan compiles each kernel once per set of constexprs: no runtime int that
     follows the width or the step (n, offsets, the attention grid's splits) splits a compile.
-    21 compiles (58 at ff6eae9, whose constexpr PDL level split every kernel at 32 rows; 37 at
-    the runtime `pdl_release`, before the offsets and width ints were unspecialised); the
-    eleventh session's cold capture on the H200 compiled 54 kernels for this plan."""
+    17 compiles (58 at ff6eae9, whose constexpr PDL level split every kernel at 32 rows; 37 at
+    the runtime `pdl_release`, before the offsets and width ints were unspecialised and the
+    input guard's block was at least 16 rows); the eleventh session's cold capture on the H200
+    compiled 54 kernels for this plan."""
     proc = sm90_compile.run("from tests.runners import test_capture_precompile as t\n"
                             "t._sm90_plan_keys()\n", None)
     keys = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -204,7 +209,7 @@ def test_sm90_plan_compiles_apart_only_by_constexprs():
     assert not split, f"compiled apart by a runtime int's value on sm90: {split}"
     assert any("('USE_PDL', 1)" in rest for _, rest in keys)  # the sm90 path: PDL on
     assert "linear_wide_kernel" in {name for name, _ in keys}  # and its wide tiles
-    assert len(keys) <= 21, sorted(name for name, _ in keys)
+    assert len(keys) <= 17, sorted(name for name, _ in keys)
 
 
 def test_kernel_launches_leave_out_reference_ops(program):
