@@ -35,7 +35,8 @@ FAULT_WORDS = 8
 COL_CHUNK = 64  # table columns per step of the two passes over a table too big for one tile
 ONE_TILE = 8192  # rows x columns (padded to powers of two) held in registers at once
 #: the fewest rows a program's tile holds: widths 1..16 share one compile (BLOCK_N is a constexpr),
-#: and a masked row costs the one program nothing it waits on
+#: and a masked row costs the one program nothing it waits on; not where the padded rows would
+#: push a table that fits one tile (ONE_CHUNK) past it (tables of over ONE_TILE / 16 blocks)
 MIN_BLOCK_N = 16
 
 
@@ -140,6 +141,18 @@ def input_guard_kernel(
     tl.store(faults_ptr + 6, runs_before + 1, mask=any_bad)
 
 
+def tile(n: int, m: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, BLOCK_M, ONE_CHUNK) for n rows of m table columns: the rows and columns padded
+    to powers of two, the rows to at least MIN_BLOCK_N where that keeps a table that fits one
+    tile in one (a padded row never turns the one-tile path into the chunked one); BLOCK_M
+    COL_CHUNK where the table does not fit one tile."""
+    block_n, block_m = triton.next_power_of_2(n), triton.next_power_of_2(max(m, 1))
+    one = block_n * block_m <= ONE_TILE
+    if max(block_n, MIN_BLOCK_N) * block_m <= ONE_TILE or not one:
+        block_n = max(block_n, MIN_BLOCK_N)
+    return block_n, block_m if one else COL_CHUNK, one
+
+
 def input_guard(tokens: torch.Tensor, block_tables: torch.Tensor, live_rows: torch.Tensor,
                 active: torch.Tensor, faults: torch.Tensor, g_tokens: torch.Tensor,
                 g_tables: torch.Tensor, g_live: torch.Tensor, g_active: torch.Tensor, *,
@@ -160,14 +173,12 @@ def input_guard(tokens: torch.Tensor, block_tables: torch.Tensor, live_rows: tor
                   f"block_size {block_size} and steps {steps} must be >= 1")
     if n == 0:
         return
-    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(n))
-    block_m = triton.next_power_of_2(max(m, 1))
-    one = block_n * block_m <= ONE_TILE
+    block_n, block_m, one = tile(n, m)
     input_guard_kernel[(1,)](
         tokens, block_tables, live_rows, active, faults, g_tokens, g_tables, g_live, g_active,
         n, m, block_tables.stride(0), g_tables.stride(0),
         vocab, num_blocks, block_size, steps, scratch,
-        BLOCK_N=block_n, BLOCK_M=block_m if one else COL_CHUNK, ONE_CHUNK=one,
+        BLOCK_N=block_n, BLOCK_M=block_m, ONE_CHUNK=one,
         TRIGGER=pdl_supported(tokens),
         num_warps=4 if block_n * min(block_m, COL_CHUNK) <= 4096 else 8,
     )

@@ -10,6 +10,7 @@ import torch
 
 from draft_circuit.circuit.layers.mtp import KvLayout, MtpHead, emit_draft_chain
 from draft_circuit.circuit.planner import CompileOptions, compile_draft
+from draft_circuit.kernels.input_guard import COL_CHUNK, MIN_BLOCK_N, ONE_TILE, tile
 from draft_circuit.ops.registry import get_op
 from draft_circuit.runners.draft import CircuitDraftRunner
 from draft_circuit.runners.eager import EagerRunner
@@ -54,7 +55,8 @@ def _run_both(ins, faults, attrs):
     return outs, want
 
 
-@pytest.mark.parametrize("m,n0", [(3, 1), (70, 1), (70, 130)])  # n0 130: the column-chunked path
+# n0 130: the column-chunked path; m 700 at n <= 8: one tile only unpadded (tile's rule)
+@pytest.mark.parametrize("m,n0", [(3, 1), (70, 1), (70, 130), (700, 1)])
 def test_kernel_equals_reference_bitwise(m, n0):
     g = torch.Generator().manual_seed(m)
     for trial in range(8 if n0 == 1 else 2):
@@ -66,6 +68,23 @@ def test_kernel_equals_reference_bitwise(m, n0):
         outs, want = _run_both(_guard_inputs(g, n, m), faults, attrs)
         for got, exp in zip(outs, want):
             assert torch.equal(got, exp), (trial, got, exp)
+
+
+def test_tile_pads_rows_to_share_compiles_but_never_leaves_the_one_tile_path():
+    """BLOCK_N is a constexpr: widths 1..MIN_BLOCK_N share one compile where the padded tile
+    still fits ONE_TILE; a table that fits one tile unpadded always stays on that path (the
+    chunked one reads the table twice, in column chunks)."""
+    for m in (1, 4, 64, 256, 512, 513, 700, 1024, 4096):
+        p2m = 1 << max(m - 1, 0).bit_length()
+        for n in range(1, 130):
+            block_n, block_m, one = tile(n, m)
+            p2n = 1 << (n - 1).bit_length()
+            assert one == (p2n * p2m <= ONE_TILE), (n, m)
+            assert block_m == (p2m if one else COL_CHUNK), (n, m)
+            assert block_n >= max(p2n, 1) and (not one or block_n * block_m <= ONE_TILE), (n, m)
+            if n <= MIN_BLOCK_N and MIN_BLOCK_N * p2m <= ONE_TILE:
+                assert block_n == MIN_BLOCK_N, (n, m)
+    assert len({tile(n, 64) for n in range(1, MIN_BLOCK_N + 1)}) == 1
 
 
 def test_record_names_the_first_fault_and_is_sticky():
