@@ -28,7 +28,10 @@ script at run time.
 
 The corpus (the standard library's files, the held-out split) is examples/stdlib_corpus.py, which
 the engine's `--draft-vocab N` reads too; the rest is one recipe a user runs from top to bottom
-(the model, the two training phases, the export), which nothing else imports.
+(the model, the two training phases, the export and its load for `--init`), which nothing else
+imports. One module on purpose (it runs past 400 lines): a user reads and edits the recipe as one
+file, and its pieces share the model class and its checkpoint names (`checkpoint_tensors`, which
+both the export and `--init`'s load walk), so a split would make a package of what one command runs.
 """
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ import ast
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 

@@ -46,17 +46,23 @@ def _unspecialised_probe(x_ptr, n, flag, BLOCK: tl.constexpr):
         tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-@pytest.fixture(scope="module")
-def program():
+def _runner(k: int, widths: list[int]) -> ProgramRunner:
+    """The tiny head's k-step chain compiled for `widths` (interpreted kernels), its static
+    inputs at their neutral values (what GraphRunner captures over)."""
     head = MtpHead(CFG)
-    circuit = emit_draft_chain(head, 2, max_width=max(WIDTHS), kv=KV)
+    circuit = emit_draft_chain(head, k, max_width=max(widths), kv=KV)
     params = head.bind(random_mtp_weights(CFG, seed=5))
-    compiled = compile_draft(circuit, params, WIDTHS, options=CompileOptions(interpret_kernels=True))
+    compiled = compile_draft(circuit, params, widths, options=CompileOptions(interpret_kernels=True))
     states = {"k_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim),
               "v_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim)}
     runner = ProgramRunner(compiled, states, debug=0)
-    fill_neutral(compiled.circuit, runner.static_inputs, 0, 0)  # what GraphRunner captures over
+    fill_neutral(compiled.circuit, runner.static_inputs, 0, 0)
     return runner
+
+
+@pytest.fixture(scope="module")
+def program():
+    return _runner(2, WIDTHS)
 
 
 @pytest.fixture
@@ -131,15 +137,7 @@ def test_widths_split_compiles_only_through_their_constexprs(program, launched):
 
 
 def _chain_keys(k: int) -> set[tuple]:
-    head = MtpHead(CFG)
-    circuit = emit_draft_chain(head, k, max_width=4, kv=KV)
-    compiled = compile_draft(circuit, head.bind(random_mtp_weights(CFG, seed=5)), [4],
-                             options=CompileOptions(interpret_kernels=True))
-    states = {"k_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim),
-              "v_cache": torch.zeros(KV.num_blocks, KV.block_size, CFG.num_key_value_heads, CFG.head_dim)}
-    runner = ProgramRunner(compiled, states, debug=0)
-    fill_neutral(compiled.circuit, runner.static_inputs, 0, 0)
-    return precompile_kernels(runner, [4], threads=1).keys
+    return precompile_kernels(_runner(k, [4]), [4], threads=1).keys
 
 
 def test_draft_steps_share_their_compiles():
@@ -166,17 +164,14 @@ def _sm90_plan_keys() -> None:
 
     from triton.runtime.jit import KernelInterface
 
-    from draft_circuit.circuit.layers.config import MtpConfig
+    from benchmarks.draft_chain import CONFIGS
     from tests import sm90_compile
 
     sm90_compile.pretend_sm90()
     keys: set[tuple] = set()
     setattr(KernelInterface, "__getitem__", lambda kernel, grid: lambda *args, **kwargs:
             keys.add(specialisation_key(kernel, args, kwargs)))
-    config = MtpConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                       num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                       rms_norm_eps=1e-6, rope_theta=10000.0, num_hidden_layers=1,
-                       tie_word_embeddings=False, max_position_embeddings=8192)
+    config = CONFIGS["small"]
     head = MtpHead(config, "bfloat16")
     kv = KvLayout(num_blocks=257, block_size=16, max_blocks_per_seq=64)
     weights = {k: v.to(torch.bfloat16) for k, v in random_mtp_weights(config, seed=0).items()}
